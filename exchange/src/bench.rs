@@ -1,0 +1,134 @@
+//! `shuffle-bench`: generate lineitem-like rows on the workers, pull-shuffle them by
+//! `l_orderkey` into R partitions reduced on the workers, check the output multiset against
+//! the input (rows and content checksum), and compare throughput with the in-process Arrow
+//! IPC encode+decode ceiling measured in the same run.
+
+use crate::block::{decode_block, encode_block, Compression, ShuffleId};
+use crate::checksum::Checksum;
+use crate::cluster::{LocalCluster, LocalClusterConfig};
+use crate::driver::{MapInput, ShuffleSpec};
+use crate::error::{Error, Result};
+use crate::gen::{lineitem_schema, LineitemSlice, LINEITEM_SOURCE};
+use crate::strategy::{pull, StrategyOptions};
+use crate::{partitioner, proto};
+use serde_json::json;
+use std::time::Instant;
+
+#[derive(Debug, Clone)]
+pub struct BenchConfig {
+    pub rows: u64,
+    pub partitions: u32,
+    /// Map tasks; 0 = four per worker.
+    pub maps: u32,
+    pub batch_rows: usize,
+    pub seed: u64,
+    pub cluster: LocalClusterConfig,
+}
+
+/// Rows of the IPC ceiling sample (enough to be stable, small enough to be quick).
+const CEILING_ROWS: u64 = 2_000_000;
+
+pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
+    if cfg.rows == 0 || cfg.partitions == 0 {
+        return Err(Error::invalid("shuffle-bench needs rows > 0 and partitions > 0"));
+    }
+    let workers = cfg.cluster.workers;
+    let maps = if cfg.maps == 0 { 4 * workers as u32 } else { cfg.maps } as u64;
+    let ceiling = ipc_ceiling(cfg.rows.min(CEILING_ROWS), cfg.batch_rows, cfg.seed)?;
+
+    let mut cluster = LocalCluster::start(cfg.cluster.clone()).await?;
+    let driver = cluster.driver.clone();
+    let spec = ShuffleSpec {
+        id: ShuffleId::random(),
+        schema: lineitem_schema(),
+        partitions: cfg.partitions,
+        partitioner: partitioner::hash(&["l_orderkey"]),
+    };
+    driver.create_shuffle(&spec).await?;
+    let inputs = (0..maps).map(|m| {
+        let first = cfg.rows * m / maps;
+        let slice = LineitemSlice {
+            first,
+            rows: cfg.rows * (m + 1) / maps - first,
+            seed: cfg.seed,
+            batch_rows: cfg.batch_rows,
+        };
+        MapInput::Source(proto::TaskSource {
+            kind: LINEITEM_SOURCE.into(),
+            payload: serde_json::to_vec(&slice).unwrap_or_default(),
+        })
+    });
+    let opts = StrategyOptions::default();
+    let start = Instant::now();
+    let mapped = pull::map_side(&driver, &spec, futures::stream::iter(inputs), opts).await?;
+    let map_seconds = start.elapsed().as_secs_f64();
+    let reduced = pull::reduce_on_workers(&driver, &spec, "checksum", opts).await?;
+    let seconds = start.elapsed().as_secs_f64();
+    let mut output = Checksum::default();
+    for r in &reduced {
+        output.add(Checksum {
+            rows: r.input_rows,
+            sum: r.input_checksum,
+        });
+    }
+    let stats = driver.stats().await?;
+    driver.drop_shuffle(spec.id).await?;
+    cluster.stop();
+    if output != mapped.input || output.rows != cfg.rows {
+        return Err(Error::Cluster(format!(
+            "shuffle output differs from its input: {} rows / checksum {:#x} in, {} rows / {:#x} out",
+            mapped.input.rows, mapped.input.sum, output.rows, output.sum
+        )));
+    }
+    let bytes = mapped.input_bytes;
+    let gbps = bytes as f64 / seconds / 1e9;
+    let blocks: usize = mapped.maps.iter().map(|m| m.blocks.len()).sum();
+    Ok(json!({
+        "rows": cfg.rows,
+        "bytes": bytes,
+        "workers": workers,
+        "partitions": cfg.partitions,
+        "maps": maps,
+        "blocks": blocks,
+        "memory_budget_per_worker": cfg.cluster.memory_budget,
+        "seconds": seconds,
+        "map_seconds": map_seconds,
+        "reduce_seconds": seconds - map_seconds,
+        "throughput_gb_s": gbps,
+        "rows_per_s": cfg.rows as f64 / seconds,
+        "checked": {"rows": output.rows, "checksum": format!("{:#018x}", output.sum), "equal": true},
+        "spilled_bytes": stats.iter().map(|s| s.spilled_bytes).sum::<u64>(),
+        "spill_files": stats.iter().map(|s| s.spill_files).sum::<u64>(),
+        "restored_bytes": stats.iter().map(|s| s.restored_bytes).sum::<u64>(),
+        "peak_rss_bytes_per_worker": stats.iter().map(|s| s.peak_rss_bytes).collect::<Vec<_>>(),
+        "ipc_ceiling": ceiling,
+        "ratio_to_ipc_ceiling": gbps / ceiling["throughput_gb_s"].as_f64().unwrap_or(f64::NAN),
+    }))
+}
+
+/// One thread encoding the same kind of data to Arrow IPC (no compression) and decoding it.
+fn ipc_ceiling(rows: u64, batch_rows: usize, seed: u64) -> Result<serde_json::Value> {
+    let slice = LineitemSlice {
+        first: 0,
+        rows,
+        seed,
+        batch_rows,
+    };
+    let batches = slice.batches().collect::<Result<Vec<_>>>()?;
+    let bytes: usize = batches.iter().map(|b| b.get_array_memory_size()).sum();
+    let schema = lineitem_schema();
+    let start = Instant::now();
+    let mut decoded_rows = 0;
+    for b in &batches {
+        let block = encode_block(&schema, std::slice::from_ref(b), Compression::None)?;
+        let (_, out) = decode_block(&block)?;
+        decoded_rows += out.iter().map(|b| b.num_rows()).sum::<usize>();
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    Ok(json!({
+        "rows": decoded_rows,
+        "bytes": bytes,
+        "seconds": seconds,
+        "throughput_gb_s": bytes as f64 / seconds / 1e9,
+    }))
+}

@@ -1,0 +1,9 @@
+//! `flightshuffle-worker`: a worker process for Rust hosts and pure-SQL deployments.
+
+fn main() {
+    let argv: Vec<String> = std::env::args().collect();
+    if let Err(e) = exchange::worker::main_with_args(argv, exchange::task::SourceRegistry::with_builtin()) {
+        eprintln!("flightshuffle-worker: {e}");
+        std::process::exit(2);
+    }
+}

@@ -1,0 +1,276 @@
+//! Block identity and metadata, and the Arrow IPC codec blocks are stored in.
+//!
+//! A block is one Arrow IPC stream (schema message, batch messages, end marker), optionally with
+//! LZ4-frame or ZSTD buffer compression, plus its row count, byte size and CRC32C.
+
+use crate::error::{Error, Result};
+use crate::proto;
+use arrow::array::{Array, ArrayRef, BinaryViewArray, RecordBatch, StringViewArray};
+use arrow::datatypes::{DataType, Schema, SchemaRef};
+use arrow::ipc::reader::StreamReader;
+use arrow::ipc::writer::{IpcWriteOptions, StreamWriter};
+use arrow::ipc::CompressionType;
+use bytes::Bytes;
+use std::fmt;
+use std::sync::Arc;
+
+/// Names one shuffle across the cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ShuffleId(pub u64);
+
+impl fmt::Display for ShuffleId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
+
+impl ShuffleId {
+    pub fn random() -> Self {
+        ShuffleId(rand::random::<u64>())
+    }
+}
+
+/// (shuffle, map or merge group, reduce partition, attempt, sequence within the attempt).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockId {
+    pub shuffle: ShuffleId,
+    pub map: u32,
+    pub partition: u32,
+    pub attempt: u32,
+    pub seq: u32,
+}
+
+impl fmt::Display for BlockId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "shuffle={} map={} partition={} attempt={} seq={}",
+            self.shuffle, self.map, self.partition, self.attempt, self.seq
+        )
+    }
+}
+
+impl From<&proto::BlockKey> for BlockId {
+    fn from(k: &proto::BlockKey) -> Self {
+        BlockId {
+            shuffle: ShuffleId(k.shuffle_id),
+            map: k.map_id,
+            partition: k.partition,
+            attempt: k.attempt,
+            seq: k.seq,
+        }
+    }
+}
+
+impl From<BlockId> for proto::BlockKey {
+    fn from(b: BlockId) -> Self {
+        proto::BlockKey {
+            shuffle_id: b.shuffle.0,
+            map_id: b.map,
+            partition: b.partition,
+            attempt: b.attempt,
+            seq: b.seq,
+        }
+    }
+}
+
+/// Rows, encoded bytes and CRC32C of a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockMeta {
+    pub id: BlockId,
+    pub rows: u64,
+    pub bytes: u64,
+    pub crc32c: u32,
+}
+
+impl From<&BlockMeta> for proto::BlockMeta {
+    fn from(m: &BlockMeta) -> Self {
+        proto::BlockMeta {
+            key: Some(m.id.into()),
+            rows: m.rows,
+            bytes: m.bytes,
+            crc32c: m.crc32c,
+        }
+    }
+}
+
+impl TryFrom<&proto::BlockMeta> for BlockMeta {
+    type Error = Error;
+    fn try_from(m: &proto::BlockMeta) -> Result<Self> {
+        let key = m
+            .key
+            .as_ref()
+            .ok_or_else(|| Error::invalid("block metadata without a key"))?;
+        Ok(BlockMeta {
+            id: key.into(),
+            rows: m.rows,
+            bytes: m.bytes,
+            crc32c: m.crc32c,
+        })
+    }
+}
+
+/// IPC buffer compression of blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Compression {
+    #[default]
+    None,
+    Lz4,
+    Zstd,
+}
+
+impl std::str::FromStr for Compression {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "none" | "" => Ok(Compression::None),
+            "lz4" | "lz4_frame" => Ok(Compression::Lz4),
+            "zstd" => Ok(Compression::Zstd),
+            other => Err(Error::invalid(format!(
+                "unknown compression {other:?}: expected none, lz4, zstd (or auto on a cluster)"
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for Compression {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Compression::None => "none",
+            Compression::Lz4 => "lz4",
+            Compression::Zstd => "zstd",
+        })
+    }
+}
+
+fn write_options(c: Compression) -> Result<IpcWriteOptions> {
+    let ct = match c {
+        Compression::None => None,
+        Compression::Lz4 => Some(CompressionType::LZ4_FRAME),
+        Compression::Zstd => Some(CompressionType::ZSTD),
+    };
+    Ok(IpcWriteOptions::default().try_with_compression(ct)?)
+}
+
+/// Encode batches as one IPC stream. View arrays are compacted first so a block never carries
+/// the unused parts of buffers shared with other slices.
+pub fn encode_block(schema: &SchemaRef, batches: &[RecordBatch], c: Compression) -> Result<Bytes> {
+    let mut buf = Vec::with_capacity(batches.iter().map(|b| b.get_array_memory_size()).sum());
+    {
+        let mut w = StreamWriter::try_new_with_options(&mut buf, schema, write_options(c)?)?;
+        for b in batches {
+            w.write(&compact_views(b)?)?;
+        }
+        w.finish()?;
+    }
+    Ok(Bytes::from(buf))
+}
+
+/// Decode one block's IPC stream.
+pub fn decode_block(bytes: &Bytes) -> Result<(SchemaRef, Vec<RecordBatch>)> {
+    let reader = StreamReader::try_new(std::io::Cursor::new(bytes.as_ref()), None)?;
+    let schema = reader.schema();
+    let batches = reader.collect::<std::result::Result<Vec<_>, _>>()?;
+    Ok((schema, batches))
+}
+
+/// Encode a schema alone (an IPC stream without batches).
+pub fn encode_schema(schema: &Schema) -> Result<Bytes> {
+    encode_block(&Arc::new(schema.clone()), &[], Compression::None)
+}
+
+pub fn decode_schema(bytes: &[u8]) -> Result<SchemaRef> {
+    let reader = StreamReader::try_new(std::io::Cursor::new(bytes), None)
+        .map_err(|e| Error::invalid(format!("bad IPC schema: {e}")))?;
+    Ok(reader.schema())
+}
+
+/// Copy the live bytes of top-level view arrays (Utf8View/BinaryView) into fresh buffers.
+pub fn compact_views(batch: &RecordBatch) -> Result<RecordBatch> {
+    let needs = batch
+        .schema()
+        .fields()
+        .iter()
+        .any(|f| matches!(f.data_type(), DataType::Utf8View | DataType::BinaryView));
+    if !needs {
+        return Ok(batch.clone());
+    }
+    let cols: Vec<ArrayRef> = batch
+        .columns()
+        .iter()
+        .map(|c| match c.data_type() {
+            DataType::Utf8View => c
+                .as_any()
+                .downcast_ref::<StringViewArray>()
+                .map(|a| Arc::new(a.gc()) as ArrayRef)
+                .unwrap_or_else(|| c.clone()),
+            DataType::BinaryView => c
+                .as_any()
+                .downcast_ref::<BinaryViewArray>()
+                .map(|a| Arc::new(a.gc()) as ArrayRef)
+                .unwrap_or_else(|| c.clone()),
+            _ => c.clone(),
+        })
+        .collect();
+    Ok(RecordBatch::try_new(batch.schema(), cols)?)
+}
+
+/// True when two schemas carry the same column names and types (metadata and nullability aside).
+pub fn same_columns(a: &Schema, b: &Schema) -> bool {
+    a.fields().len() == b.fields().len()
+        && a.fields()
+            .iter()
+            .zip(b.fields())
+            .all(|(x, y)| x.name() == y.name() && x.data_type() == y.data_type())
+}
+
+pub fn schema_summary(s: &Schema) -> String {
+    let cols: Vec<String> = s
+        .fields()
+        .iter()
+        .map(|f| format!("{}: {}", f.name(), f.data_type()))
+        .collect();
+    format!("[{}]", cols.join(", "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{Int64Array, StringViewArray};
+    use arrow::datatypes::Field;
+
+    fn batch() -> RecordBatch {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("a", DataType::Int64, false),
+            Field::new("s", DataType::Utf8View, true),
+        ]));
+        let s: StringViewArray = (0..1000)
+            .map(|i| Some(format!("a long enough string value {i}")))
+            .collect();
+        RecordBatch::try_new(
+            schema,
+            vec![Arc::new(Int64Array::from_iter_values(0..1000)), Arc::new(s)],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn roundtrip_every_codec() {
+        let b = batch();
+        for c in [Compression::None, Compression::Lz4, Compression::Zstd] {
+            let bytes = encode_block(&b.schema(), &[b.clone(), b.slice(3, 10)], c).unwrap();
+            let (schema, out) = decode_block(&bytes).unwrap();
+            assert_eq!(schema, b.schema());
+            assert_eq!(out[0], b);
+            assert_eq!(out[1], b.slice(3, 10));
+        }
+    }
+
+    #[test]
+    fn view_slices_are_compacted() {
+        let b = batch();
+        let full = encode_block(&b.schema(), &[b.clone()], Compression::None).unwrap();
+        let small = encode_block(&b.schema(), &[b.slice(0, 10)], Compression::None).unwrap();
+        assert!(small.len() * 20 < full.len(), "{} vs {}", small.len(), full.len());
+    }
+}

@@ -1,0 +1,414 @@
+//! The driver: the cluster view, task submission, block refs, lineage and failure detection.
+//!
+//! Strategies call only this API. Submitting a task returns at once with a handle (a future of
+//! its block refs); lineage records how each map output was produced. A worker is declared
+//! lost when a call to it fails and a health check with a short timeout confirms it; the error
+//! then names the worker and counts the blocks it held.
+
+use crate::block::{encode_schema, BlockId, BlockMeta, ShuffleId};
+use crate::checksum::Checksum;
+use crate::error::{Error, Result};
+use crate::proto;
+use crate::task::BatchStream;
+use crate::transport::actions;
+use crate::transport::client::WorkerClient;
+use arrow::datatypes::SchemaRef;
+use futures::StreamExt;
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct DriverConfig {
+    /// Deadline of one call (a task, an action) and idle timeout of a stream.
+    pub rpc_timeout: Duration,
+    /// How often running work checks that every worker is alive.
+    pub health_interval: Duration,
+    /// Deadline of one health check.
+    pub health_timeout: Duration,
+}
+
+impl Default for DriverConfig {
+    fn default() -> Self {
+        DriverConfig {
+            rpc_timeout: Duration::from_secs(600),
+            health_interval: Duration::from_secs(1),
+            health_timeout: Duration::from_secs(3),
+        }
+    }
+}
+
+/// What a shuffle is, as the driver registers it on every worker.
+#[derive(Debug, Clone)]
+pub struct ShuffleSpec {
+    pub id: ShuffleId,
+    pub schema: SchemaRef,
+    pub partitions: u32,
+    pub partitioner: proto::Partitioner,
+}
+
+/// Where a block is and how big it is.
+#[derive(Debug, Clone, Copy)]
+pub struct BlockRef {
+    pub meta: BlockMeta,
+    pub worker: usize,
+}
+
+/// How a map output was produced, to recompute it.
+#[derive(Debug, Clone)]
+pub enum Lineage {
+    /// A worker-side source: re-runnable anywhere.
+    Source(proto::TaskSource),
+    /// Batches pushed from the driver: consumed once, not recomputable.
+    DriverStream,
+}
+
+/// A map task's input.
+pub enum MapInput {
+    Source(proto::TaskSource),
+    Stream(BatchStream),
+}
+
+/// A finished map task.
+#[derive(Debug, Clone)]
+pub struct MapDone {
+    pub map: u32,
+    pub worker: usize,
+    pub blocks: Vec<BlockRef>,
+    pub input: Checksum,
+    pub input_bytes: u64,
+}
+
+pub struct Driver {
+    workers: Vec<WorkerClient>,
+    alive: Vec<AtomicBool>,
+    cfg: DriverConfig,
+    blocks: Mutex<HashMap<ShuffleId, Vec<BlockRef>>>,
+    schemas: Mutex<HashMap<ShuffleId, SchemaRef>>,
+    lineage: Mutex<HashMap<(ShuffleId, u32), (usize, Lineage)>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Driver {
+    pub fn connect(addrs: &[String], token: &str, cfg: DriverConfig) -> Result<Arc<Self>> {
+        if addrs.is_empty() {
+            return Err(Error::invalid("a cluster needs at least one worker"));
+        }
+        let workers = addrs
+            .iter()
+            .enumerate()
+            .map(|(i, a)| WorkerClient::new(i, a, token, cfg.rpc_timeout))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Arc::new(Driver {
+            alive: workers.iter().map(|_| AtomicBool::new(true)).collect(),
+            workers,
+            cfg,
+            blocks: Mutex::new(HashMap::new()),
+            schemas: Mutex::new(HashMap::new()),
+            lineage: Mutex::new(HashMap::new()),
+        }))
+    }
+
+    pub fn config(&self) -> &DriverConfig {
+        &self.cfg
+    }
+
+    pub fn num_workers(&self) -> usize {
+        self.workers.len()
+    }
+
+    pub fn worker(&self, i: usize) -> &WorkerClient {
+        &self.workers[i]
+    }
+
+    pub fn addresses(&self) -> Vec<String> {
+        self.workers.iter().map(|w| w.addr.clone()).collect()
+    }
+
+    pub fn is_alive(&self, i: usize) -> bool {
+        self.alive[i].load(Ordering::SeqCst)
+    }
+
+    /// Blocks held by a worker, across all shuffles.
+    pub fn blocks_on(&self, worker: usize) -> Vec<BlockId> {
+        lock(&self.blocks)
+            .values()
+            .flatten()
+            .filter(|b| b.worker == worker)
+            .map(|b| b.meta.id)
+            .collect()
+    }
+
+    pub fn blocks_of(&self, shuffle: ShuffleId) -> Vec<BlockRef> {
+        lock(&self.blocks).get(&shuffle).cloned().unwrap_or_default()
+    }
+
+    pub fn lineage(&self, shuffle: ShuffleId, map: u32) -> Option<(usize, Lineage)> {
+        lock(&self.lineage).get(&(shuffle, map)).cloned()
+    }
+
+    fn lost(&self, worker: usize, reason: String) -> Error {
+        self.alive[worker].store(false, Ordering::SeqCst);
+        let lost_blocks = self.blocks_on(worker).len();
+        tracing::warn!(worker, addr = %self.workers[worker].addr, %reason, lost_blocks, "worker lost");
+        Error::WorkerLost {
+            worker,
+            addr: self.workers[worker].addr.clone(),
+            reason,
+            lost_blocks,
+        }
+    }
+
+    /// Turn a failed call into `WorkerLost` when the worker no longer answers health checks.
+    pub async fn classify(&self, err: Error) -> Error {
+        let worker = match &err {
+            Error::Remote { worker, code, .. }
+                if !matches!(
+                    code,
+                    tonic::Code::InvalidArgument
+                        | tonic::Code::NotFound
+                        | tonic::Code::DataLoss
+                        | tonic::Code::Unauthenticated
+                        | tonic::Code::ResourceExhausted
+                ) =>
+            {
+                *worker
+            }
+            Error::Timeout { .. } => match self.first_dead().await {
+                Some((w, reason)) => return self.lost(w, format!("{reason}; after: {err}")),
+                None => return err,
+            },
+            _ => return err,
+        };
+        if !self.is_alive(worker) {
+            return self.lost(worker, err.to_string());
+        }
+        match self.workers[worker].health(self.cfg.health_timeout).await {
+            Ok(_) => err,
+            Err(h) => self.lost(worker, format!("{err}; health check: {h}")),
+        }
+    }
+
+    async fn first_dead(&self) -> Option<(usize, String)> {
+        let checks = self
+            .workers
+            .iter()
+            .map(|w| async move { (w.index, w.health(self.cfg.health_timeout).await) });
+        futures::future::join_all(checks)
+            .await
+            .into_iter()
+            .find_map(|(i, r)| r.err().map(|e| (i, format!("health check failed: {e}"))))
+    }
+
+    /// Check every worker once; the first that does not answer is reported lost.
+    pub async fn check_health(&self) -> Result<()> {
+        match self.first_dead().await {
+            Some((w, reason)) => Err(self.lost(w, reason)),
+            None => Ok(()),
+        }
+    }
+
+    /// Run `fut` while checking worker health every `health_interval`.
+    pub async fn watch<T>(&self, fut: impl Future<Output = Result<T>>) -> Result<T> {
+        tokio::pin!(fut);
+        let mut tick = tokio::time::interval(self.cfg.health_interval);
+        tick.tick().await;
+        loop {
+            tokio::select! {
+                r = &mut fut => return r,
+                _ = tick.tick() => self.check_health().await?,
+            }
+        }
+    }
+
+    async fn on_all<F, Fut>(&self, f: F) -> Result<()>
+    where
+        F: Fn(WorkerClient) -> Fut,
+        Fut: Future<Output = Result<()>>,
+    {
+        let calls = self.workers.iter().cloned().map(f);
+        for r in futures::future::join_all(calls).await {
+            if let Err(e) = r {
+                return Err(self.classify(e).await);
+            }
+        }
+        Ok(())
+    }
+
+    /// Register a shuffle on every worker.
+    pub async fn create_shuffle(&self, spec: &ShuffleSpec) -> Result<()> {
+        let msg = proto::CreateShuffle {
+            shuffle_id: spec.id.0,
+            schema_ipc: encode_schema(&spec.schema)?.to_vec(),
+            partitions: spec.partitions,
+            partitioner: Some(spec.partitioner.clone()),
+        };
+        lock(&self.blocks).entry(spec.id).or_default();
+        lock(&self.schemas).insert(spec.id, spec.schema.clone());
+        self.on_all(|w| {
+            let msg = msg.clone();
+            async move { w.create_shuffle(&msg).await }
+        })
+        .await
+    }
+
+    /// Start a map task on `worker`; returns at once with its handle.
+    pub fn submit_map(
+        self: &Arc<Self>,
+        shuffle: ShuffleId,
+        map: u32,
+        worker: usize,
+        input: MapInput,
+    ) -> tokio::task::JoinHandle<Result<MapDone>> {
+        let me = self.clone();
+        let task = proto::MapTask {
+            shuffle_id: shuffle.0,
+            map_id: map,
+            attempt: 0,
+            source: None,
+        };
+        let lineage = match &input {
+            MapInput::Source(s) => Lineage::Source(s.clone()),
+            MapInput::Stream(_) => Lineage::DriverStream,
+        };
+        lock(&self.lineage).insert((shuffle, map), (worker, lineage));
+        tokio::spawn(async move {
+            let client = me.workers.get(worker).cloned().ok_or_else(|| {
+                Error::invalid(format!("no worker {worker} in a cluster of {}", me.workers.len()))
+            })?;
+            let result = match input {
+                MapInput::Source(source) => {
+                    let task = proto::MapTask {
+                        source: Some(source),
+                        ..task
+                    };
+                    client.run_map(&task).await
+                }
+                MapInput::Stream(stream) => {
+                    let schema = me.shuffle_schema(shuffle)?;
+                    client.put_map(&task, schema, stream).await
+                }
+            };
+            let result = match result {
+                Ok(r) => r,
+                Err(e) => return Err(me.classify(e).await),
+            };
+            let blocks = result
+                .blocks
+                .iter()
+                .map(|m| Ok(BlockRef { meta: m.try_into()?, worker }))
+                .collect::<Result<Vec<_>>>()?;
+            lock(&me.blocks)
+                .entry(shuffle)
+                .or_default()
+                .extend(blocks.iter().copied());
+            Ok(MapDone {
+                map,
+                worker,
+                blocks,
+                input: Checksum {
+                    rows: result.input_rows,
+                    sum: result.input_checksum,
+                },
+                input_bytes: result.input_bytes,
+            })
+        })
+    }
+
+    fn shuffle_schema(&self, shuffle: ShuffleId) -> Result<SchemaRef> {
+        lock(&self.schemas)
+            .get(&shuffle)
+            .cloned()
+            .ok_or(Error::UnknownShuffle(shuffle))
+    }
+
+    /// Tell every worker the map side of `shuffle` is complete.
+    pub async fn seal(&self, shuffle: ShuffleId) -> Result<()> {
+        self.on_all(|w| async move { w.shuffle_action(actions::SEAL_SHUFFLE, shuffle.0).await })
+            .await
+    }
+
+    /// Stream one reduce partition from every worker, blocks in arrival order.
+    pub async fn read_partition(
+        self: &Arc<Self>,
+        shuffle: ShuffleId,
+        partition: u32,
+        wait_sealed: bool,
+    ) -> Result<BatchStream> {
+        let opens = self
+            .workers
+            .iter()
+            .map(|w| w.read_partition(shuffle.0, partition, wait_sealed));
+        let mut streams = Vec::new();
+        for r in futures::future::join_all(opens).await {
+            match r {
+                Ok(s) => streams.push(s),
+                Err(e) => return Err(self.classify(e).await),
+            }
+        }
+        let me = self.clone();
+        let merged = futures::stream::select_all(streams).then(move |item| {
+            let me = me.clone();
+            async move {
+                match item {
+                    Ok(b) => Ok(b),
+                    Err(e) => Err(me.classify(e).await),
+                }
+            }
+        });
+        Ok(Box::pin(merged))
+    }
+
+    /// Run a reduce task on `worker` pulling `partition` from every worker.
+    pub async fn run_reduce(
+        &self,
+        shuffle: ShuffleId,
+        partition: u32,
+        worker: usize,
+        sink: &str,
+    ) -> Result<proto::TaskResult> {
+        let task = proto::ReduceTask {
+            shuffle_id: shuffle.0,
+            partition,
+            peers: self.addresses(),
+            sink: sink.to_string(),
+        };
+        match self.workers[worker].run_reduce(&task).await {
+            Ok(r) => Ok(r),
+            Err(e) => Err(self.classify(e).await),
+        }
+    }
+
+    /// Free a shuffle's memory and files on every live worker.
+    pub async fn drop_shuffle(&self, shuffle: ShuffleId) -> Result<()> {
+        lock(&self.blocks).remove(&shuffle);
+        lock(&self.schemas).remove(&shuffle);
+        lock(&self.lineage).retain(|(s, _), _| *s != shuffle);
+        let calls = self
+            .workers
+            .iter()
+            .filter(|w| self.is_alive(w.index))
+            .map(|w| w.shuffle_action(actions::DROP_SHUFFLE, shuffle.0));
+        for r in futures::future::join_all(calls).await {
+            r?;
+        }
+        Ok(())
+    }
+
+    pub async fn stats(&self) -> Result<Vec<proto::WorkerStats>> {
+        let calls = self.workers.iter().map(|w| w.stats());
+        let mut out = Vec::new();
+        for r in futures::future::join_all(calls).await {
+            match r {
+                Ok(s) => out.push(s),
+                Err(e) => return Err(self.classify(e).await),
+            }
+        }
+        Ok(out)
+    }
+}

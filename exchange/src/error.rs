@@ -1,0 +1,105 @@
+//! The crate's error type and its mapping to and from Flight (gRPC) statuses.
+
+use crate::block::{BlockId, ShuffleId};
+use std::path::PathBuf;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("arrow error: {0}")]
+    Arrow(#[from] arrow::error::ArrowError),
+
+    #[error("i/o error on {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("checksum mismatch for block {block}: stored crc32c {expected:#010x}, read {actual:#010x}")]
+    Checksum {
+        block: BlockId,
+        expected: u32,
+        actual: u32,
+    },
+
+    #[error("unknown shuffle {0}")]
+    UnknownShuffle(ShuffleId),
+
+    #[error("block {0} not found")]
+    BlockNotFound(BlockId),
+
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    #[error("schema mismatch for shuffle {shuffle}: expected {expected}, got {found}")]
+    SchemaMismatch {
+        shuffle: ShuffleId,
+        expected: String,
+        found: String,
+    },
+
+    #[error("worker {worker} ({addr}) lost: {reason}; {lost_blocks} block(s) held there are lost")]
+    WorkerLost {
+        worker: usize,
+        addr: String,
+        reason: String,
+        lost_blocks: usize,
+    },
+
+    #[error("worker {worker} ({addr}) failed: {code:?}: {message}")]
+    Remote {
+        worker: usize,
+        addr: String,
+        code: tonic::Code,
+        message: String,
+    },
+
+    #[error("timed out after {seconds:.1}s waiting for {what}")]
+    Timeout { what: String, seconds: f64 },
+
+    #[error("cluster error: {0}")]
+    Cluster(String),
+
+    #[error("task cancelled: {0}")]
+    Cancelled(String),
+}
+
+impl Error {
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+
+    pub fn invalid(msg: impl Into<String>) -> Self {
+        Error::InvalidArgument(msg.into())
+    }
+
+    /// The gRPC status a worker answers with for this error.
+    pub fn to_status(&self) -> tonic::Status {
+        let msg = self.to_string();
+        match self {
+            Error::InvalidArgument(_) | Error::SchemaMismatch { .. } => {
+                tonic::Status::invalid_argument(msg)
+            }
+            Error::UnknownShuffle(_) | Error::BlockNotFound(_) => tonic::Status::not_found(msg),
+            Error::Checksum { .. } => tonic::Status::data_loss(msg),
+            Error::Timeout { .. } => tonic::Status::deadline_exceeded(msg),
+            Error::Cancelled(_) => tonic::Status::cancelled(msg),
+            Error::Io { source, .. } if source.raw_os_error() == Some(28) => {
+                tonic::Status::resource_exhausted(msg)
+            }
+            Error::Remote { code, .. } => tonic::Status::new(*code, msg),
+            _ => tonic::Status::internal(msg),
+        }
+    }
+}
+
+impl From<Error> for tonic::Status {
+    fn from(e: Error) -> Self {
+        e.to_status()
+    }
+}

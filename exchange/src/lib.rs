@@ -1,0 +1,27 @@
+//! flightshuffle's data plane and shuffle strategies.
+//!
+//! The data plane (blocks, block store, Flight transport, tasks, driver, local cluster) is shared by
+//! every strategy; strategies in [`strategy`] only decide which task runs where and when.
+//! This crate does not depend on any query engine.
+
+pub mod bench;
+pub mod block;
+pub mod checksum;
+pub mod cluster;
+pub mod driver;
+pub mod error;
+pub mod gen;
+pub mod partitioner;
+pub mod store;
+pub mod strategy;
+pub mod task;
+pub mod transport;
+pub mod worker;
+
+/// Protobuf messages of the Flight protocol (tickets, put commands, actions).
+pub mod proto {
+    include!(concat!(env!("OUT_DIR"), "/flightshuffle.rs"));
+}
+
+pub use block::{BlockId, BlockMeta, Compression, ShuffleId};
+pub use error::{Error, Result};

@@ -1,0 +1,386 @@
+//! The worker's block store (Exoshuffle §4.3.2): blocks of every shuffle in memory up to a byte
+//! budget; a block that does not fit is spilled whole to the shuffle's current fused segment
+//! file (sequential appends, rolled over at `segment_bytes`). Reads check the CRC32C of every
+//! block, wherever it lives; spilled blocks are read straight from disk. Partition streams
+//! follow blocks in arrival order and wait for new ones until the shuffle is sealed.
+
+pub mod segment;
+
+use crate::block::{BlockId, BlockMeta, ShuffleId};
+use crate::error::{Error, Result};
+use crate::proto;
+use arrow::datatypes::SchemaRef;
+use bytes::Bytes;
+use segment::{Segment, SegmentWriter};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use tokio::sync::watch;
+
+/// Default size at which a spill segment file is closed and a new one started.
+pub const DEFAULT_SEGMENT_BYTES: u64 = 64 << 20;
+
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    pub memory_budget: u64,
+    pub spill_dir: PathBuf,
+    pub segment_bytes: u64,
+}
+
+/// What a shuffle is: its schema, partition count and partitioner.
+#[derive(Debug, Clone)]
+pub struct ShuffleInfo {
+    pub id: ShuffleId,
+    pub schema: SchemaRef,
+    pub partitions: u32,
+    pub partitioner: proto::Partitioner,
+}
+
+#[derive(Debug, Clone)]
+enum Location {
+    Memory(Bytes),
+    Spilled { segment: Arc<Segment>, offset: u64 },
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    meta: BlockMeta,
+    location: Location,
+}
+
+struct ShuffleState {
+    info: ShuffleInfo,
+    blocks: HashMap<BlockId, Entry>,
+    /// Blocks of each partition in arrival order.
+    by_partition: Vec<Vec<BlockId>>,
+    sealed: bool,
+    segments: Vec<Arc<Segment>>,
+    version: watch::Sender<u64>,
+}
+
+/// Current and cumulative figures of one store.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StoreMetrics {
+    pub blocks: u64,
+    pub shuffles: u64,
+    pub memory_bytes: u64,
+    pub memory_budget: u64,
+    pub spilled_bytes: u64,
+    pub spilled_blocks: u64,
+    pub spill_files: u64,
+    pub restored_bytes: u64,
+    pub restored_blocks: u64,
+}
+
+pub struct BlockStore {
+    cfg: StoreConfig,
+    state: Mutex<HashMap<ShuffleId, ShuffleState>>,
+    /// One writer per shuffle, locked apart from `state` so disk writes never block readers.
+    writers: Mutex<HashMap<ShuffleId, Arc<Mutex<Option<SegmentWriter>>>>>,
+    memory_bytes: AtomicU64,
+    spilled_bytes: AtomicU64,
+    spilled_blocks: AtomicU64,
+    spill_files: AtomicU64,
+    restored_bytes: AtomicU64,
+    restored_blocks: AtomicU64,
+    segment_seq: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding the lock cannot leave the maps half-updated in a way later
+    // readers could misread (entries are inserted whole), so recover the guard.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl BlockStore {
+    pub fn new(cfg: StoreConfig) -> Result<Self> {
+        std::fs::create_dir_all(&cfg.spill_dir).map_err(|e| Error::io(&cfg.spill_dir, e))?;
+        Ok(BlockStore {
+            cfg,
+            state: Mutex::new(HashMap::new()),
+            writers: Mutex::new(HashMap::new()),
+            memory_bytes: AtomicU64::new(0),
+            spilled_bytes: AtomicU64::new(0),
+            spilled_blocks: AtomicU64::new(0),
+            spill_files: AtomicU64::new(0),
+            restored_bytes: AtomicU64::new(0),
+            restored_blocks: AtomicU64::new(0),
+            segment_seq: AtomicU64::new(0),
+        })
+    }
+
+    pub fn config(&self) -> &StoreConfig {
+        &self.cfg
+    }
+
+    /// Register a shuffle. Registering the same id again with the same schema is a no-op.
+    pub fn create_shuffle(&self, info: ShuffleInfo) -> Result<()> {
+        let mut st = lock(&self.state);
+        if let Some(existing) = st.get(&info.id) {
+            if !crate::block::same_columns(&existing.info.schema, &info.schema) {
+                return Err(Error::invalid(format!(
+                    "shuffle {} already exists with another schema",
+                    info.id
+                )));
+            }
+            return Ok(());
+        }
+        let (version, _) = watch::channel(0);
+        st.insert(
+            info.id,
+            ShuffleState {
+                by_partition: vec![Vec::new(); info.partitions as usize],
+                info,
+                blocks: HashMap::new(),
+                sealed: false,
+                segments: Vec::new(),
+                version,
+            },
+        );
+        Ok(())
+    }
+
+    pub fn shuffle_info(&self, id: ShuffleId) -> Result<ShuffleInfo> {
+        lock(&self.state)
+            .get(&id)
+            .map(|s| s.info.clone())
+            .ok_or(Error::UnknownShuffle(id))
+    }
+
+    /// Store one encoded block, in memory if the budget allows, else in a spill segment.
+    pub fn put(&self, id: BlockId, rows: u64, data: Bytes) -> Result<BlockMeta> {
+        let meta = BlockMeta {
+            id,
+            rows,
+            bytes: data.len() as u64,
+            crc32c: crc32c::crc32c(&data),
+        };
+        {
+            let st = lock(&self.state);
+            let sh = st.get(&id.shuffle).ok_or(Error::UnknownShuffle(id.shuffle))?;
+            if id.partition >= sh.info.partitions {
+                return Err(Error::invalid(format!(
+                    "block {id}: partition out of range (shuffle has {})",
+                    sh.info.partitions
+                )));
+            }
+        }
+        let fits = self
+            .memory_bytes
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |used| {
+                (used + meta.bytes <= self.cfg.memory_budget).then_some(used + meta.bytes)
+            })
+            .is_ok();
+        let location = if fits {
+            Location::Memory(data)
+        } else {
+            self.spill(meta, &data)?
+        };
+        let mut st = lock(&self.state);
+        let Some(sh) = st.get_mut(&id.shuffle) else {
+            // Dropped while we were writing: forget the block.
+            if fits {
+                self.memory_bytes.fetch_sub(meta.bytes, Ordering::SeqCst);
+            }
+            return Err(Error::UnknownShuffle(id.shuffle));
+        };
+        if let Some(old) = sh.blocks.insert(id, Entry { meta, location }) {
+            // A retried attempt replaced the block: release the old copy's memory.
+            if matches!(old.location, Location::Memory(_)) {
+                self.memory_bytes.fetch_sub(old.meta.bytes, Ordering::SeqCst);
+            }
+        } else {
+            sh.by_partition[id.partition as usize].push(id);
+        }
+        sh.version.send_modify(|v| *v += 1);
+        Ok(meta)
+    }
+
+    fn spill(&self, meta: BlockMeta, data: &[u8]) -> Result<Location> {
+        let writer = lock(&self.writers)
+            .entry(meta.id.shuffle)
+            .or_insert_with(|| Arc::new(Mutex::new(None)))
+            .clone();
+        let mut w = lock(&writer);
+        if w.is_none() {
+            let n = self.segment_seq.fetch_add(1, Ordering::SeqCst);
+            let path = self
+                .cfg
+                .spill_dir
+                .join(format!("{}-{n:06}.seg", meta.id.shuffle));
+            let created = SegmentWriter::create(&path)?;
+            self.spill_files.fetch_add(1, Ordering::SeqCst);
+            self.register_segment(meta.id.shuffle, created.segment())?;
+            *w = Some(created);
+        }
+        let Some(active) = w.as_mut() else {
+            return Err(Error::Cluster("spill writer vanished".into()));
+        };
+        let segment = active.segment();
+        let offset = match active.append(meta, data) {
+            Ok(o) => o,
+            Err(e) => {
+                *w = None;
+                return Err(e);
+            }
+        };
+        self.spilled_bytes.fetch_add(meta.bytes, Ordering::SeqCst);
+        self.spilled_blocks.fetch_add(1, Ordering::SeqCst);
+        if active.len() >= self.cfg.segment_bytes {
+            if let Some(full) = w.take() {
+                full.finish()?;
+            }
+        }
+        Ok(Location::Spilled { segment, offset })
+    }
+
+    fn register_segment(&self, shuffle: ShuffleId, seg: Arc<Segment>) -> Result<()> {
+        let mut st = lock(&self.state);
+        let sh = st.get_mut(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
+        sh.segments.push(seg);
+        Ok(())
+    }
+
+    /// Read a block and check its CRC32C.
+    pub fn get(&self, id: &BlockId) -> Result<Bytes> {
+        let entry = {
+            let st = lock(&self.state);
+            let sh = st.get(&id.shuffle).ok_or(Error::UnknownShuffle(id.shuffle))?;
+            sh.blocks.get(id).cloned().ok_or(Error::BlockNotFound(*id))?
+        };
+        let data = match entry.location {
+            Location::Memory(b) => b,
+            Location::Spilled { segment, offset } => {
+                let buf = segment.read(offset, entry.meta.bytes)?;
+                self.restored_bytes.fetch_add(entry.meta.bytes, Ordering::SeqCst);
+                self.restored_blocks.fetch_add(1, Ordering::SeqCst);
+                Bytes::from(buf)
+            }
+        };
+        let actual = crc32c::crc32c(&data);
+        if actual != entry.meta.crc32c {
+            return Err(Error::Checksum {
+                block: *id,
+                expected: entry.meta.crc32c,
+                actual,
+            });
+        }
+        Ok(data)
+    }
+
+    /// Remove the blocks of one map attempt (it failed or was cancelled). Spilled bytes stay
+    /// in their segment until the shuffle is dropped.
+    pub fn remove_map_output(&self, shuffle: ShuffleId, map: u32, attempt: u32) {
+        let mut st = lock(&self.state);
+        let Some(sh) = st.get_mut(&shuffle) else {
+            return;
+        };
+        let gone: Vec<BlockId> = sh
+            .blocks
+            .keys()
+            .filter(|b| b.map == map && b.attempt == attempt)
+            .copied()
+            .collect();
+        for id in &gone {
+            if let Some(e) = sh.blocks.remove(id) {
+                if matches!(e.location, Location::Memory(_)) {
+                    self.memory_bytes.fetch_sub(e.meta.bytes, Ordering::SeqCst);
+                }
+            }
+            sh.by_partition[id.partition as usize].retain(|b| b != id);
+        }
+    }
+
+    pub fn meta(&self, id: &BlockId) -> Result<BlockMeta> {
+        let st = lock(&self.state);
+        let sh = st.get(&id.shuffle).ok_or(Error::UnknownShuffle(id.shuffle))?;
+        sh.blocks
+            .get(id)
+            .map(|e| e.meta)
+            .ok_or(Error::BlockNotFound(*id))
+    }
+
+    /// Blocks of a partition from position `from` on, whether the shuffle is sealed, and a
+    /// receiver that changes when either does.
+    pub fn partition_since(
+        &self,
+        shuffle: ShuffleId,
+        partition: u32,
+        from: usize,
+    ) -> Result<(Vec<BlockId>, bool, watch::Receiver<u64>)> {
+        let st = lock(&self.state);
+        let sh = st.get(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
+        let list = sh.by_partition.get(partition as usize).ok_or_else(|| {
+            Error::invalid(format!(
+                "partition {partition} out of range: shuffle {shuffle} has {}",
+                sh.info.partitions
+            ))
+        })?;
+        let rx = sh.version.subscribe();
+        Ok((list.get(from..).unwrap_or(&[]).to_vec(), sh.sealed, rx))
+    }
+
+    /// Mark the map side of a shuffle complete: partition streams end after their last block.
+    pub fn seal(&self, shuffle: ShuffleId) -> Result<()> {
+        if let Some(w) = lock(&self.writers).get(&shuffle) {
+            if let Some(active) = lock(w).take() {
+                active.finish()?;
+            }
+        }
+        let mut st = lock(&self.state);
+        let sh = st.get_mut(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
+        sh.sealed = true;
+        sh.version.send_modify(|v| *v += 1);
+        Ok(())
+    }
+
+    /// Forget a shuffle: free its memory and delete its spill files.
+    pub fn drop_shuffle(&self, shuffle: ShuffleId) -> Result<()> {
+        let sh = lock(&self.state)
+            .remove(&shuffle)
+            .ok_or(Error::UnknownShuffle(shuffle))?;
+        lock(&self.writers).remove(&shuffle);
+        let in_memory: u64 = sh
+            .blocks
+            .values()
+            .filter(|e| matches!(e.location, Location::Memory(_)))
+            .map(|e| e.meta.bytes)
+            .sum();
+        self.memory_bytes.fetch_sub(in_memory, Ordering::SeqCst);
+        sh.version.send_modify(|v| *v += 1);
+        for seg in &sh.segments {
+            match std::fs::remove_file(&seg.path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::io(&seg.path, e)),
+            }
+        }
+        Ok(())
+    }
+
+    pub fn spill_files(&self) -> Vec<PathBuf> {
+        let st = lock(&self.state);
+        st.values()
+            .flat_map(|s| s.segments.iter().map(|g| g.path.clone()))
+            .collect()
+    }
+
+    pub fn metrics(&self) -> StoreMetrics {
+        let st = lock(&self.state);
+        StoreMetrics {
+            blocks: st.values().map(|s| s.blocks.len() as u64).sum(),
+            shuffles: st.len() as u64,
+            memory_bytes: self.memory_bytes.load(Ordering::SeqCst),
+            memory_budget: self.cfg.memory_budget,
+            spilled_bytes: self.spilled_bytes.load(Ordering::SeqCst),
+            spilled_blocks: self.spilled_blocks.load(Ordering::SeqCst),
+            spill_files: self.spill_files.load(Ordering::SeqCst),
+            restored_bytes: self.restored_bytes.load(Ordering::SeqCst),
+            restored_blocks: self.restored_blocks.load(Ordering::SeqCst),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

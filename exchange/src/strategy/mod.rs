@@ -1,0 +1,48 @@
+//! Strategies: small control-plane programs over the [`crate::driver`] API that decide which
+//! task runs where and when. Only `pull` exists so far; the others are named so a user asking
+//! for them gets a clear error rather than a silent fallback.
+
+pub mod pull;
+
+use crate::error::{Error, Result};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    Pull,
+}
+
+/// Strategies of the design that are not built yet.
+pub const PLANNED: &[&str] = &["merged", "push", "two-level", "streaming", "auto"];
+
+impl std::str::FromStr for Strategy {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "pull" => Ok(Strategy::Pull),
+            other if PLANNED.contains(&other) => Err(Error::invalid(format!(
+                "strategy {other:?} is not implemented yet; available: [\"pull\"]"
+            ))),
+            other => Err(Error::invalid(format!(
+                "unknown strategy {other:?}; available: [\"pull\"]"
+            ))),
+        }
+    }
+}
+
+/// Knobs shared by strategies.
+#[derive(Debug, Clone, Copy)]
+pub struct StrategyOptions {
+    /// Map tasks running at once on one worker.
+    pub maps_per_worker: usize,
+    /// Reduce tasks running at once on one worker.
+    pub reduces_per_worker: usize,
+}
+
+impl Default for StrategyOptions {
+    fn default() -> Self {
+        StrategyOptions {
+            maps_per_worker: 2,
+            reduces_per_worker: 2,
+        }
+    }
+}

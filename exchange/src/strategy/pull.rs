@@ -1,0 +1,101 @@
+//! Pull shuffle (Exoshuffle §3.2.1): every map task writes its R blocks into the block store
+//! of the worker it ran on; once all maps are done the shuffle is sealed and each reducer
+//! pulls its partition — one column of the M×R block matrix — from every worker.
+
+use super::StrategyOptions;
+use crate::checksum::Checksum;
+use crate::driver::{Driver, MapDone, MapInput, ShuffleSpec};
+use crate::error::Result;
+use crate::proto;
+use futures::stream::FuturesUnordered;
+use futures::{Stream, StreamExt};
+use std::sync::Arc;
+
+/// The map side's outcome: every map's blocks and the checksum of all input rows.
+#[derive(Debug, Clone)]
+pub struct Mapped {
+    pub maps: Vec<MapDone>,
+    pub input: Checksum,
+    pub input_bytes: u64,
+}
+
+/// Run map tasks for every input (spread over the least-loaded workers, at most
+/// `maps_per_worker` each at once), then seal the shuffle. Fails on the first failed map.
+pub async fn map_side(
+    driver: &Arc<Driver>,
+    spec: &ShuffleSpec,
+    inputs: impl Stream<Item = MapInput> + Unpin,
+    opts: StrategyOptions,
+) -> Result<Mapped> {
+    let n = driver.num_workers();
+    let limit = n * opts.maps_per_worker.max(1);
+    let mut load = vec![0usize; n];
+    let mut running = FuturesUnordered::new();
+    let mut inputs = inputs.fuse();
+    let mut next_map = 0u32;
+    let mut out = Mapped {
+        maps: Vec::new(),
+        input: Checksum::default(),
+        input_bytes: 0,
+    };
+    let mut inputs_done = false;
+    driver
+        .watch(async {
+            loop {
+                tokio::select! {
+                    input = inputs.next(), if !inputs_done && running.len() < limit => {
+                        let Some(input) = input else {
+                            inputs_done = true;
+                            continue;
+                        };
+                        let worker = (0..n)
+                            .filter(|&w| driver.is_alive(w))
+                            .min_by_key(|&w| (load[w], (w + n - next_map as usize % n) % n))
+                            .unwrap_or(0);
+                        load[worker] += 1;
+                        running.push(driver.submit_map(spec.id, next_map, worker, input));
+                        next_map += 1;
+                    }
+                    done = running.next(), if !running.is_empty() => {
+                        let done = done.expect("running is not empty").map_err(|e| {
+                            crate::Error::Cluster(format!("map task failed to run: {e}"))
+                        })??;
+                        load[done.worker] -= 1;
+                        out.input.add(done.input);
+                        out.input_bytes += done.input_bytes;
+                        out.maps.push(done);
+                    }
+                    else => break,
+                }
+            }
+            Ok(())
+        })
+        .await?;
+    driver.seal(spec.id).await?;
+    out.maps.sort_by_key(|m| m.map);
+    Ok(out)
+}
+
+/// Reduce every partition on the workers (partition p on worker p mod N), each reducer pulling
+/// its blocks from all workers into `sink`. Returns the results in partition order.
+pub async fn reduce_on_workers(
+    driver: &Arc<Driver>,
+    spec: &ShuffleSpec,
+    sink: &str,
+    opts: StrategyOptions,
+) -> Result<Vec<proto::TaskResult>> {
+    let n = driver.num_workers();
+    let tasks = (0..spec.partitions).map(|p| {
+        let worker = p as usize % n;
+        async move { driver.run_reduce(spec.id, p, worker, sink).await }
+    });
+    let results: Vec<Result<proto::TaskResult>> = driver
+        .watch(async {
+            Ok(futures::stream::iter(tasks)
+                .buffered(n * opts.reduces_per_worker.max(1))
+                .collect()
+                .await)
+        })
+        .await?;
+    results.into_iter().collect()
+}

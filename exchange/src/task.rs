@@ -1,0 +1,188 @@
+//! Tasks a worker runs: the map task (partition a `BatchSource` into blocks) and the
+//! `BatchSource` trait through which engines feed map tasks.
+
+use crate::block::{encode_block, same_columns, schema_summary, BlockId, BlockMeta, Compression};
+use crate::checksum::Checksum;
+use crate::error::{Error, Result};
+use crate::partitioner::Partitioner;
+use crate::store::{BlockStore, ShuffleInfo};
+use arrow::array::RecordBatch;
+use arrow::datatypes::SchemaRef;
+use futures::{Stream, StreamExt};
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Instant;
+
+pub type BatchStream = Pin<Box<dyn Stream<Item = Result<RecordBatch>> + Send>>;
+
+/// Something a worker can turn into the batches of a map task: a generator, a query stage,
+/// a Python callable. `payload` is the source-specific description the driver sent.
+pub trait BatchSource: Send + Sync {
+    fn open(&self, payload: &[u8], schema: SchemaRef) -> Result<BatchStream>;
+}
+
+/// Sources a worker knows, by kind name.
+#[derive(Clone, Default)]
+pub struct SourceRegistry {
+    sources: HashMap<String, Arc<dyn BatchSource>>,
+}
+
+impl SourceRegistry {
+    pub fn with_builtin() -> Self {
+        let mut r = SourceRegistry::default();
+        r.register(crate::gen::LINEITEM_SOURCE, Arc::new(crate::gen::LineitemSource));
+        r
+    }
+
+    pub fn register(&mut self, kind: &str, source: Arc<dyn BatchSource>) {
+        self.sources.insert(kind.to_string(), source);
+    }
+
+    pub fn open(&self, kind: &str, payload: &[u8], schema: SchemaRef) -> Result<BatchStream> {
+        let src = self.sources.get(kind).ok_or_else(|| {
+            let mut known: Vec<&str> = self.sources.keys().map(|s| s.as_str()).collect();
+            known.sort();
+            Error::invalid(format!("unknown task source {kind:?} (known: {known:?})"))
+        })?;
+        src.open(payload, schema)
+    }
+}
+
+/// Map task tuning. Blocks are flushed per partition at `block_bytes`; the whole task never
+/// buffers more than `buffer_bytes` of partitioned rows.
+#[derive(Debug, Clone, Copy)]
+pub struct MapConfig {
+    pub block_bytes: usize,
+    pub buffer_bytes: usize,
+    pub compression: Compression,
+}
+
+impl Default for MapConfig {
+    fn default() -> Self {
+        MapConfig {
+            block_bytes: 8 << 20,
+            buffer_bytes: 128 << 20,
+            compression: Compression::None,
+        }
+    }
+}
+
+/// What a map task reports: its blocks and a checksum of the rows it read.
+#[derive(Debug, Clone, Default)]
+pub struct MapOutput {
+    pub blocks: Vec<BlockMeta>,
+    pub input: Checksum,
+    pub input_bytes: u64,
+    pub seconds: f64,
+}
+
+struct PartitionBuffer {
+    batches: Vec<RecordBatch>,
+    bytes: usize,
+    rows: u64,
+    seq: u32,
+}
+
+/// Run one map task: read `input`, partition every batch, store the blocks.
+pub async fn run_map(
+    store: &BlockStore,
+    info: &ShuffleInfo,
+    map: u32,
+    attempt: u32,
+    mut input: BatchStream,
+    cfg: MapConfig,
+) -> Result<MapOutput> {
+    let start = Instant::now();
+    let mut part =
+        Partitioner::from_proto(&info.partitioner, &info.schema, info.partitions, map as u64)?;
+    let mut bufs: Vec<PartitionBuffer> = (0..info.partitions)
+        .map(|_| PartitionBuffer {
+            batches: Vec::new(),
+            bytes: 0,
+            rows: 0,
+            seq: 0,
+        })
+        .collect();
+    let mut out = MapOutput::default();
+    let mut buffered = 0usize;
+    let flush = |p: usize, bufs: &mut Vec<PartitionBuffer>, out: &mut MapOutput| -> Result<usize> {
+        let buf = &mut bufs[p];
+        if buf.batches.is_empty() {
+            return Ok(0);
+        }
+        let data = encode_block(&info.schema, &buf.batches, cfg.compression)?;
+        let id = BlockId {
+            shuffle: info.id,
+            map,
+            partition: p as u32,
+            attempt,
+            seq: buf.seq,
+        };
+        out.blocks.push(store.put(id, buf.rows, data)?);
+        let freed = buf.bytes;
+        buf.batches.clear();
+        buf.bytes = 0;
+        buf.rows = 0;
+        buf.seq += 1;
+        Ok(freed)
+    };
+    while let Some(batch) = input.next().await {
+        let batch = batch?;
+        if batch.num_rows() == 0 {
+            continue;
+        }
+        let batch = conform(info, batch)?;
+        tokio::task::block_in_place(|| -> Result<()> {
+            out.input.add(Checksum::of_batch(&batch)?);
+            out.input_bytes += batch.get_array_memory_size() as u64;
+            for (p, piece) in part.split(&batch)? {
+                let piece = crate::block::compact_views(&piece)?;
+                let size = piece.get_array_memory_size();
+                let buf = &mut bufs[p as usize];
+                buf.rows += piece.num_rows() as u64;
+                buf.bytes += size;
+                buf.batches.push(piece);
+                buffered += size;
+                if bufs[p as usize].bytes >= cfg.block_bytes {
+                    buffered -= flush(p as usize, &mut bufs, &mut out)?;
+                }
+            }
+            while buffered > cfg.buffer_bytes {
+                let largest = (0..bufs.len()).max_by_key(|&i| bufs[i].bytes).unwrap_or(0);
+                buffered -= flush(largest, &mut bufs, &mut out)?;
+            }
+            Ok(())
+        })?;
+    }
+    tokio::task::block_in_place(|| -> Result<()> {
+        for p in 0..bufs.len() {
+            flush(p, &mut bufs, &mut out)?;
+        }
+        Ok(())
+    })?;
+    out.seconds = start.elapsed().as_secs_f64();
+    Ok(out)
+}
+
+/// Check a batch against the shuffle's schema; equal columns with other field metadata or
+/// nullability are relabelled with the shuffle's schema.
+fn conform(info: &ShuffleInfo, batch: RecordBatch) -> Result<RecordBatch> {
+    if batch.schema() == info.schema {
+        return Ok(batch);
+    }
+    if !same_columns(&batch.schema(), &info.schema) {
+        return Err(Error::SchemaMismatch {
+            shuffle: info.id,
+            expected: schema_summary(&info.schema),
+            found: schema_summary(&batch.schema()),
+        });
+    }
+    RecordBatch::try_new(info.schema.clone(), batch.columns().to_vec()).map_err(|e| {
+        Error::SchemaMismatch {
+            shuffle: info.id,
+            expected: schema_summary(&info.schema),
+            found: format!("{} ({e})", schema_summary(&batch.schema())),
+        }
+    })
+}

@@ -1,0 +1,271 @@
+//! Typed Flight client for one worker, used by the driver and by reducers pulling from peers.
+//! Every call carries the cluster token and has a deadline; streams have an idle timeout.
+
+use super::{actions, bearer, CONNECTION_WINDOW, KEEPALIVE, MAX_MESSAGE_BYTES, STREAM_WINDOW};
+use crate::block::BlockId;
+use crate::error::{Error, Result};
+use crate::proto;
+use crate::task::BatchStream;
+use arrow::datatypes::SchemaRef;
+use arrow_flight::decode::FlightRecordBatchStream;
+use arrow_flight::encode::FlightDataEncoderBuilder;
+use arrow_flight::error::FlightError;
+use arrow_flight::flight_service_client::FlightServiceClient;
+use arrow_flight::{Action, FlightDescriptor, Ticket};
+use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
+use prost::Message;
+use std::time::Duration;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel, Endpoint};
+
+/// Adds the cluster token to every request.
+#[derive(Clone)]
+pub struct TokenInterceptor {
+    value: MetadataValue<Ascii>,
+}
+
+impl tonic::service::Interceptor for TokenInterceptor {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        req.metadata_mut()
+            .insert(super::TOKEN_HEADER, self.value.clone());
+        Ok(req)
+    }
+}
+
+type Client = FlightServiceClient<InterceptedService<Channel, TokenInterceptor>>;
+
+/// A connection to one worker.
+#[derive(Clone)]
+pub struct WorkerClient {
+    pub index: usize,
+    pub addr: String,
+    client: Client,
+    timeout: Duration,
+}
+
+impl WorkerClient {
+    /// Connects lazily: the first call opens the connection (bounded by a connect timeout).
+    pub fn new(index: usize, addr: &str, token: &str, timeout: Duration) -> Result<Self> {
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| Error::invalid(format!("bad worker address {addr:?}: {e}")))?
+            .connect_timeout(Duration::from_secs(5))
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(KEEPALIVE)
+            .keep_alive_timeout(KEEPALIVE * 2)
+            .keep_alive_while_idle(true)
+            .initial_stream_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONNECTION_WINDOW);
+        let value = bearer(token)
+            .parse()
+            .map_err(|_| Error::invalid("the cluster token must be printable ASCII"))?;
+        let client = FlightServiceClient::with_interceptor(
+            endpoint.connect_lazy(),
+            TokenInterceptor { value },
+        )
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        Ok(WorkerClient {
+            index,
+            addr: addr.to_string(),
+            client,
+            timeout,
+        })
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    fn remote(&self, s: tonic::Status) -> Error {
+        Error::Remote {
+            worker: self.index,
+            addr: self.addr.clone(),
+            code: s.code(),
+            message: s.message().to_string(),
+        }
+    }
+
+    fn timed_out(&self, what: &str, d: Duration) -> Error {
+        Error::Timeout {
+            what: format!("{what} on worker {} ({})", self.index, self.addr),
+            seconds: d.as_secs_f64(),
+        }
+    }
+
+    /// Run one action and return the body of its first result.
+    pub async fn action(&self, kind: &str, body: Vec<u8>, timeout: Duration) -> Result<Bytes> {
+        let mut client = self.client.clone();
+        let call = async {
+            let req = Action {
+                r#type: kind.to_string(),
+                body: body.into(),
+            };
+            let mut stream = client
+                .do_action(req)
+                .await
+                .map_err(|s| self.remote(s))?
+                .into_inner();
+            match stream.message().await.map_err(|s| self.remote(s))? {
+                Some(r) => Ok(r.body),
+                None => Ok(Bytes::new()),
+            }
+        };
+        tokio::time::timeout(timeout, call)
+            .await
+            .map_err(|_| self.timed_out(kind, timeout))?
+    }
+
+    pub async fn create_shuffle(&self, m: &proto::CreateShuffle) -> Result<()> {
+        self.action(actions::CREATE_SHUFFLE, m.encode_to_vec(), self.timeout)
+            .await
+            .map(|_| ())
+    }
+
+    pub async fn run_map(&self, m: &proto::MapTask) -> Result<proto::TaskResult> {
+        let body = self
+            .action(actions::RUN_MAP, m.encode_to_vec(), self.timeout)
+            .await?;
+        decode(&body)
+    }
+
+    pub async fn run_reduce(&self, m: &proto::ReduceTask) -> Result<proto::TaskResult> {
+        let body = self
+            .action(actions::RUN_REDUCE, m.encode_to_vec(), self.timeout)
+            .await?;
+        decode(&body)
+    }
+
+    pub async fn shuffle_action(&self, kind: &str, shuffle: u64) -> Result<()> {
+        let m = proto::ShuffleRef { shuffle_id: shuffle };
+        self.action(kind, m.encode_to_vec(), self.timeout)
+            .await
+            .map(|_| ())
+    }
+
+    pub async fn stats(&self) -> Result<proto::WorkerStats> {
+        decode(&self.action(actions::STATS, vec![], self.timeout).await?)
+    }
+
+    pub async fn health(&self, timeout: Duration) -> Result<proto::Health> {
+        decode(&self.action(actions::HEALTH, vec![], timeout).await?)
+    }
+
+    /// Push `input` to the worker as the input of a map task (`do_put`). If the input fails,
+    /// the call is abandoned so the worker sees a broken stream, never a short input.
+    pub async fn put_map(
+        &self,
+        task: &proto::MapTask,
+        schema: SchemaRef,
+        input: BatchStream,
+    ) -> Result<proto::TaskResult> {
+        let cmd = proto::PutCommand {
+            kind: Some(proto::put_command::Kind::Map(task.clone())),
+        };
+        let encoder = FlightDataEncoderBuilder::new()
+            .with_schema(schema)
+            .with_flight_descriptor(Some(FlightDescriptor::new_cmd(cmd.encode_to_vec())))
+            .build(input.map_err(|e| FlightError::ExternalError(Box::new(e))));
+        let (err_tx, err_rx) = tokio::sync::oneshot::channel::<FlightError>();
+        let data = futures::stream::unfold((encoder, Some(err_tx)), |(mut enc, mut tx)| async move {
+            match enc.next().await {
+                Some(Ok(d)) => Some((d, (enc, tx))),
+                None => None,
+                Some(Err(e)) => {
+                    if let Some(t) = tx.take() {
+                        let _ = t.send(e);
+                    }
+                    futures::future::pending().await
+                }
+            }
+        });
+        let mut client = self.client.clone();
+        let call = async move {
+            let mut results = client.do_put(data).await?.into_inner();
+            results.message().await
+        };
+        tokio::pin!(call);
+        let outcome = tokio::time::timeout(self.timeout, async {
+            tokio::select! {
+                r = &mut call => r.map_err(|s| self.remote(s)),
+                e = err_rx => match e {
+                    Ok(e) => Err(match e {
+                        FlightError::ExternalError(inner) => match inner.downcast::<Error>() {
+                            Ok(err) => *err,
+                            Err(other) => Error::Cluster(format!("map input failed: {other}")),
+                        },
+                        other => Error::Cluster(format!("map input failed: {other}")),
+                    }),
+                    Err(_) => call.await.map_err(|s| self.remote(s)),
+                },
+            }
+        })
+        .await
+        .map_err(|_| self.timed_out("map task input", self.timeout))??;
+        let put = outcome.ok_or_else(|| Error::Cluster("map task returned no result".into()))?;
+        decode(&put.app_metadata)
+    }
+
+    async fn get(&self, ticket: proto::Ticket, what: String) -> Result<BatchStream> {
+        let mut client = self.client.clone();
+        let stream = tokio::time::timeout(
+            self.timeout,
+            client.do_get(Ticket {
+                ticket: ticket.encode_to_vec().into(),
+            }),
+        )
+        .await
+        .map_err(|_| self.timed_out(&what, self.timeout))?
+        .map_err(|s| self.remote(s))?
+        .into_inner();
+        let me = self.clone();
+        let idle = self.timeout;
+        let data = tokio_stream::StreamExt::timeout(stream, idle).map(move |item| match item {
+            Ok(Ok(d)) => Ok(d),
+            Ok(Err(s)) => Err(FlightError::Tonic(Box::new(s))),
+            Err(_) => Err(FlightError::ExternalError(Box::new(me.timed_out(&what, idle)))),
+        });
+        let me = self.clone();
+        let batches = FlightRecordBatchStream::new_from_flight_data(data).map_err(move |e| match e {
+            FlightError::Tonic(s) => me.remote(*s),
+            FlightError::ExternalError(inner) => match inner.downcast::<Error>() {
+                Ok(err) => *err,
+                Err(other) => Error::Cluster(other.to_string()),
+            },
+            FlightError::Arrow(a) => Error::Arrow(a),
+            other => Error::Cluster(format!("worker {} ({}): {other}", me.index, me.addr)),
+        });
+        Ok(Box::pin(batches))
+    }
+
+    /// Stream every block of one reduce partition this worker holds.
+    pub async fn read_partition(
+        &self,
+        shuffle: u64,
+        partition: u32,
+        wait_sealed: bool,
+    ) -> Result<BatchStream> {
+        let ticket = proto::Ticket {
+            kind: Some(proto::ticket::Kind::Partition(proto::PartitionTicket {
+                shuffle_id: shuffle,
+                partition,
+                wait_sealed,
+                timeout_ms: self.timeout.as_millis() as u64,
+            })),
+        };
+        self.get(ticket, format!("partition {partition}")).await
+    }
+
+    /// Stream one block.
+    pub async fn read_block(&self, id: BlockId) -> Result<BatchStream> {
+        let ticket = proto::Ticket {
+            kind: Some(proto::ticket::Kind::Block(id.into())),
+        };
+        self.get(ticket, format!("block {id}")).await
+    }
+}
+
+pub fn decode<M: Message + Default>(body: &[u8]) -> Result<M> {
+    M::decode(body).map_err(|e| Error::invalid(format!("malformed protocol message: {e}")))
+}

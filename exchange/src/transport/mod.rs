@@ -1,0 +1,137 @@
+//! Arrow Flight transport: the worker's Flight service ([`server`]), the driver's and
+//! workers' client pool ([`client`]), the cluster token, and the zero-decode path that turns
+//! a stored block (an IPC stream) into Flight messages.
+
+pub mod client;
+pub mod server;
+
+use crate::error::{Error, Result};
+use arrow::ipc::{root_as_message, MessageHeader};
+use arrow_flight::FlightData;
+use bytes::Bytes;
+use std::time::Duration;
+
+/// gRPC metadata key carrying the cluster token.
+pub const TOKEN_HEADER: &str = "authorization";
+/// Largest gRPC message accepted (a Flight message holds one record batch).
+pub const MAX_MESSAGE_BYTES: usize = 1 << 30;
+/// HTTP/2 flow-control windows: large, so one stream can fill loopback.
+pub const STREAM_WINDOW: u32 = 16 << 20;
+pub const CONNECTION_WINDOW: u32 = 64 << 20;
+pub const KEEPALIVE: Duration = Duration::from_secs(5);
+
+pub fn bearer(token: &str) -> String {
+    format!("Bearer {token}")
+}
+
+/// Action type names of `do_action`.
+pub mod actions {
+    pub const CREATE_SHUFFLE: &str = "create_shuffle";
+    pub const RUN_MAP: &str = "run_map";
+    pub const RUN_REDUCE: &str = "run_reduce";
+    pub const SEAL_SHUFFLE: &str = "seal_shuffle";
+    pub const DROP_SHUFFLE: &str = "drop_shuffle";
+    pub const CANCEL: &str = "cancel";
+    pub const STATS: &str = "stats";
+    pub const HEALTH: &str = "health";
+    pub const ALL: &[&str] = &[
+        CREATE_SHUFFLE,
+        RUN_MAP,
+        RUN_REDUCE,
+        SEAL_SHUFFLE,
+        DROP_SHUFFLE,
+        CANCEL,
+        STATS,
+        HEALTH,
+    ];
+}
+
+/// Split an IPC stream into its messages as Flight data, without decoding any buffer.
+/// Returns (is_schema_message, flight data) pairs in stream order.
+pub fn ipc_to_flight(block: &Bytes) -> Result<Vec<(bool, FlightData)>> {
+    let bad = |what: &str| Error::invalid(format!("malformed IPC block: {what}"));
+    let u32_at = |pos: usize| -> Result<u32> {
+        let b = block.get(pos..pos + 4).ok_or_else(|| bad("truncated"))?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    };
+    let mut out = Vec::new();
+    let mut pos = 0usize;
+    while pos < block.len() {
+        let mut len = u32_at(pos)?;
+        pos += 4;
+        if len == 0xFFFF_FFFF {
+            len = u32_at(pos)?;
+            pos += 4;
+        }
+        if len == 0 {
+            break;
+        }
+        let end = pos + len as usize;
+        let meta = block.get(pos..end).ok_or_else(|| bad("truncated header"))?;
+        let msg = root_as_message(meta).map_err(|e| bad(&e.to_string()))?;
+        let is_schema = msg.header_type() == MessageHeader::Schema;
+        let body_len = usize::try_from(msg.bodyLength()).map_err(|_| bad("negative body"))?;
+        let body_end = end + body_len;
+        if body_end > block.len() {
+            return Err(bad("truncated body"));
+        }
+        out.push((
+            is_schema,
+            FlightData {
+                data_header: block.slice(pos..end),
+                data_body: block.slice(end..body_end),
+                ..Default::default()
+            },
+        ));
+        pos = body_end;
+    }
+    Ok(out)
+}
+
+/// /proc/self/status VmHWM: this process's peak resident set, in bytes.
+pub fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map(|kb| kb * 1024)
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::block::{encode_block, Compression};
+    use arrow::array::{Int64Array, RecordBatch};
+    use arrow::datatypes::{DataType, Field, Schema};
+    use arrow_flight::decode::FlightRecordBatchStream;
+    use futures::TryStreamExt;
+    use std::sync::Arc;
+
+    #[tokio::test]
+    async fn block_messages_decode_as_flight() {
+        let schema = Arc::new(Schema::new(vec![Field::new("a", DataType::Int64, false)]));
+        let b = RecordBatch::try_new(
+            schema.clone(),
+            vec![Arc::new(Int64Array::from_iter_values(0..100))],
+        )
+        .unwrap();
+        for c in [Compression::None, Compression::Lz4, Compression::Zstd] {
+            let bytes = encode_block(&schema, &[b.clone(), b.clone()], c).unwrap();
+            let msgs = ipc_to_flight(&bytes).unwrap();
+            assert_eq!(msgs.len(), 3);
+            assert!(msgs[0].0 && !msgs[1].0);
+            let stream = futures::stream::iter(msgs.into_iter().map(|(_, m)| Ok(m)));
+            let out: Vec<RecordBatch> = FlightRecordBatchStream::new_from_flight_data(stream)
+                .try_collect()
+                .await
+                .unwrap();
+            assert_eq!(out, vec![b.clone(), b.clone()]);
+        }
+        assert!(ipc_to_flight(&Bytes::from_static(&[0xff, 0xff, 0xff, 0xff, 9, 0, 0, 0, 1])).is_err());
+    }
+}

@@ -1,0 +1,326 @@
+//! The worker's Flight service: `do_get` serves blocks and partitions, `do_put` takes map
+//! input and pushed blocks, `do_action` runs tasks and answers control messages. Every
+//! message is validated on receipt; a bad one is `InvalidArgument`, never a panic.
+
+use super::{actions, client::decode, ipc_to_flight};
+use crate::block::{BlockId, ShuffleId};
+use crate::error::{Error, Result};
+use crate::proto;
+use crate::worker::WorkerState;
+use arrow::ipc::writer::IpcWriteOptions;
+use arrow_flight::decode::FlightRecordBatchStream;
+use arrow_flight::flight_service_server::FlightService;
+use arrow_flight::{
+    Action, ActionType, Criteria, Empty, FlightData, FlightDescriptor, FlightInfo,
+    HandshakeRequest, HandshakeResponse, PollInfo, PutResult, SchemaAsIpc, SchemaResult, Ticket,
+};
+use futures::stream::BoxStream;
+use futures::{StreamExt, TryStreamExt};
+use prost::Message;
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+use tonic::{Request, Response, Status, Streaming};
+
+/// Blocks read ahead of the one being sent on a partition stream.
+const PREFETCH: usize = 2;
+
+pub struct WorkerService {
+    pub state: Arc<WorkerState>,
+}
+
+fn bad(msg: impl std::fmt::Display) -> Status {
+    Status::invalid_argument(msg.to_string())
+}
+
+fn one<T: Send + 'static>(item: T) -> BoxStream<'static, Result<T, Status>> {
+    futures::stream::once(async move { Ok(item) }).boxed()
+}
+
+impl WorkerService {
+    /// Blocks of one partition in arrival order; waits for new ones until sealed.
+    fn partition_ids(
+        &self,
+        shuffle: ShuffleId,
+        partition: u32,
+        wait: bool,
+        timeout: Duration,
+    ) -> BoxStream<'static, Result<BlockId>> {
+        let state = self.state.clone();
+        let init = (0usize, VecDeque::<BlockId>::new(), false);
+        futures::stream::unfold(init, move |(mut pos, mut queue, mut done)| {
+            let state = state.clone();
+            async move {
+                loop {
+                    if let Some(id) = queue.pop_front() {
+                        return Some((Ok(id), (pos, queue, done)));
+                    }
+                    if done {
+                        return None;
+                    }
+                    let (ids, sealed, mut rx) =
+                        match state.store.partition_since(shuffle, partition, pos) {
+                            Ok(x) => x,
+                            Err(e) => return Some((Err(e), (pos, queue, true))),
+                        };
+                    pos += ids.len();
+                    queue.extend(ids);
+                    if sealed || !wait {
+                        done = true;
+                        continue;
+                    }
+                    if queue.is_empty()
+                        && tokio::time::timeout(timeout, rx.changed()).await.is_err()
+                    {
+                        let e = Error::Timeout {
+                            what: format!(
+                                "shuffle {shuffle} to be sealed (partition {partition})"
+                            ),
+                            seconds: timeout.as_secs_f64(),
+                        };
+                        return Some((Err(e), (pos, queue, true)));
+                    }
+                }
+            }
+        })
+        .boxed()
+    }
+
+    fn serve_blocks(
+        &self,
+        shuffle: ShuffleId,
+        ids: BoxStream<'static, Result<BlockId>>,
+    ) -> Result<BoxStream<'static, Result<FlightData, Status>>> {
+        let info = self.state.store.shuffle_info(shuffle)?;
+        let schema = FlightData::from(SchemaAsIpc::new(&info.schema, &IpcWriteOptions::default()));
+        let state = self.state.clone();
+        let blocks = ids
+            .map(move |id| {
+                let state = state.clone();
+                async move {
+                    let id = id?;
+                    tokio::task::spawn_blocking(move || state.store.get(&id))
+                        .await
+                        .map_err(|e| Error::Cluster(format!("block read task failed: {e}")))?
+                }
+            })
+            .buffered(PREFETCH)
+            .map(|data| -> Result<Vec<Result<FlightData, Status>>, Status> {
+                let msgs = ipc_to_flight(&data?)?;
+                Ok(msgs
+                    .into_iter()
+                    .filter(|(is_schema, _)| !is_schema)
+                    .map(|(_, m)| Ok(m))
+                    .collect())
+            })
+            .flat_map(|r| match r {
+                Ok(v) => futures::stream::iter(v).boxed(),
+                Err(s) => one(()).map(move |_| Err(s.clone())).boxed(),
+            });
+        Ok(futures::stream::once(async move { Ok(schema) })
+            .chain(blocks)
+            .boxed())
+    }
+
+    async fn put_map(
+        &self,
+        task: proto::MapTask,
+        first: FlightData,
+        rest: Streaming<FlightData>,
+    ) -> Result<proto::TaskResult> {
+        let data = futures::stream::once(async move { Ok(first) })
+            .chain(rest.map_err(|s| arrow_flight::error::FlightError::Tonic(Box::new(s))));
+        let input = FlightRecordBatchStream::new_from_flight_data(data).map_err(|e| {
+            Error::Cancelled(format!("map input stream broke before its end: {e}"))
+        });
+        self.state.run_map(task, Box::pin(input)).await
+    }
+}
+
+type Stream<T> = BoxStream<'static, Result<T, Status>>;
+
+#[tonic::async_trait]
+impl FlightService for WorkerService {
+    type HandshakeStream = Stream<HandshakeResponse>;
+    type ListFlightsStream = Stream<FlightInfo>;
+    type DoGetStream = Stream<FlightData>;
+    type DoPutStream = Stream<PutResult>;
+    type DoActionStream = Stream<arrow_flight::Result>;
+    type ListActionsStream = Stream<ActionType>;
+    type DoExchangeStream = Stream<FlightData>;
+
+    async fn handshake(
+        &self,
+        _r: Request<Streaming<HandshakeRequest>>,
+    ) -> Result<Response<Self::HandshakeStream>, Status> {
+        // The token is checked on every call; a handshake has nothing more to establish.
+        Ok(Response::new(one(HandshakeResponse::default())))
+    }
+
+    async fn list_flights(
+        &self,
+        _r: Request<Criteria>,
+    ) -> Result<Response<Self::ListFlightsStream>, Status> {
+        Err(Status::unimplemented("list_flights is not offered by flightshuffle workers"))
+    }
+
+    async fn get_flight_info(
+        &self,
+        _r: Request<FlightDescriptor>,
+    ) -> Result<Response<FlightInfo>, Status> {
+        Err(Status::unimplemented("get_flight_info is not offered by flightshuffle workers"))
+    }
+
+    async fn poll_flight_info(
+        &self,
+        _r: Request<FlightDescriptor>,
+    ) -> Result<Response<PollInfo>, Status> {
+        Err(Status::unimplemented("poll_flight_info is not offered by flightshuffle workers"))
+    }
+
+    async fn get_schema(
+        &self,
+        _r: Request<FlightDescriptor>,
+    ) -> Result<Response<SchemaResult>, Status> {
+        Err(Status::unimplemented("get_schema is not offered by flightshuffle workers"))
+    }
+
+    async fn do_get(&self, r: Request<Ticket>) -> Result<Response<Self::DoGetStream>, Status> {
+        let ticket = proto::Ticket::decode(r.into_inner().ticket)
+            .map_err(|e| bad(format!("malformed ticket: {e}")))?;
+        let stream = match ticket.kind {
+            Some(proto::ticket::Kind::Block(key)) => {
+                let id = BlockId::from(&key);
+                self.state.store.meta(&id)?;
+                let ids = futures::stream::once(async move { Ok(id) }).boxed();
+                self.serve_blocks(id.shuffle, ids)?
+            }
+            Some(proto::ticket::Kind::Partition(p)) => {
+                let shuffle = ShuffleId(p.shuffle_id);
+                let info = self.state.store.shuffle_info(shuffle)?;
+                if p.partition >= info.partitions {
+                    return Err(bad(format!(
+                        "partition {} out of range: shuffle {shuffle} has {}",
+                        p.partition, info.partitions
+                    )));
+                }
+                let timeout = match p.timeout_ms {
+                    0 => self.state.read_timeout,
+                    ms => Duration::from_millis(ms),
+                };
+                let ids = self.partition_ids(shuffle, p.partition, p.wait_sealed, timeout);
+                self.serve_blocks(shuffle, ids)?
+            }
+            None => return Err(bad("ticket names neither a block nor a partition")),
+        };
+        Ok(Response::new(stream))
+    }
+
+    async fn do_put(
+        &self,
+        r: Request<Streaming<FlightData>>,
+    ) -> Result<Response<Self::DoPutStream>, Status> {
+        let mut stream = r.into_inner();
+        let first = stream
+            .message()
+            .await?
+            .ok_or_else(|| bad("do_put stream is empty"))?;
+        let cmd = first
+            .flight_descriptor
+            .as_ref()
+            .ok_or_else(|| bad("do_put needs a flight descriptor with a PutCommand"))?
+            .cmd
+            .clone();
+        let cmd = proto::PutCommand::decode(cmd)
+            .map_err(|e| bad(format!("malformed put command: {e}")))?;
+        let result = match cmd.kind {
+            Some(proto::put_command::Kind::Map(task)) => self.put_map(task, first, stream).await?,
+            Some(proto::put_command::Kind::Block(_)) => {
+                return Err(Status::unimplemented(
+                    "pushing single blocks arrives with the push strategy",
+                ))
+            }
+            None => return Err(bad("put command has no kind")),
+        };
+        Ok(Response::new(one(PutResult {
+            app_metadata: result.encode_to_vec().into(),
+        })))
+    }
+
+    async fn do_action(
+        &self,
+        r: Request<Action>,
+    ) -> Result<Response<Self::DoActionStream>, Status> {
+        let action = r.into_inner();
+        let body = action.body;
+        let s = &self.state;
+        let reply: Vec<u8> = match action.r#type.as_str() {
+            actions::CREATE_SHUFFLE => {
+                s.create_shuffle(decode(&body)?)?;
+                vec![]
+            }
+            actions::RUN_MAP => {
+                let task: proto::MapTask = decode(&body)?;
+                let source = task
+                    .source
+                    .clone()
+                    .ok_or_else(|| bad("run_map needs a task source"))?;
+                let info = s.store.shuffle_info(ShuffleId(task.shuffle_id))?;
+                let input = s.sources.open(&source.kind, &source.payload, info.schema)?;
+                s.run_map(task, input).await?.encode_to_vec()
+            }
+            actions::RUN_REDUCE => s.run_reduce(decode(&body)?).await?.encode_to_vec(),
+            actions::SEAL_SHUFFLE => {
+                let m: proto::ShuffleRef = decode(&body)?;
+                s.store.seal(ShuffleId(m.shuffle_id))?;
+                vec![]
+            }
+            actions::DROP_SHUFFLE => {
+                let m: proto::ShuffleRef = decode(&body)?;
+                s.cancel_shuffle(ShuffleId(m.shuffle_id));
+                s.store.drop_shuffle(ShuffleId(m.shuffle_id))?;
+                vec![]
+            }
+            actions::CANCEL => {
+                let m: proto::MapTask = decode(&body)?;
+                s.cancel(ShuffleId(m.shuffle_id), m.map_id);
+                vec![]
+            }
+            actions::STATS => s.stats().encode_to_vec(),
+            actions::HEALTH => proto::Health {
+                worker_id: s.id.clone(),
+                pid: std::process::id(),
+            }
+            .encode_to_vec(),
+            other => {
+                return Err(bad(format!(
+                    "unknown action {other:?} (known: {:?})",
+                    actions::ALL
+                )))
+            }
+        };
+        Ok(Response::new(one(arrow_flight::Result {
+            body: reply.into(),
+        })))
+    }
+
+    async fn list_actions(
+        &self,
+        _r: Request<Empty>,
+    ) -> Result<Response<Self::ListActionsStream>, Status> {
+        let list = actions::ALL.iter().map(|a| {
+            Ok(ActionType {
+                r#type: a.to_string(),
+                description: String::new(),
+            })
+        });
+        Ok(Response::new(futures::stream::iter(list).boxed()))
+    }
+
+    async fn do_exchange(
+        &self,
+        _r: Request<Streaming<FlightData>>,
+    ) -> Result<Response<Self::DoExchangeStream>, Status> {
+        Err(Status::unimplemented("do_exchange is not offered by flightshuffle workers"))
+    }
+}

@@ -1,0 +1,299 @@
+//! The worker: a block store, a Flight server and the tasks it runs. Hosted by the
+//! `flightshuffle-worker` binary and by `python -m flightshuffle.worker`; both parse the same
+//! command line ([`WorkerArgs`]) and print one ready line with the bound address.
+
+use crate::block::{decode_schema, Compression, ShuffleId};
+use crate::checksum::Checksum;
+use crate::error::{Error, Result};
+use crate::partitioner::Partitioner;
+use crate::proto;
+use crate::store::{BlockStore, ShuffleInfo, StoreConfig, DEFAULT_SEGMENT_BYTES};
+use crate::task::{run_map, BatchStream, MapConfig, SourceRegistry};
+use crate::transport::client::WorkerClient;
+use crate::transport::server::WorkerService;
+use crate::transport::{bearer, CONNECTION_WINDOW, MAX_MESSAGE_BYTES, STREAM_WINDOW, TOKEN_HEADER};
+use arrow_flight::flight_service_server::FlightServiceServer;
+use futures::StreamExt;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::task::AbortHandle;
+
+/// Printed on stdout once the worker listens: `FLIGHTSHUFFLE_WORKER_READY <addr>`.
+pub const READY_LINE: &str = "FLIGHTSHUFFLE_WORKER_READY";
+/// Environment variable carrying the cluster token to a worker process.
+pub const TOKEN_ENV: &str = "FLIGHTSHUFFLE_TOKEN";
+
+/// Command line of a worker process.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "flightshuffle-worker", about = "A flightshuffle worker process")]
+pub struct WorkerArgs {
+    /// Worker name used in logs and errors.
+    #[arg(long, default_value = "worker")]
+    pub id: String,
+    /// Address to listen on (port 0 = ephemeral).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// Block store memory budget in bytes; blocks beyond it spill to disk.
+    #[arg(long, default_value_t = 2 << 30)]
+    pub memory_budget: u64,
+    /// Directory for spill segment files.
+    #[arg(long)]
+    pub spill_dir: PathBuf,
+    /// Size at which a spill segment file is closed.
+    #[arg(long, default_value_t = DEFAULT_SEGMENT_BYTES)]
+    pub segment_bytes: u64,
+    /// IPC compression of blocks: none, lz4 or zstd.
+    #[arg(long, default_value = "none")]
+    pub compression: String,
+    /// Seconds a call or a wait for new blocks may take.
+    #[arg(long, default_value_t = 600)]
+    pub timeout_secs: u64,
+    /// Exit when standard input closes (the driver that started this worker is gone).
+    #[arg(long)]
+    pub exit_with_stdin: bool,
+}
+
+/// Everything a worker's Flight service shares.
+pub struct WorkerState {
+    pub id: String,
+    pub store: BlockStore,
+    pub sources: SourceRegistry,
+    pub map_cfg: MapConfig,
+    pub read_timeout: Duration,
+    token: String,
+    tasks: Mutex<HashMap<(ShuffleId, u32), AbortHandle>>,
+}
+
+impl WorkerState {
+    pub fn create_shuffle(&self, m: proto::CreateShuffle) -> Result<()> {
+        let schema = decode_schema(&m.schema_ipc)?;
+        let partitioner = m
+            .partitioner
+            .ok_or_else(|| Error::invalid("create_shuffle needs a partitioner"))?;
+        // Validate the partitioner against the schema now rather than in every map task.
+        Partitioner::from_proto(&partitioner, &schema, m.partitions, 0)?;
+        self.store.create_shuffle(ShuffleInfo {
+            id: ShuffleId(m.shuffle_id),
+            schema,
+            partitions: m.partitions,
+            partitioner,
+        })
+    }
+
+    /// Run a map task as an abortable task; a failed or cancelled attempt leaves no blocks.
+    pub async fn run_map(
+        self: &Arc<Self>,
+        task: proto::MapTask,
+        input: BatchStream,
+    ) -> Result<proto::TaskResult> {
+        let shuffle = ShuffleId(task.shuffle_id);
+        let info = self.store.shuffle_info(shuffle)?;
+        let me = self.clone();
+        let handle = tokio::spawn(async move {
+            run_map(&me.store, &info, task.map_id, task.attempt, input, me.map_cfg).await
+        });
+        lock(&self.tasks).insert((shuffle, task.map_id), handle.abort_handle());
+        let joined = handle.await;
+        lock(&self.tasks).remove(&(shuffle, task.map_id));
+        let result = match joined {
+            Ok(r) => r,
+            Err(e) if e.is_cancelled() => Err(Error::Cancelled(format!(
+                "map {} of shuffle {shuffle}",
+                task.map_id
+            ))),
+            Err(e) => Err(Error::Cluster(format!("map task panicked: {e}"))),
+        };
+        match result {
+            Ok(out) => Ok(proto::TaskResult {
+                blocks: out.blocks.iter().map(Into::into).collect(),
+                input_rows: out.input.rows,
+                input_checksum: out.input.sum,
+                input_bytes: out.input_bytes,
+                seconds: out.seconds,
+            }),
+            Err(e) => {
+                self.store
+                    .remove_map_output(shuffle, task.map_id, task.attempt);
+                Err(e)
+            }
+        }
+    }
+
+    /// Reduce task: pull one partition from every peer and fold it into a sink.
+    pub async fn run_reduce(&self, m: proto::ReduceTask) -> Result<proto::TaskResult> {
+        if m.sink != "checksum" {
+            return Err(Error::invalid(format!(
+                "unknown reduce sink {:?} (known: [\"checksum\"])",
+                m.sink
+            )));
+        }
+        let start = Instant::now();
+        let mut total = Checksum::default();
+        let mut bytes = 0u64;
+        let reads = m.peers.iter().enumerate().map(|(i, addr)| {
+            let client = WorkerClient::new(i, addr, &self.token, self.read_timeout);
+            async move {
+                let mut stream = client?.read_partition(m.shuffle_id, m.partition, true).await?;
+                let mut sum = Checksum::default();
+                let mut bytes = 0u64;
+                while let Some(batch) = stream.next().await {
+                    let batch = batch?;
+                    bytes += batch.get_array_memory_size() as u64;
+                    sum.add(tokio::task::block_in_place(|| Checksum::of_batch(&batch))?);
+                }
+                Ok::<_, Error>((sum, bytes))
+            }
+        });
+        for r in futures::future::join_all(reads).await {
+            let (sum, b) = r?;
+            total.add(sum);
+            bytes += b;
+        }
+        Ok(proto::TaskResult {
+            blocks: vec![],
+            input_rows: total.rows,
+            input_checksum: total.sum,
+            input_bytes: bytes,
+            seconds: start.elapsed().as_secs_f64(),
+        })
+    }
+
+    pub fn cancel(&self, shuffle: ShuffleId, map: u32) {
+        if let Some(h) = lock(&self.tasks).remove(&(shuffle, map)) {
+            h.abort();
+        }
+    }
+
+    pub fn cancel_shuffle(&self, shuffle: ShuffleId) {
+        let mut tasks = lock(&self.tasks);
+        tasks.retain(|(s, _), h| {
+            if *s == shuffle {
+                h.abort();
+            }
+            *s != shuffle
+        });
+    }
+
+    pub fn stats(&self) -> proto::WorkerStats {
+        let m = self.store.metrics();
+        proto::WorkerStats {
+            blocks: m.blocks,
+            memory_bytes: m.memory_bytes,
+            memory_budget: m.memory_budget,
+            spilled_bytes: m.spilled_bytes,
+            spill_files: m.spill_files,
+            restored_bytes: m.restored_bytes,
+            peak_rss_bytes: crate::transport::peak_rss_bytes(),
+            shuffles: m.shuffles,
+            spilled_blocks: m.spilled_blocks,
+            restored_blocks: m.restored_blocks,
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Build the worker state from its arguments and the token.
+pub fn build_state(args: &WorkerArgs, token: String, sources: SourceRegistry) -> Result<WorkerState> {
+    let compression: Compression = args.compression.parse()?;
+    let store = BlockStore::new(StoreConfig {
+        memory_budget: args.memory_budget,
+        spill_dir: args.spill_dir.clone(),
+        segment_bytes: args.segment_bytes.max(1),
+    })?;
+    Ok(WorkerState {
+        id: args.id.clone(),
+        store,
+        sources,
+        map_cfg: MapConfig {
+            compression,
+            ..MapConfig::default()
+        },
+        read_timeout: Duration::from_secs(args.timeout_secs.max(1)),
+        token,
+        tasks: Mutex::new(HashMap::new()),
+    })
+}
+
+/// Serve Flight on `args.listen` until the process ends; `ready` gets the bound address.
+pub async fn serve(
+    args: WorkerArgs,
+    token: String,
+    sources: SourceRegistry,
+    ready: impl FnOnce(SocketAddr),
+) -> Result<()> {
+    if token.is_empty() {
+        return Err(Error::invalid(format!("the worker needs a token in ${TOKEN_ENV}")));
+    }
+    let state = Arc::new(build_state(&args, token.clone(), sources)?);
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| Error::Cluster(format!("cannot listen on {}: {e}", args.listen)))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| Error::Cluster(format!("no local address: {e}")))?;
+    let expected = bearer(&token);
+    let check = move |req: tonic::Request<()>| -> Result<tonic::Request<()>, tonic::Status> {
+        match req.metadata().get(TOKEN_HEADER).and_then(|v| v.to_str().ok()) {
+            Some(v) if v == expected => Ok(req),
+            Some(_) => Err(tonic::Status::unauthenticated("wrong cluster token")),
+            None => Err(tonic::Status::unauthenticated("missing cluster token")),
+        }
+    };
+    let flight = FlightServiceServer::new(WorkerService { state })
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let service = tonic::service::interceptor::InterceptedService::new(flight, check);
+    ready(addr);
+    tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .http2_keepalive_interval(Some(crate::transport::KEEPALIVE))
+        .http2_keepalive_timeout(Some(crate::transport::KEEPALIVE * 2))
+        .add_service(service)
+        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+        .await
+        .map_err(|e| Error::Cluster(format!("worker server failed: {e}")))
+}
+
+/// Entry point shared by the worker binary and the Python module: parse `argv`, start a
+/// runtime, serve, and print the ready line. Returns when the server stops.
+pub fn main_with_args(argv: Vec<String>, sources: SourceRegistry) -> Result<()> {
+    use clap::Parser;
+    let args = WorkerArgs::try_parse_from(argv).map_err(|e| Error::invalid(e.to_string()))?;
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("FLIGHTSHUFFLE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let token = std::env::var(TOKEN_ENV).unwrap_or_default();
+    if args.exit_with_stdin {
+        std::thread::spawn(|| {
+            let mut sink = Vec::new();
+            let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
+            tracing::info!("standard input closed: the driver is gone, exiting");
+            std::process::exit(0);
+        });
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("flightshuffle-worker")
+        .build()
+        .map_err(|e| Error::Cluster(format!("cannot start runtime: {e}")))?;
+    let id = args.id.clone();
+    rt.block_on(serve(args, token, sources, |addr| {
+        use std::io::Write;
+        let mut out = std::io::stdout();
+        let _ = writeln!(out, "{READY_LINE} {addr}");
+        let _ = out.flush();
+        tracing::info!(worker = %id, %addr, "worker listening");
+    }))
+}
