@@ -163,6 +163,18 @@ impl LocalCluster {
         self.children.iter().map(|c| c.id()).collect()
     }
 
+    /// SIGKILL one worker, as a crash would (fault-injection in tests and chaos runs).
+    pub fn kill_worker(&mut self, i: usize) -> Result<()> {
+        let c = self
+            .children
+            .get_mut(i)
+            .ok_or_else(|| Error::invalid(format!("no worker {i}")))?;
+        c.kill()
+            .map_err(|e| Error::Cluster(format!("cannot kill worker {i}: {e}")))?;
+        let _ = c.wait();
+        Ok(())
+    }
+
     /// Stop every worker (kill, then reap). Safe to call more than once.
     pub fn stop(&mut self) {
         for c in &mut self.children {

@@ -1,0 +1,306 @@
+//! End-to-end tests of the data plane with real worker processes on loopback.
+
+use arrow::array::{Array, Int64Array, RecordBatch, StringArray};
+use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
+use arrow_flight::flight_service_client::FlightServiceClient;
+use arrow_flight::{Action, Ticket};
+use exchange::checksum::Checksum;
+use exchange::cluster::{LocalCluster, LocalClusterConfig};
+use exchange::driver::{MapInput, ShuffleSpec};
+use exchange::strategy::{pull, StrategyOptions};
+use exchange::{partitioner, proto, Error, ShuffleId};
+use futures::TryStreamExt;
+use prost::Message;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn config(workers: usize, budget: u64) -> LocalClusterConfig {
+    let mut c = LocalClusterConfig::new(
+        workers,
+        vec![env!("CARGO_BIN_EXE_flightshuffle-worker").to_string()],
+    );
+    c.memory_budget = budget;
+    c
+}
+
+fn schema() -> SchemaRef {
+    Arc::new(Schema::new(vec![
+        Field::new("k", DataType::Int64, false),
+        Field::new("v", DataType::Utf8, true),
+    ]))
+}
+
+fn batches(n: usize, per: usize) -> Vec<RecordBatch> {
+    (0..n)
+        .map(|b| {
+            let keys: Int64Array = (0..per).map(|i| ((b * per + i) % 997) as i64).collect();
+            let vals: StringArray = (0..per)
+                .map(|i| (i % 11 != 0).then(|| format!("value-{b}-{i}")))
+                .collect();
+            RecordBatch::try_new(schema(), vec![Arc::new(keys), Arc::new(vals)]).unwrap()
+        })
+        .collect()
+}
+
+fn checksum(batches: &[RecordBatch]) -> Checksum {
+    let mut c = Checksum::default();
+    for b in batches {
+        c.add(Checksum::of_batch(b).unwrap());
+    }
+    c
+}
+
+/// Shuffle `input` from the driver in `maps` map tasks; return every partition's batches.
+async fn shuffle(
+    cluster: &LocalCluster,
+    input: &[RecordBatch],
+    maps: usize,
+    partitions: u32,
+) -> exchange::Result<Vec<Vec<RecordBatch>>> {
+    let driver = cluster.driver.clone();
+    let spec = ShuffleSpec {
+        id: ShuffleId::random(),
+        schema: schema(),
+        partitions,
+        partitioner: partitioner::hash(&["k"]),
+    };
+    driver.create_shuffle(&spec).await?;
+    let chunk = input.len().div_ceil(maps);
+    let inputs: Vec<MapInput> = input
+        .chunks(chunk)
+        .map(|c| {
+            let s = futures::stream::iter(c.to_vec().into_iter().map(Ok));
+            MapInput::Stream(Box::pin(s))
+        })
+        .collect();
+    let mapped = pull::map_side(
+        &driver,
+        &spec,
+        futures::stream::iter(inputs),
+        StrategyOptions::default(),
+    )
+    .await?;
+    assert_eq!(mapped.input, checksum(input));
+    let mut out = Vec::new();
+    for p in 0..partitions {
+        let s = driver.read_partition(spec.id, p, true).await?;
+        out.push(s.try_collect::<Vec<_>>().await?);
+    }
+    let reduced = pull::reduce_on_workers(&driver, &spec, "checksum", StrategyOptions::default())
+        .await?;
+    let mut on_workers = Checksum::default();
+    for r in reduced {
+        on_workers.add(Checksum {
+            rows: r.input_rows,
+            sum: r.input_checksum,
+        });
+    }
+    assert_eq!(on_workers, mapped.input, "reducers on workers see the same multiset");
+    Ok(out)
+}
+
+fn assert_keys_not_split(parts: &[Vec<RecordBatch>]) {
+    let mut home: HashMap<i64, usize> = HashMap::new();
+    for (p, batches) in parts.iter().enumerate() {
+        for b in batches {
+            let k = b.column(0).as_any().downcast_ref::<Int64Array>().unwrap();
+            for key in k.values() {
+                assert_eq!(*home.entry(*key).or_insert(p), p, "key {key} split");
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pull_shuffle_preserves_the_multiset_in_memory_and_spilling() {
+    let input = batches(40, 2_500);
+    let total: usize = input.iter().map(|b| b.get_array_memory_size()).sum();
+    for budget in [1u64 << 30, (total / 8 / 3) as u64] {
+        let cluster = LocalCluster::start(config(3, budget)).await.unwrap();
+        let parts = shuffle(&cluster, &input, 6, 7).await.unwrap();
+        let all: Vec<RecordBatch> = parts.iter().flatten().cloned().collect();
+        assert_eq!(checksum(&all), checksum(&input));
+        assert_keys_not_split(&parts);
+        let stats = cluster.driver.stats().await.unwrap();
+        let spilled: u64 = stats.iter().map(|s| s.spilled_bytes).sum();
+        if budget < (1 << 30) {
+            assert!(spilled > 0, "budget {budget} of {total} should spill");
+            assert!(stats.iter().all(|s| s.memory_bytes <= budget));
+        } else {
+            assert_eq!(spilled, 0);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_worker_fails_the_shuffle_quickly_and_names_it() {
+    let mut cluster = LocalCluster::start(config(3, 1 << 30)).await.unwrap();
+    let driver = cluster.driver.clone();
+    let spec = ShuffleSpec {
+        id: ShuffleId::random(),
+        schema: exchange::gen::lineitem_schema(),
+        partitions: 8,
+        partitioner: partitioner::hash(&["l_orderkey"]),
+    };
+    driver.create_shuffle(&spec).await.unwrap();
+    let inputs = (0..60u64).map(|m| {
+        let slice = exchange::gen::LineitemSlice {
+            first: m * 200_000,
+            rows: 200_000,
+            seed: 1,
+            batch_rows: 8192,
+        };
+        MapInput::Source(proto::TaskSource {
+            kind: exchange::gen::LINEITEM_SOURCE.into(),
+            payload: serde_json::to_vec(&slice).unwrap(),
+        })
+    });
+    let run = tokio::spawn({
+        let driver = driver.clone();
+        let spec = spec.clone();
+        async move {
+            pull::map_side(
+                &driver,
+                &spec,
+                futures::stream::iter(inputs),
+                StrategyOptions::default(),
+            )
+            .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let victim_pid = cluster.pids()[1];
+    let killed_at = Instant::now();
+    cluster.kill_worker(1).unwrap();
+    let err = tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .expect("the shuffle must fail within 30 s")
+        .unwrap()
+        .unwrap_err();
+    assert!(killed_at.elapsed() < Duration::from_secs(30));
+    match &err {
+        Error::WorkerLost { worker, addr, .. } => {
+            assert_eq!(*worker, 1, "{err}");
+            assert_eq!(addr, &driver.worker(1).addr);
+        }
+        other => panic!("expected WorkerLost, got {other}"),
+    }
+    let pids = cluster.pids();
+    drop(cluster);
+    for pid in pids.into_iter().chain([victim_pid]) {
+        let alive = std::path::Path::new(&format!("/proc/{pid}")).exists()
+            && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .unwrap_or_default()
+                .contains(") Z ");
+        assert!(!alive, "worker process {pid} left behind");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_clear_statuses() {
+    let cluster = LocalCluster::start(config(1, 1 << 20)).await.unwrap();
+    let addr = cluster.driver.worker(0).addr.clone();
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut raw = FlightServiceClient::new(channel);
+    // No token, then a wrong one.
+    let status = raw
+        .do_action(Action {
+            r#type: "health".into(),
+            body: Default::default(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unauthenticated);
+    let mut req = tonic::Request::new(Action {
+        r#type: "health".into(),
+        body: Default::default(),
+    });
+    req.metadata_mut()
+        .insert("authorization", "Bearer wrong".parse().unwrap());
+    assert_eq!(
+        raw.do_action(req).await.unwrap_err().code(),
+        tonic::Code::Unauthenticated
+    );
+
+    let w = cluster.driver.worker(0).clone();
+    let code = |e: Error| match e {
+        Error::Remote { code, .. } => code,
+        other => panic!("expected a remote status, got {other}"),
+    };
+    // Malformed bodies and unknown actions.
+    assert_eq!(
+        code(w.action("run_map", vec![0xff, 0xff, 0xff], Duration::from_secs(5)).await.unwrap_err()),
+        tonic::Code::InvalidArgument
+    );
+    assert_eq!(
+        code(w.action("explode", vec![], Duration::from_secs(5)).await.unwrap_err()),
+        tonic::Code::InvalidArgument
+    );
+    // Unknown shuffle.
+    assert_eq!(
+        code(w.read_partition(42, 0, false).await.err().unwrap()),
+        tonic::Code::NotFound
+    );
+    assert_eq!(
+        code(w.shuffle_action("drop_shuffle", 42).await.unwrap_err()),
+        tonic::Code::NotFound
+    );
+    // Malformed ticket, through a client that carries the right token.
+    let token_hdr = {
+        let s = std::fs::read_to_string(format!("/proc/{}/environ", cluster.pids()[0])).unwrap();
+        let t = s
+            .split('\0')
+            .find_map(|kv| kv.strip_prefix("FLIGHTSHUFFLE_TOKEN="))
+            .unwrap()
+            .to_string();
+        format!("Bearer {t}")
+    };
+    let mut req = tonic::Request::new(Ticket {
+        ticket: vec![0x0a, 0xff, 0x01].into(),
+    });
+    req.metadata_mut()
+        .insert("authorization", token_hdr.parse().unwrap());
+    let status = match raw.do_get(req).await {
+        Err(s) => s,
+        Ok(_) => panic!("a malformed ticket must fail"),
+    };
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status}");
+
+    // A map input with another schema than the shuffle's.
+    let spec = ShuffleSpec {
+        id: ShuffleId::random(),
+        schema: schema(),
+        partitions: 2,
+        partitioner: partitioner::hash(&["k"]),
+    };
+    cluster.driver.create_shuffle(&spec).await.unwrap();
+    let other = Arc::new(Schema::new(vec![Field::new("k", DataType::Utf8, false)]));
+    let b = RecordBatch::try_new(other.clone(), vec![Arc::new(StringArray::from(vec!["x"]))])
+        .unwrap();
+    let task = proto::MapTask {
+        shuffle_id: spec.id.0,
+        map_id: 0,
+        attempt: 0,
+        source: None,
+    };
+    let err = w
+        .put_map(&task, other, Box::pin(futures::stream::iter(vec![Ok(b)])))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("schema mismatch"), "{err}");
+    assert_eq!(code(err), tonic::Code::InvalidArgument);
+    // A partitioner naming a missing column is refused when the shuffle is created.
+    let bad = ShuffleSpec {
+        partitioner: partitioner::hash(&["missing"]),
+        id: ShuffleId::random(),
+        ..spec
+    };
+    let err = cluster.driver.create_shuffle(&bad).await.unwrap_err();
+    assert!(err.to_string().contains("missing"), "{err}");
+    let _ = proto::Ticket::default().encode_to_vec();
+}
