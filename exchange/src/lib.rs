@@ -25,3 +25,5 @@ pub mod proto {
 
 pub use block::{BlockId, BlockMeta, Compression, ShuffleId};
 pub use error::{Error, Result};
+/// gRPC status codes, as carried by [`Error::Remote`].
+pub use tonic as transport_code;

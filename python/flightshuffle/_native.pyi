@@ -1,0 +1,49 @@
+from typing import Any
+
+class ShuffleError(Exception): ...
+class WorkerLostError(ShuffleError): ...
+class ChecksumError(ShuffleError): ...
+
+class NativeShuffle:
+    shuffle_id: str
+    def next_partition(self) -> tuple[int, Any] | None: ...
+    def wait_mapped(self) -> str: ...
+    def close(self) -> None: ...
+
+class NativeCluster:
+    def __init__(
+        self,
+        workers: int,
+        memory_budget: int,
+        spill_dir: str | None,
+        compression: str,
+        worker_command: list[str],
+        timeout_secs: float,
+    ) -> None: ...
+    def worker_pids(self) -> list[int]: ...
+    def worker_addresses(self) -> list[str]: ...
+    def spill_root(self) -> str | None: ...
+    def stats_json(self) -> str: ...
+    def shuffle(
+        self,
+        data: Any,
+        by: list[str],
+        partitions: int,
+        strategy: str,
+        partitioner: str,
+        map_bytes: int,
+    ) -> NativeShuffle: ...
+    def close(self) -> None: ...
+
+def run_worker(argv: list[str]) -> None: ...
+def shuffle_bench(
+    rows: int,
+    workers: int,
+    partitions: int,
+    memory_budget: int,
+    maps: int,
+    batch_rows: int,
+    seed: int,
+    compression: str,
+    worker_command: list[str],
+) -> str: ...
