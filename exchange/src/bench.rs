@@ -30,10 +30,16 @@ const CEILING_ROWS: u64 = 2_000_000;
 
 pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
     if cfg.rows == 0 || cfg.partitions == 0 {
-        return Err(Error::invalid("shuffle-bench needs rows > 0 and partitions > 0"));
+        return Err(Error::invalid(
+            "shuffle-bench needs rows > 0 and partitions > 0",
+        ));
     }
     let workers = cfg.cluster.workers;
-    let maps = if cfg.maps == 0 { 4 * workers as u32 } else { cfg.maps } as u64;
+    let maps = if cfg.maps == 0 {
+        4 * workers as u32
+    } else {
+        cfg.maps
+    } as u64;
     let ceiling = ipc_ceiling(cfg.rows.min(CEILING_ROWS), cfg.batch_rows, cfg.seed)?;
 
     let mut cluster = LocalCluster::start(cfg.cluster.clone()).await?;

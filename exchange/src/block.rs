@@ -269,8 +269,13 @@ mod tests {
     #[test]
     fn view_slices_are_compacted() {
         let b = batch();
-        let full = encode_block(&b.schema(), &[b.clone()], Compression::None).unwrap();
+        let full = encode_block(&b.schema(), std::slice::from_ref(&b), Compression::None).unwrap();
         let small = encode_block(&b.schema(), &[b.slice(0, 10)], Compression::None).unwrap();
-        assert!(small.len() * 20 < full.len(), "{} vs {}", small.len(), full.len());
+        assert!(
+            small.len() * 20 < full.len(),
+            "{} vs {}",
+            small.len(),
+            full.len()
+        );
     }
 }

@@ -35,7 +35,7 @@ impl Default for DriverConfig {
         DriverConfig {
             rpc_timeout: Duration::from_secs(600),
             health_interval: Duration::from_secs(1),
-            health_timeout: Duration::from_secs(3),
+            health_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -145,7 +145,10 @@ impl Driver {
     }
 
     pub fn blocks_of(&self, shuffle: ShuffleId) -> Vec<BlockRef> {
-        lock(&self.blocks).get(&shuffle).cloned().unwrap_or_default()
+        lock(&self.blocks)
+            .get(&shuffle)
+            .cloned()
+            .unwrap_or_default()
     }
 
     pub fn lineage(&self, shuffle: ShuffleId, map: u32) -> Option<(usize, Lineage)> {
@@ -242,6 +245,13 @@ impl Driver {
 
     /// Register a shuffle on every worker.
     pub async fn create_shuffle(&self, spec: &ShuffleSpec) -> Result<()> {
+        // Refuse a partitioner that cannot work on this schema before any worker sees it.
+        crate::partitioner::Partitioner::from_proto(
+            &spec.partitioner,
+            &spec.schema,
+            spec.partitions,
+            0,
+        )?;
         let msg = proto::CreateShuffle {
             shuffle_id: spec.id.0,
             schema_ipc: encode_schema(&spec.schema)?.to_vec(),
@@ -279,7 +289,10 @@ impl Driver {
         lock(&self.lineage).insert((shuffle, map), (worker, lineage));
         tokio::spawn(async move {
             let client = me.workers.get(worker).cloned().ok_or_else(|| {
-                Error::invalid(format!("no worker {worker} in a cluster of {}", me.workers.len()))
+                Error::invalid(format!(
+                    "no worker {worker} in a cluster of {}",
+                    me.workers.len()
+                ))
             })?;
             let result = match input {
                 MapInput::Source(source) => {
@@ -301,7 +314,12 @@ impl Driver {
             let blocks = result
                 .blocks
                 .iter()
-                .map(|m| Ok(BlockRef { meta: m.try_into()?, worker }))
+                .map(|m| {
+                    Ok(BlockRef {
+                        meta: m.try_into()?,
+                        worker,
+                    })
+                })
                 .collect::<Result<Vec<_>>>()?;
             lock(&me.blocks)
                 .entry(shuffle)

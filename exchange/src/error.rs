@@ -17,7 +17,9 @@ pub enum Error {
         source: std::io::Error,
     },
 
-    #[error("checksum mismatch for block {block}: stored crc32c {expected:#010x}, read {actual:#010x}")]
+    #[error(
+        "checksum mismatch for block {block}: stored crc32c {expected:#010x}, read {actual:#010x}"
+    )]
     Checksum {
         block: BlockId,
         expected: u32,

@@ -3,7 +3,9 @@
 
 use crate::error::{Error, Result};
 use crate::task::{BatchSource, BatchStream};
-use arrow::array::{ArrayRef, Date32Array, Float64Array, Int32Array, Int64Array, RecordBatch, StringArray};
+use arrow::array::{
+    ArrayRef, Date32Array, Float64Array, Int32Array, Int64Array, RecordBatch, StringArray,
+};
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -12,11 +14,37 @@ use std::sync::Arc;
 pub const LINEITEM_SOURCE: &str = "lineitem";
 
 const WORDS: &[&str] = &[
-    "furiously", "quickly", "carefully", "blithely", "slyly", "ironic", "final", "pending",
-    "regular", "express", "special", "bold", "even", "silent", "deposits", "packages",
-    "requests", "accounts", "theodolites", "pinto", "beans", "instructions", "foxes", "ideas",
+    "furiously",
+    "quickly",
+    "carefully",
+    "blithely",
+    "slyly",
+    "ironic",
+    "final",
+    "pending",
+    "regular",
+    "express",
+    "special",
+    "bold",
+    "even",
+    "silent",
+    "deposits",
+    "packages",
+    "requests",
+    "accounts",
+    "theodolites",
+    "pinto",
+    "beans",
+    "instructions",
+    "foxes",
+    "ideas",
 ];
-const INSTRUCT: &[&str] = &["DELIVER IN PERSON", "COLLECT COD", "NONE", "TAKE BACK RETURN"];
+const INSTRUCT: &[&str] = &[
+    "DELIVER IN PERSON",
+    "COLLECT COD",
+    "NONE",
+    "TAKE BACK RETURN",
+];
 const MODES: &[&str] = &["REG AIR", "AIR", "RAIL", "SHIP", "TRUCK", "MAIL", "FOB"];
 
 pub fn lineitem_schema() -> SchemaRef {
@@ -44,23 +72,39 @@ pub fn lineitem_schema() -> SchemaRef {
 /// `rows` rows starting at global row `first` (so map tasks generate disjoint slices).
 pub fn lineitem_batch(first: u64, rows: usize, seed: u64) -> Result<RecordBatch> {
     let mut rng = StdRng::seed_from_u64(seed ^ first.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-    let orderkey: Int64Array = (0..rows as u64).map(|i| ((first + i) / 4 + 1) as i64).collect();
-    let linenumber: Int32Array = (0..rows as u64).map(|i| ((first + i) % 4 + 1) as i32).collect();
+    let orderkey: Int64Array = (0..rows as u64)
+        .map(|i| ((first + i) / 4 + 1) as i64)
+        .collect();
+    let linenumber: Int32Array = (0..rows as u64)
+        .map(|i| ((first + i) % 4 + 1) as i32)
+        .collect();
     let partkey: Int64Array = (0..rows).map(|_| rng.random_range(1..200_000)).collect();
     let suppkey: Int64Array = (0..rows).map(|_| rng.random_range(1..10_000)).collect();
     let qty: Float64Array = (0..rows).map(|_| rng.random_range(1..=50) as f64).collect();
     let price: Float64Array = (0..rows)
         .map(|_| rng.random_range(90_000..10_500_000) as f64 / 100.0)
         .collect();
-    let disc: Float64Array = (0..rows).map(|_| rng.random_range(0..=10) as f64 / 100.0).collect();
-    let tax: Float64Array = (0..rows).map(|_| rng.random_range(0..=8) as f64 / 100.0).collect();
+    let disc: Float64Array = (0..rows)
+        .map(|_| rng.random_range(0..=10) as f64 / 100.0)
+        .collect();
+    let tax: Float64Array = (0..rows)
+        .map(|_| rng.random_range(0..=8) as f64 / 100.0)
+        .collect();
     let rf: StringArray = (0..rows)
         .map(|_| Some(["R", "A", "N"][rng.random_range(0..3)]))
         .collect();
-    let ls: StringArray = (0..rows).map(|_| Some(["O", "F"][rng.random_range(0..2)])).collect();
+    let ls: StringArray = (0..rows)
+        .map(|_| Some(["O", "F"][rng.random_range(0..2)]))
+        .collect();
     let ship: Vec<i32> = (0..rows).map(|_| rng.random_range(8036..10_561)).collect();
-    let commit: Date32Array = ship.iter().map(|d| Some(d + rng.random_range(-60..60))).collect();
-    let receipt: Date32Array = ship.iter().map(|d| Some(d + rng.random_range(1..30))).collect();
+    let commit: Date32Array = ship
+        .iter()
+        .map(|d| Some(d + rng.random_range(-60..60)))
+        .collect();
+    let receipt: Date32Array = ship
+        .iter()
+        .map(|d| Some(d + rng.random_range(1..30)))
+        .collect();
     let instruct: StringArray = (0..rows)
         .map(|_| Some(INSTRUCT[rng.random_range(0..INSTRUCT.len())]))
         .collect();
@@ -70,7 +114,9 @@ pub fn lineitem_batch(first: u64, rows: usize, seed: u64) -> Result<RecordBatch>
     let comment: StringArray = (0..rows)
         .map(|_| {
             let n = rng.random_range(2..6);
-            let words: Vec<&str> = (0..n).map(|_| WORDS[rng.random_range(0..WORDS.len())]).collect();
+            let words: Vec<&str> = (0..n)
+                .map(|_| WORDS[rng.random_range(0..WORDS.len())])
+                .collect();
             Some(words.join(" "))
         })
         .collect();

@@ -8,10 +8,10 @@ use crate::block::{decode_block, encode_block, Compression};
 use crate::error::{Error, Result};
 use crate::proto;
 use arrow::array::{ArrayRef, RecordBatch, UInt32Array};
+use arrow::compute::SortOptions;
 use arrow::compute::{concat_batches, take_record_batch};
 use arrow::datatypes::{Schema, SchemaRef};
 use arrow::row::{OwnedRow, RowConverter, SortField};
-use arrow::compute::SortOptions;
 use std::sync::Arc;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -38,7 +38,9 @@ enum Kind {
 
 fn key_indices(schema: &Schema, keys: &[String]) -> Result<Vec<usize>> {
     if keys.is_empty() {
-        return Err(Error::invalid("a hash or range partitioner needs at least one key column"));
+        return Err(Error::invalid(
+            "a hash or range partitioner needs at least one key column",
+        ));
     }
     keys.iter()
         .map(|k| {
@@ -90,7 +92,9 @@ impl Partitioner {
                 let mut boundaries = Vec::new();
                 for b in &batches {
                     if b.num_columns() != keys.len() {
-                        return Err(Error::invalid("range boundaries must hold the key columns only"));
+                        return Err(Error::invalid(
+                            "range boundaries must hold the key columns only",
+                        ));
                     }
                     let rows = converter.convert_columns(b.columns())?;
                     boundaries.extend(rows.iter().map(|r| r.owned()));
@@ -231,7 +235,9 @@ pub fn range_boundaries(
     let boundaries = if picks.len() + 1 == partitions as usize {
         take_record_batch(&all, &UInt32Array::from(picks))?
     } else {
-        return Err(Error::invalid("range partitioning needs a non-empty sample"));
+        return Err(Error::invalid(
+            "range partitioning needs a non-empty sample",
+        ));
     };
     Ok(proto::RangePartitioner {
         keys: keys.to_vec(),
@@ -250,7 +256,9 @@ pub fn hash(keys: &[&str]) -> proto::Partitioner {
 
 pub fn round_robin() -> proto::Partitioner {
     proto::Partitioner {
-        kind: Some(proto::partitioner::Kind::RoundRobin(proto::RoundRobinPartitioner {})),
+        kind: Some(proto::partitioner::Kind::RoundRobin(
+            proto::RoundRobinPartitioner {},
+        )),
     }
 }
 
@@ -280,7 +288,11 @@ mod tests {
     fn check_split(p: &mut Partitioner, b: &RecordBatch, r: u32) -> Vec<(u32, RecordBatch)> {
         let pieces = p.split(b).unwrap();
         let total: usize = pieces.iter().map(|(_, x)| x.num_rows()).sum();
-        assert_eq!(total, b.num_rows(), "every row lands in exactly one partition");
+        assert_eq!(
+            total,
+            b.num_rows(),
+            "every row lands in exactly one partition"
+        );
         assert!(pieces.iter().all(|(q, _)| *q < r));
         let mut sum = crate::checksum::Checksum::default();
         for (_, piece) in &pieces {
@@ -313,7 +325,7 @@ mod tests {
         fn range_is_ordered(keys in prop::collection::vec(-1000i64..1000, 1..300), r in 1u32..10) {
             let names: Vec<String> = keys.iter().map(|_| String::new()).collect();
             let b = batch(&keys, &names);
-            let spec = range_boundaries(&[b.clone()], &b.schema(), &["k".into()], &[], r).unwrap();
+            let spec = range_boundaries(std::slice::from_ref(&b), &b.schema(), &["k".into()], &[], r).unwrap();
             let spec = proto::Partitioner { kind: Some(proto::partitioner::Kind::Range(spec)) };
             let mut p = Partitioner::from_proto(&spec, &b.schema(), r, 0).unwrap();
             let pieces = check_split(&mut p, &b, r);
@@ -350,7 +362,9 @@ mod tests {
         let a = p.assign(&b).unwrap();
         assert_eq!(a[0], a[2]);
         assert!(b.column(0).is_null(0));
-        let err = Partitioner::from_proto(&hash(&["nope"]), &schema, 4, 0).err().unwrap();
+        let err = Partitioner::from_proto(&hash(&["nope"]), &schema, 4, 0)
+            .err()
+            .unwrap();
         assert!(err.to_string().contains("nope"));
         assert!(Partitioner::from_proto(&hash(&["k"]), &schema, 0, 0).is_err());
     }

@@ -31,7 +31,10 @@ pub struct SourceRegistry {
 impl SourceRegistry {
     pub fn with_builtin() -> Self {
         let mut r = SourceRegistry::default();
-        r.register(crate::gen::LINEITEM_SOURCE, Arc::new(crate::gen::LineitemSource));
+        r.register(
+            crate::gen::LINEITEM_SOURCE,
+            Arc::new(crate::gen::LineitemSource),
+        );
         r
     }
 

@@ -28,7 +28,10 @@ pub const TOKEN_ENV: &str = "FLIGHTSHUFFLE_TOKEN";
 
 /// Command line of a worker process.
 #[derive(Debug, Clone, clap::Parser)]
-#[command(name = "flightshuffle-worker", about = "A flightshuffle worker process")]
+#[command(
+    name = "flightshuffle-worker",
+    about = "A flightshuffle worker process"
+)]
 pub struct WorkerArgs {
     /// Worker name used in logs and errors.
     #[arg(long, default_value = "worker")]
@@ -93,7 +96,15 @@ impl WorkerState {
         let info = self.store.shuffle_info(shuffle)?;
         let me = self.clone();
         let handle = tokio::spawn(async move {
-            run_map(&me.store, &info, task.map_id, task.attempt, input, me.map_cfg).await
+            run_map(
+                &me.store,
+                &info,
+                task.map_id,
+                task.attempt,
+                input,
+                me.map_cfg,
+            )
+            .await
         });
         lock(&self.tasks).insert((shuffle, task.map_id), handle.abort_handle());
         let joined = handle.await;
@@ -136,7 +147,9 @@ impl WorkerState {
         let reads = m.peers.iter().enumerate().map(|(i, addr)| {
             let client = WorkerClient::new(i, addr, &self.token, self.read_timeout);
             async move {
-                let mut stream = client?.read_partition(m.shuffle_id, m.partition, true).await?;
+                let mut stream = client?
+                    .read_partition(m.shuffle_id, m.partition, true)
+                    .await?;
                 let mut sum = Checksum::default();
                 let mut bytes = 0u64;
                 while let Some(batch) = stream.next().await {
@@ -199,7 +212,11 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Build the worker state from its arguments and the token.
-pub fn build_state(args: &WorkerArgs, token: String, sources: SourceRegistry) -> Result<WorkerState> {
+pub fn build_state(
+    args: &WorkerArgs,
+    token: String,
+    sources: SourceRegistry,
+) -> Result<WorkerState> {
     let compression: Compression = args.compression.parse()?;
     let store = BlockStore::new(StoreConfig {
         memory_budget: args.memory_budget,
@@ -228,7 +245,9 @@ pub async fn serve(
     ready: impl FnOnce(SocketAddr),
 ) -> Result<()> {
     if token.is_empty() {
-        return Err(Error::invalid(format!("the worker needs a token in ${TOKEN_ENV}")));
+        return Err(Error::invalid(format!(
+            "the worker needs a token in ${TOKEN_ENV}"
+        )));
     }
     let state = Arc::new(build_state(&args, token.clone(), sources)?);
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -239,7 +258,11 @@ pub async fn serve(
         .map_err(|e| Error::Cluster(format!("no local address: {e}")))?;
     let expected = bearer(&token);
     let check = move |req: tonic::Request<()>| -> Result<tonic::Request<()>, tonic::Status> {
-        match req.metadata().get(TOKEN_HEADER).and_then(|v| v.to_str().ok()) {
+        match req
+            .metadata()
+            .get(TOKEN_HEADER)
+            .and_then(|v| v.to_str().ok())
+        {
             Some(v) if v == expected => Ok(req),
             Some(_) => Err(tonic::Status::unauthenticated("wrong cluster token")),
             None => Err(tonic::Status::unauthenticated("missing cluster token")),

@@ -70,7 +70,8 @@ async fn shuffle(
     let inputs: Vec<MapInput> = input
         .chunks(chunk)
         .map(|c| {
-            let s = futures::stream::iter(c.to_vec().into_iter().map(Ok));
+            let owned: Vec<RecordBatch> = c.to_vec();
+            let s = futures::stream::iter(owned.into_iter().map(Ok));
             MapInput::Stream(Box::pin(s))
         })
         .collect();
@@ -87,8 +88,8 @@ async fn shuffle(
         let s = driver.read_partition(spec.id, p, true).await?;
         out.push(s.try_collect::<Vec<_>>().await?);
     }
-    let reduced = pull::reduce_on_workers(&driver, &spec, "checksum", StrategyOptions::default())
-        .await?;
+    let reduced =
+        pull::reduce_on_workers(&driver, &spec, "checksum", StrategyOptions::default()).await?;
     let mut on_workers = Checksum::default();
     for r in reduced {
         on_workers.add(Checksum {
@@ -96,7 +97,10 @@ async fn shuffle(
             sum: r.input_checksum,
         });
     }
-    assert_eq!(on_workers, mapped.input, "reducers on workers see the same multiset");
+    assert_eq!(
+        on_workers, mapped.input,
+        "reducers on workers see the same multiset"
+    );
     Ok(out)
 }
 
@@ -234,11 +238,19 @@ async fn bad_requests_get_clear_statuses() {
     };
     // Malformed bodies and unknown actions.
     assert_eq!(
-        code(w.action("run_map", vec![0xff, 0xff, 0xff], Duration::from_secs(5)).await.unwrap_err()),
+        code(
+            w.action("run_map", vec![0xff, 0xff, 0xff], Duration::from_secs(5))
+                .await
+                .unwrap_err()
+        ),
         tonic::Code::InvalidArgument
     );
     assert_eq!(
-        code(w.action("explode", vec![], Duration::from_secs(5)).await.unwrap_err()),
+        code(
+            w.action("explode", vec![], Duration::from_secs(5))
+                .await
+                .unwrap_err()
+        ),
         tonic::Code::InvalidArgument
     );
     // Unknown shuffle.
@@ -280,8 +292,8 @@ async fn bad_requests_get_clear_statuses() {
     };
     cluster.driver.create_shuffle(&spec).await.unwrap();
     let other = Arc::new(Schema::new(vec![Field::new("k", DataType::Utf8, false)]));
-    let b = RecordBatch::try_new(other.clone(), vec![Arc::new(StringArray::from(vec!["x"]))])
-        .unwrap();
+    let b =
+        RecordBatch::try_new(other.clone(), vec![Arc::new(StringArray::from(vec!["x"]))]).unwrap();
     let task = proto::MapTask {
         shuffle_id: spec.id.0,
         map_id: 0,

@@ -10,9 +10,7 @@ import json
 import re
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
-
-import pyarrow as pa
+from typing import Any, Literal, Self
 
 from flightshuffle._native import (
     ChecksumError,
@@ -109,7 +107,7 @@ class ShuffleResult:
     def close(self) -> None:
         self._native.close()
 
-    def __enter__(self) -> ShuffleResult:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -205,10 +203,8 @@ class Cluster:
         """Stop every worker process."""
         self._native.close()
 
-    def __enter__(self) -> Cluster:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-

@@ -94,8 +94,7 @@ fn sample(batches: &[RecordBatch]) -> Result<Vec<RecordBatch>> {
     batches
         .iter()
         .map(|b| {
-            let idx: arrow::array::UInt32Array =
-                (0..b.num_rows() as u32).step_by(step).collect();
+            let idx: arrow::array::UInt32Array = (0..b.num_rows() as u32).step_by(step).collect();
             Ok(arrow::compute::take_record_batch(b, &idx)?)
         })
         .collect()
@@ -134,17 +133,23 @@ impl NativeShuffle {
                             .collect::<Result<Vec<_>>>()
                     })
                     .map_err(to_py)?;
-                let spec = partitioner::range_boundaries(
-                    &sample(&all).map_err(to_py)?,
-                    &schema,
-                    &opts.by,
-                    &[],
-                    opts.partitions,
-                )
-                .map_err(to_py)?;
-                buffered = Some(all);
-                proto::Partitioner {
-                    kind: Some(proto::partitioner::Kind::Range(spec)),
+                if all.iter().all(|b| b.num_rows() == 0) {
+                    // No rows: every partition is empty whatever the boundaries.
+                    buffered = Some(all);
+                    partitioner::round_robin()
+                } else {
+                    let spec = partitioner::range_boundaries(
+                        &sample(&all).map_err(to_py)?,
+                        &schema,
+                        &opts.by,
+                        &[],
+                        opts.partitions,
+                    )
+                    .map_err(to_py)?;
+                    buffered = Some(all);
+                    proto::Partitioner {
+                        kind: Some(proto::partitioner::Kind::Range(spec)),
+                    }
                 }
             }
             other => {
@@ -163,7 +168,12 @@ impl NativeShuffle {
             Some(all) => Box::new(all.into_iter().map(Ok)),
             None => {
                 let schema = schema.clone();
-                Box::new(reader.into_iter().flatten().map(move |b| conform(b?, &schema)))
+                Box::new(
+                    reader
+                        .into_iter()
+                        .flatten()
+                        .map(move |b| conform(b?, &schema)),
+                )
             }
         };
         py.detach(|| rt.block_on(driver.create_shuffle(&spec)))
@@ -201,7 +211,10 @@ fn split_input(
         let mut current: Option<mpsc::Sender<Result<RecordBatch>>> = None;
         let mut bytes = 0usize;
         for batch in input {
-            let size = batch.as_ref().map(|b| b.get_array_memory_size()).unwrap_or(0);
+            let size = batch
+                .as_ref()
+                .map(|b| b.get_array_memory_size())
+                .unwrap_or(0);
             if current.is_none() || bytes >= map_bytes {
                 let (tx, rx) = mpsc::channel(4);
                 if maps_tx
@@ -301,7 +314,9 @@ impl NativeShuffle {
         match got {
             Some(Ok(s)) => Ok(s),
             Some(Err(e)) => Err(crate::ShuffleError::new_err(e)),
-            None => Err(crate::ShuffleError::new_err("the shuffle stopped before its map side finished")),
+            None => Err(crate::ShuffleError::new_err(
+                "the shuffle stopped before its map side finished",
+            )),
         }
     }
 
@@ -318,7 +333,10 @@ impl NativeShuffle {
             let id = self.id;
             py.detach(|| self.rt.block_on(driver.drop_shuffle(id)))
                 .or_else(|e| match e {
-                    Error::Remote { code, .. } if code == tonic_not_found() => Ok(()),
+                    Error::Remote {
+                        code: exchange::transport_code::Code::NotFound,
+                        ..
+                    } => Ok(()),
                     Error::WorkerLost { .. } => Ok(()),
                     other => Err(other),
                 })
@@ -326,10 +344,6 @@ impl NativeShuffle {
         }
         Ok(())
     }
-}
-
-fn tonic_not_found() -> exchange::transport_code::Code {
-    exchange::transport_code::Code::NotFound
 }
 
 impl Drop for NativeShuffle {

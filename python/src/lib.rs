@@ -13,9 +13,24 @@ use pyo3_arrow::input::AnyRecordBatch;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-pyo3::create_exception!(_native, ShuffleError, PyException, "A shuffle or cluster failed.");
-pyo3::create_exception!(_native, WorkerLostError, ShuffleError, "A worker process was lost.");
-pyo3::create_exception!(_native, ChecksumError, ShuffleError, "A block failed its CRC32C check.");
+pyo3::create_exception!(
+    _native,
+    ShuffleError,
+    PyException,
+    "A shuffle or cluster failed."
+);
+pyo3::create_exception!(
+    _native,
+    WorkerLostError,
+    ShuffleError,
+    "A worker process was lost."
+);
+pyo3::create_exception!(
+    _native,
+    ChecksumError,
+    ShuffleError,
+    "A block failed its CRC32C check."
+);
 
 /// Map an exchange error to the Python exception a user can catch.
 pub fn to_py(e: Error) -> PyErr {
@@ -23,16 +38,17 @@ pub fn to_py(e: Error) -> PyErr {
     match &e {
         Error::WorkerLost { .. } => WorkerLostError::new_err(msg),
         Error::Checksum { .. } => ChecksumError::new_err(msg),
-        Error::Remote { code, .. } if *code == tonic_code_data_loss() => ChecksumError::new_err(msg),
+        Error::Remote { code, .. } if *code == exchange::transport_code::Code::DataLoss => {
+            ChecksumError::new_err(msg)
+        }
+        Error::Remote { code, .. } if *code == exchange::transport_code::Code::InvalidArgument => {
+            pyo3::exceptions::PyValueError::new_err(msg)
+        }
         Error::InvalidArgument(_) | Error::SchemaMismatch { .. } => {
             pyo3::exceptions::PyValueError::new_err(msg)
         }
         _ => ShuffleError::new_err(msg),
     }
-}
-
-fn tonic_code_data_loss() -> exchange::transport_code::Code {
-    exchange::transport_code::Code::DataLoss
 }
 
 #[pyclass(module = "flightshuffle._native")]
@@ -131,6 +147,7 @@ impl NativeCluster {
     }
 
     #[pyo3(signature = (data, by, partitions, strategy, partitioner, map_bytes))]
+    #[allow(clippy::too_many_arguments)]
     fn shuffle(
         &self,
         py: Python<'_>,
@@ -205,7 +222,14 @@ fn shuffle_bench(
     worker_command: Vec<String>,
 ) -> PyResult<String> {
     let rt = runtime()?;
-    let cluster = cluster_config(workers, memory_budget, None, compression, worker_command, 600.0);
+    let cluster = cluster_config(
+        workers,
+        memory_budget,
+        None,
+        compression,
+        worker_command,
+        600.0,
+    );
     let cfg = BenchConfig {
         rows,
         partitions,

@@ -158,7 +158,9 @@ impl BlockStore {
         };
         {
             let st = lock(&self.state);
-            let sh = st.get(&id.shuffle).ok_or(Error::UnknownShuffle(id.shuffle))?;
+            let sh = st
+                .get(&id.shuffle)
+                .ok_or(Error::UnknownShuffle(id.shuffle))?;
             if id.partition >= sh.info.partitions {
                 return Err(Error::invalid(format!(
                     "block {id}: partition out of range (shuffle has {})",
@@ -188,7 +190,8 @@ impl BlockStore {
         if let Some(old) = sh.blocks.insert(id, Entry { meta, location }) {
             // A retried attempt replaced the block: release the old copy's memory.
             if matches!(old.location, Location::Memory(_)) {
-                self.memory_bytes.fetch_sub(old.meta.bytes, Ordering::SeqCst);
+                self.memory_bytes
+                    .fetch_sub(old.meta.bytes, Ordering::SeqCst);
             }
         } else {
             sh.by_partition[id.partition as usize].push(id);
@@ -246,14 +249,20 @@ impl BlockStore {
     pub fn get(&self, id: &BlockId) -> Result<Bytes> {
         let entry = {
             let st = lock(&self.state);
-            let sh = st.get(&id.shuffle).ok_or(Error::UnknownShuffle(id.shuffle))?;
-            sh.blocks.get(id).cloned().ok_or(Error::BlockNotFound(*id))?
+            let sh = st
+                .get(&id.shuffle)
+                .ok_or(Error::UnknownShuffle(id.shuffle))?;
+            sh.blocks
+                .get(id)
+                .cloned()
+                .ok_or(Error::BlockNotFound(*id))?
         };
         let data = match entry.location {
             Location::Memory(b) => b,
             Location::Spilled { segment, offset } => {
                 let buf = segment.read(offset, entry.meta.bytes)?;
-                self.restored_bytes.fetch_add(entry.meta.bytes, Ordering::SeqCst);
+                self.restored_bytes
+                    .fetch_add(entry.meta.bytes, Ordering::SeqCst);
                 self.restored_blocks.fetch_add(1, Ordering::SeqCst);
                 Bytes::from(buf)
             }
@@ -294,7 +303,9 @@ impl BlockStore {
 
     pub fn meta(&self, id: &BlockId) -> Result<BlockMeta> {
         let st = lock(&self.state);
-        let sh = st.get(&id.shuffle).ok_or(Error::UnknownShuffle(id.shuffle))?;
+        let sh = st
+            .get(&id.shuffle)
+            .ok_or(Error::UnknownShuffle(id.shuffle))?;
         sh.blocks
             .get(id)
             .map(|e| e.meta)

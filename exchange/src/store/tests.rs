@@ -92,7 +92,8 @@ fn segments_are_fused_and_indexed() {
     let (_dir, s) = store(0, 10_000);
     s.create_shuffle(info(9, 1)).unwrap();
     for m in 0..25 {
-        s.put(bid(9, m, 0), 1, Bytes::from(vec![m as u8; 1000])).unwrap();
+        s.put(bid(9, m, 0), 1, Bytes::from(vec![m as u8; 1000]))
+            .unwrap();
     }
     s.seal(ShuffleId(9)).unwrap();
     let files = s.spill_files();
@@ -106,12 +107,18 @@ fn segments_are_fused_and_indexed() {
 #[test]
 fn unknown_shuffle_and_partition_errors() {
     let (_dir, s) = store(100, 100);
-    assert!(matches!(s.get(&bid(1, 0, 0)), Err(Error::UnknownShuffle(_))));
+    assert!(matches!(
+        s.get(&bid(1, 0, 0)),
+        Err(Error::UnknownShuffle(_))
+    ));
     s.create_shuffle(info(1, 2)).unwrap();
     assert!(matches!(s.get(&bid(1, 0, 0)), Err(Error::BlockNotFound(_))));
     assert!(s.put(bid(1, 0, 5), 1, Bytes::from_static(b"x")).is_err());
     assert!(s.partition_since(ShuffleId(1), 9, 0).is_err());
-    assert!(matches!(s.drop_shuffle(ShuffleId(2)), Err(Error::UnknownShuffle(_))));
+    assert!(matches!(
+        s.drop_shuffle(ShuffleId(2)),
+        Err(Error::UnknownShuffle(_))
+    ));
 }
 
 #[test]

@@ -39,6 +39,8 @@ pub async fn map_side(
         input_bytes: 0,
     };
     let mut inputs_done = false;
+    // Map tasks still running when this returns (a map failed) are aborted.
+    let mut guard = AbortOnDrop(Vec::new());
     driver
         .watch(async {
             loop {
@@ -53,7 +55,9 @@ pub async fn map_side(
                             .min_by_key(|&w| (load[w], (w + n - next_map as usize % n) % n))
                             .unwrap_or(0);
                         load[worker] += 1;
-                        running.push(driver.submit_map(spec.id, next_map, worker, input));
+                        let handle = driver.submit_map(spec.id, next_map, worker, input);
+                        guard.0.push(handle.abort_handle());
+                        running.push(handle);
                         next_map += 1;
                     }
                     done = running.next(), if !running.is_empty() => {
@@ -74,6 +78,16 @@ pub async fn map_side(
     driver.seal(spec.id).await?;
     out.maps.sort_by_key(|m| m.map);
     Ok(out)
+}
+
+struct AbortOnDrop(Vec<tokio::task::AbortHandle>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        for h in &self.0 {
+            h.abort();
+        }
+    }
 }
 
 /// Reduce every partition on the workers (partition p on worker p mod N), each reducer pulling

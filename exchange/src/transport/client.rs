@@ -138,7 +138,9 @@ impl WorkerClient {
     }
 
     pub async fn shuffle_action(&self, kind: &str, shuffle: u64) -> Result<()> {
-        let m = proto::ShuffleRef { shuffle_id: shuffle };
+        let m = proto::ShuffleRef {
+            shuffle_id: shuffle,
+        };
         self.action(kind, m.encode_to_vec(), self.timeout)
             .await
             .map(|_| ())
@@ -168,18 +170,19 @@ impl WorkerClient {
             .with_flight_descriptor(Some(FlightDescriptor::new_cmd(cmd.encode_to_vec())))
             .build(input.map_err(|e| FlightError::ExternalError(Box::new(e))));
         let (err_tx, err_rx) = tokio::sync::oneshot::channel::<FlightError>();
-        let data = futures::stream::unfold((encoder, Some(err_tx)), |(mut enc, mut tx)| async move {
-            match enc.next().await {
-                Some(Ok(d)) => Some((d, (enc, tx))),
-                None => None,
-                Some(Err(e)) => {
-                    if let Some(t) = tx.take() {
-                        let _ = t.send(e);
+        let data =
+            futures::stream::unfold((encoder, Some(err_tx)), |(mut enc, mut tx)| async move {
+                match enc.next().await {
+                    Some(Ok(d)) => Some((d, (enc, tx))),
+                    None => None,
+                    Some(Err(e)) => {
+                        if let Some(t) = tx.take() {
+                            let _ = t.send(e);
+                        }
+                        futures::future::pending().await
                     }
-                    futures::future::pending().await
                 }
-            }
-        });
+            });
         let mut client = self.client.clone();
         let call = async move {
             let mut results = client.do_put(data).await?.into_inner();
@@ -224,18 +227,21 @@ impl WorkerClient {
         let data = tokio_stream::StreamExt::timeout(stream, idle).map(move |item| match item {
             Ok(Ok(d)) => Ok(d),
             Ok(Err(s)) => Err(FlightError::Tonic(Box::new(s))),
-            Err(_) => Err(FlightError::ExternalError(Box::new(me.timed_out(&what, idle)))),
+            Err(_) => Err(FlightError::ExternalError(Box::new(
+                me.timed_out(&what, idle),
+            ))),
         });
         let me = self.clone();
-        let batches = FlightRecordBatchStream::new_from_flight_data(data).map_err(move |e| match e {
-            FlightError::Tonic(s) => me.remote(*s),
-            FlightError::ExternalError(inner) => match inner.downcast::<Error>() {
-                Ok(err) => *err,
-                Err(other) => Error::Cluster(other.to_string()),
-            },
-            FlightError::Arrow(a) => Error::Arrow(a),
-            other => Error::Cluster(format!("worker {} ({}): {other}", me.index, me.addr)),
-        });
+        let batches =
+            FlightRecordBatchStream::new_from_flight_data(data).map_err(move |e| match e {
+                FlightError::Tonic(s) => me.remote(*s),
+                FlightError::ExternalError(inner) => match inner.downcast::<Error>() {
+                    Ok(err) => *err,
+                    Err(other) => Error::Cluster(other.to_string()),
+                },
+                FlightError::Arrow(a) => Error::Arrow(a),
+                other => Error::Cluster(format!("worker {} ({}): {other}", me.index, me.addr)),
+            });
         Ok(Box::pin(batches))
     }
 

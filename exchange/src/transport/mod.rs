@@ -132,6 +132,9 @@ mod tests {
                 .unwrap();
             assert_eq!(out, vec![b.clone(), b.clone()]);
         }
-        assert!(ipc_to_flight(&Bytes::from_static(&[0xff, 0xff, 0xff, 0xff, 9, 0, 0, 0, 1])).is_err());
+        assert!(ipc_to_flight(&Bytes::from_static(&[
+            0xff, 0xff, 0xff, 0xff, 9, 0, 0, 0, 1
+        ]))
+        .is_err());
     }
 }

@@ -73,9 +73,7 @@ impl WorkerService {
                         && tokio::time::timeout(timeout, rx.changed()).await.is_err()
                     {
                         let e = Error::Timeout {
-                            what: format!(
-                                "shuffle {shuffle} to be sealed (partition {partition})"
-                            ),
+                            what: format!("shuffle {shuffle} to be sealed (partition {partition})"),
                             seconds: timeout.as_secs_f64(),
                         };
                         return Some((Err(e), (pos, queue, true)));
@@ -130,9 +128,8 @@ impl WorkerService {
     ) -> Result<proto::TaskResult> {
         let data = futures::stream::once(async move { Ok(first) })
             .chain(rest.map_err(|s| arrow_flight::error::FlightError::Tonic(Box::new(s))));
-        let input = FlightRecordBatchStream::new_from_flight_data(data).map_err(|e| {
-            Error::Cancelled(format!("map input stream broke before its end: {e}"))
-        });
+        let input = FlightRecordBatchStream::new_from_flight_data(data)
+            .map_err(|e| Error::Cancelled(format!("map input stream broke before its end: {e}")));
         self.state.run_map(task, Box::pin(input)).await
     }
 }
@@ -161,28 +158,36 @@ impl FlightService for WorkerService {
         &self,
         _r: Request<Criteria>,
     ) -> Result<Response<Self::ListFlightsStream>, Status> {
-        Err(Status::unimplemented("list_flights is not offered by flightshuffle workers"))
+        Err(Status::unimplemented(
+            "list_flights is not offered by flightshuffle workers",
+        ))
     }
 
     async fn get_flight_info(
         &self,
         _r: Request<FlightDescriptor>,
     ) -> Result<Response<FlightInfo>, Status> {
-        Err(Status::unimplemented("get_flight_info is not offered by flightshuffle workers"))
+        Err(Status::unimplemented(
+            "get_flight_info is not offered by flightshuffle workers",
+        ))
     }
 
     async fn poll_flight_info(
         &self,
         _r: Request<FlightDescriptor>,
     ) -> Result<Response<PollInfo>, Status> {
-        Err(Status::unimplemented("poll_flight_info is not offered by flightshuffle workers"))
+        Err(Status::unimplemented(
+            "poll_flight_info is not offered by flightshuffle workers",
+        ))
     }
 
     async fn get_schema(
         &self,
         _r: Request<FlightDescriptor>,
     ) -> Result<Response<SchemaResult>, Status> {
-        Err(Status::unimplemented("get_schema is not offered by flightshuffle workers"))
+        Err(Status::unimplemented(
+            "get_schema is not offered by flightshuffle workers",
+        ))
     }
 
     async fn do_get(&self, r: Request<Ticket>) -> Result<Response<Self::DoGetStream>, Status> {
@@ -321,6 +326,8 @@ impl FlightService for WorkerService {
         &self,
         _r: Request<Streaming<FlightData>>,
     ) -> Result<Response<Self::DoExchangeStream>, Status> {
-        Err(Status::unimplemented("do_exchange is not offered by flightshuffle workers"))
+        Err(Status::unimplemented(
+            "do_exchange is not offered by flightshuffle workers",
+        ))
     }
 }

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Every test: formatting and lints, Rust unit + integration tests (real worker processes),
+# then the Python package built with maturin and its pytest suite (real Polars/DuckDB).
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+start=$SECONDS
+echo "== rust: fmt, clippy, tests"
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets -- -D warnings
+cargo test --workspace
+echo "== python: build (maturin develop), ruff, pytest"
+maturin develop -q
+ruff check python tests
+ruff format --check python tests
+python -m pytest -q tests
+echo "== all tests passed in $((SECONDS - start)) s"

@@ -1,0 +1,61 @@
+"""Shared helpers: multiset checks on shuffle output, and a shared local cluster."""
+
+from __future__ import annotations
+
+import os
+
+import flightshuffle as fs
+import polars as pl
+import pytest
+
+
+def checksum(df: pl.DataFrame) -> tuple[int, int]:
+    """Row count and an order-independent content checksum (sum of row hashes mod 2^64)."""
+    if df.height == 0:
+        return (0, 0)
+    return (df.height, sum(df.hash_rows(seed=7).to_list()) % 2**64)
+
+
+def assert_same_multiset(expected: pl.DataFrame, parts: list[pl.DataFrame]) -> None:
+    got = pl.concat(parts) if parts else expected.clear()
+    assert checksum(got) == checksum(expected)
+    cols = expected.columns
+    assert got.sort(cols, nulls_last=True).equals(expected.sort(cols, nulls_last=True))
+
+
+def assert_keys_not_split(parts: list[pl.DataFrame], keys: list[str]) -> None:
+    tagged = pl.concat(
+        [
+            p.select(keys).unique().with_columns(pl.lit(i).alias("_part"))
+            for i, p in enumerate(parts)
+        ]
+    )
+    per_key = tagged.group_by(keys).agg(pl.col("_part").n_unique().alias("n"))
+    assert (per_key["n"].max() or 1) == 1, "a key was split across partitions"
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return ") Z " not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with fs.Cluster(workers=3, memory_budget="256MiB", timeout=60) as c:
+        yield c
+    assert not any(alive(p) for p in c.worker_pids), "workers left behind"
+
+
+@pytest.fixture
+def pids_gone():
+    def check(pids: list[int]) -> None:
+        left = [p for p in pids if alive(p)]
+        assert not left, f"processes left behind: {left}"
+
+    return check
+
+
+os.environ.setdefault("FLIGHTSHUFFLE_LOG", "error")

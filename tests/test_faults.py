@@ -1,0 +1,112 @@
+"""Spill, corruption and worker loss, with real worker processes and real spill files."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import threading
+import time
+
+import flightshuffle as fs
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+from conftest import assert_keys_not_split, assert_same_multiset
+
+
+def frame(n: int) -> pl.DataFrame:
+    return pl.DataFrame(
+        {
+            "id": list(range(n)),
+            "key": [i % 1009 for i in range(n)],
+            "payload": [f"payload-{i:09d}-{'x' * (i % 17)}" for i in range(n)],
+        }
+    )
+
+
+def test_budget_of_an_eighth_spills_and_keeps_the_multiset(pids_gone):
+    df = frame(300_000)
+    size = df.to_arrow().nbytes
+    with fs.Cluster(workers=3, memory_budget=size // 8, timeout=60) as c:
+        parts = [pl.from_arrow(p) for p in c.shuffle(df, by="key", partitions=6, map_bytes="1MiB")]
+        stats = c.stats()
+        pids = c.worker_pids
+    assert_same_multiset(df, parts)
+    assert_keys_not_split(parts, ["key"])
+    assert sum(s["spilled_bytes"] for s in stats) > 0
+    assert sum(s["spill_files"] for s in stats) > 0
+    assert all(s["memory_bytes"] <= size // 8 for s in stats)
+    pids_gone(pids)
+
+
+def test_corrupted_spill_byte_fails_with_a_checksum_error_naming_the_block(tmp_path):
+    df = frame(50_000)
+    with fs.Cluster(workers=2, memory_budget=0, spill_dir=str(tmp_path), timeout=60) as c:
+        result = c.shuffle(df, by="key", partitions=4, map_bytes="512KiB")
+        summary = result.wait_mapped()
+        assert summary["rows"] == df.height
+        files = sorted(glob.glob(str(tmp_path / "worker-*" / "*.seg")))
+        assert files, "a zero budget must spill every block"
+        for f in files:
+            with open(f, "r+b") as fh:
+                fh.seek(100)
+                byte = fh.read(1)
+                fh.seek(100)
+                fh.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(
+            fs.ChecksumError, match=r"checksum mismatch for block shuffle=\w+ map=\d+ partition=\d+"
+        ):
+            list(result)
+
+
+def slow_reader(batches: int, rows: int, delay: float) -> pa.RecordBatchReader:
+    schema = pa.schema([("id", pa.int64()), ("key", pa.int64())])
+
+    def gen():
+        for b in range(batches):
+            ids = pa.array(range(b * rows, (b + 1) * rows), pa.int64())
+            yield pa.record_batch([ids, pc.bit_wise_and(ids, 255)], schema=schema)
+            time.sleep(delay)
+
+    return pa.RecordBatchReader.from_batches(schema, gen())
+
+
+def test_killed_worker_fails_within_30s_naming_it(pids_gone):
+    c = fs.Cluster(workers=3, timeout=60)
+    pids = c.worker_pids
+    victim = 1
+    try:
+        result = c.shuffle(slow_reader(400, 20_000, 0.02), by="key", partitions=6, map_bytes="1MiB")
+        threading.Timer(1.0, os.kill, args=(pids[victim], signal.SIGKILL)).start()
+        start = time.monotonic()
+        with pytest.raises(fs.WorkerLostError) as err:
+            list(result)
+        assert time.monotonic() - start < 30
+        msg = str(err.value)
+        assert f"worker {victim} ({c.worker_addresses[victim]}) lost" in msg
+    finally:
+        c.close()
+    pids_gone(pids)
+
+
+def test_dropping_the_driver_stops_its_workers(pids_gone, tmp_path):
+    import subprocess
+    import sys
+
+    script = (
+        "import flightshuffle as fs, os, sys\n"
+        "c = fs.Cluster(workers=2)\n"
+        "print(' '.join(map(str, c.worker_pids)), flush=True)\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+        time.sleep(0.1)
+    pids_gone(pids)

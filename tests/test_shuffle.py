@@ -1,0 +1,127 @@
+"""End-to-end shuffles from Python through real worker processes."""
+
+from __future__ import annotations
+
+import itertools
+
+import duckdb
+import flightshuffle as fs
+import polars as pl
+import pyarrow as pa
+import pytest
+from conftest import assert_keys_not_split, assert_same_multiset
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+
+def sample_frame(n: int) -> pl.DataFrame:
+    return pl.DataFrame(
+        {
+            "key": [i % 211 for i in range(n)],
+            "name": [None if i % 13 == 0 else f"name-{i % 97}" for i in range(n)],
+            "x": [i * 0.5 for i in range(n)],
+        },
+        schema={"key": pl.Int64, "name": pl.String, "x": pl.Float64},
+    )
+
+
+def as_polars(parts: list) -> list[pl.DataFrame]:
+    return [p if isinstance(p, pl.DataFrame) else pl.from_arrow(p) for p in parts]
+
+
+@pytest.mark.parametrize("kind", ["pyarrow", "pyarrow_reader", "polars", "duckdb"])
+def test_every_input_kind_keeps_the_multiset(cluster, kind):
+    df = sample_frame(60_000)
+    if kind == "pyarrow":
+        data = df.to_arrow()
+    elif kind == "pyarrow_reader":
+        data = pa.RecordBatchReader.from_batches(
+            df.to_arrow().schema, df.to_arrow().to_batches(max_chunksize=5_000)
+        )
+    elif kind == "polars":
+        data = df
+    else:
+        con = duckdb.connect()
+        con.register("df_view", df.to_arrow())
+        data = con.sql("SELECT * FROM df_view")
+    parts = list(cluster.shuffle(data, by="key", partitions=7, map_bytes="256KiB"))
+    assert len(parts) == 7
+    parts = as_polars(parts)
+    expected = pl.from_arrow(df.to_arrow()) if kind != "duckdb" else pl.from_arrow(data.arrow())
+    assert_same_multiset(expected, parts)
+    assert_keys_not_split(parts, ["key"])
+
+
+def test_polars_output_and_multi_key_hash(cluster):
+    df = sample_frame(20_000)
+    result = cluster.shuffle(df, by=["key", "name"], partitions=4, output="polars")
+    parts = list(result)
+    assert all(isinstance(p, pl.DataFrame) for p in parts)
+    assert result.partition_ids == [0, 1, 2, 3]
+    assert_same_multiset(df, parts)
+    assert_keys_not_split(parts, ["key", "name"])
+
+
+def test_range_partitions_are_ordered(cluster):
+    df = sample_frame(30_000).with_columns(pl.col("x").shuffle(seed=1))
+    parts = as_polars(list(cluster.shuffle(df, by="x", partitions=5, partitioner="range")))
+    assert_same_multiset(df, parts)
+    bounds = [(p["x"].min(), p["x"].max()) for p in parts if p.height]
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(bounds))
+
+
+def test_round_robin_without_keys_balances(cluster):
+    df = sample_frame(10_000)
+    parts = as_polars(list(cluster.shuffle(df, partitions=4, map_bytes="64KiB")))
+    assert_same_multiset(df, parts)
+    sizes = [p.height for p in parts]
+    assert max(sizes) - min(sizes) <= 0.2 * max(sizes)
+
+
+def test_empty_input_yields_empty_partitions(cluster):
+    df = sample_frame(0)
+    parts = as_polars(list(cluster.shuffle(df, by="key", partitions=3)))
+    assert [p.height for p in parts] == [0, 0, 0]
+    assert parts[0].columns == df.columns
+
+
+def test_bad_arguments_are_clear_errors(cluster):
+    df = sample_frame(10)
+    with pytest.raises(ValueError, match="nope"):
+        list(cluster.shuffle(df, by="nope", partitions=2))
+    with pytest.raises(ValueError, match="not implemented yet"):
+        cluster.shuffle(df, by="key", strategy="push")
+    with pytest.raises(TypeError, match="does not export Arrow"):
+        cluster.shuffle([1, 2, 3], by="key")
+    with pytest.raises(ValueError, match="needs key columns"):
+        cluster.shuffle(df, partitioner="hash")
+    with pytest.raises(ValueError, match="byte size"):
+        fs.parse_bytes("lots")
+    assert fs.parse_bytes("1.5KiB") == 1536
+
+
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    keys=st.lists(st.one_of(st.none(), st.integers(-5, 40)), min_size=0, max_size=400),
+    partitions=st.integers(1, 9),
+    partitioner=st.sampled_from(["hash", "range", "round_robin"]),
+)
+def test_any_small_input_keeps_its_multiset(cluster, keys, partitions, partitioner):
+    df = pl.DataFrame(
+        {"k": keys, "s": [f"s{i % 5}" for i in range(len(keys))]},
+        schema={"k": pl.Int64, "s": pl.String},
+    )
+    by = None if partitioner == "round_robin" else "k"
+    parts = as_polars(
+        list(
+            cluster.shuffle(
+                df, by=by, partitions=partitions, partitioner=partitioner, map_bytes=512
+            )
+        )
+    )
+    assert len(parts) == partitions
+    assert_same_multiset(df, parts)
+    if by:
+        assert_keys_not_split(parts, ["k"])
