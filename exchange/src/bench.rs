@@ -112,7 +112,8 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
     }))
 }
 
-/// One thread encoding the same kind of data to Arrow IPC (no compression) and decoding it.
+/// One thread doing, on the same kind of data, each step a shuffle's rows go through: the
+/// IPC encode+decode ceiling, and for reference generation, checksum and partitioning.
 fn ipc_ceiling(rows: u64, batch_rows: usize, seed: u64) -> Result<serde_json::Value> {
     let slice = LineitemSlice {
         first: 0,
@@ -120,21 +121,42 @@ fn ipc_ceiling(rows: u64, batch_rows: usize, seed: u64) -> Result<serde_json::Va
         seed,
         batch_rows,
     };
+    let t = Instant::now();
     let batches = slice.batches().collect::<Result<Vec<_>>>()?;
+    let generate = t.elapsed().as_secs_f64();
     let bytes: usize = batches.iter().map(|b| b.get_array_memory_size()).sum();
     let schema = lineitem_schema();
-    let start = Instant::now();
+    let t = Instant::now();
     let mut decoded_rows = 0;
     for b in &batches {
         let block = encode_block(&schema, std::slice::from_ref(b), Compression::None)?;
         let (_, out) = decode_block(&block)?;
         decoded_rows += out.iter().map(|b| b.num_rows()).sum::<usize>();
     }
-    let seconds = start.elapsed().as_secs_f64();
+    let seconds = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    for b in &batches {
+        Checksum::of_batch(b)?;
+    }
+    let checksum = t.elapsed().as_secs_f64();
+    let mut part =
+        partitioner::Partitioner::from_proto(&partitioner::hash(&["l_orderkey"]), &schema, 16, 0)?;
+    let t = Instant::now();
+    for b in &batches {
+        part.split(b)?;
+    }
+    let partition = t.elapsed().as_secs_f64();
+    let gbps = |s: f64| bytes as f64 / s / 1e9;
     Ok(json!({
         "rows": decoded_rows,
         "bytes": bytes,
         "seconds": seconds,
-        "throughput_gb_s": bytes as f64 / seconds / 1e9,
+        "throughput_gb_s": gbps(seconds),
+        "one_thread_gb_s": {
+            "ipc_encode_decode": gbps(seconds),
+            "generate": gbps(generate),
+            "checksum": gbps(checksum),
+            "hash_partition_16": gbps(partition),
+        },
     }))
 }

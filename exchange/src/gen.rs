@@ -7,7 +7,7 @@ use arrow::array::{
     ArrayRef, Date32Array, Float64Array, Int32Array, Int64Array, RecordBatch, StringArray,
 };
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
-use rand::rngs::StdRng;
+use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 
@@ -47,6 +47,23 @@ const INSTRUCT: &[&str] = &[
 ];
 const MODES: &[&str] = &["REG AIR", "AIR", "RAIL", "SHIP", "TRUCK", "MAIL", "FOB"];
 
+/// A fixed pool of comments (TPC-H style word salad), built once per process.
+fn comments() -> &'static [String] {
+    static POOL: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        let mut rng = SmallRng::seed_from_u64(7);
+        (0..4096)
+            .map(|_| {
+                let n = rng.random_range(2..6);
+                let words: Vec<&str> = (0..n)
+                    .map(|_| WORDS[rng.random_range(0..WORDS.len())])
+                    .collect();
+                words.join(" ")
+            })
+            .collect()
+    })
+}
+
 pub fn lineitem_schema() -> SchemaRef {
     let f = |n: &str, t: DataType| Field::new(n, t, false);
     Arc::new(Schema::new(vec![
@@ -71,7 +88,7 @@ pub fn lineitem_schema() -> SchemaRef {
 
 /// `rows` rows starting at global row `first` (so map tasks generate disjoint slices).
 pub fn lineitem_batch(first: u64, rows: usize, seed: u64) -> Result<RecordBatch> {
-    let mut rng = StdRng::seed_from_u64(seed ^ first.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    let mut rng = SmallRng::seed_from_u64(seed ^ first.wrapping_mul(0x9E37_79B9_7F4A_7C15));
     let orderkey: Int64Array = (0..rows as u64)
         .map(|i| ((first + i) / 4 + 1) as i64)
         .collect();
@@ -111,14 +128,9 @@ pub fn lineitem_batch(first: u64, rows: usize, seed: u64) -> Result<RecordBatch>
     let mode: StringArray = (0..rows)
         .map(|_| Some(MODES[rng.random_range(0..MODES.len())]))
         .collect();
+    let pool = comments();
     let comment: StringArray = (0..rows)
-        .map(|_| {
-            let n = rng.random_range(2..6);
-            let words: Vec<&str> = (0..n)
-                .map(|_| WORDS[rng.random_range(0..WORDS.len())])
-                .collect();
-            Some(words.join(" "))
-        })
+        .map(|_| Some(pool[rng.random_range(0..pool.len())].as_str()))
         .collect();
     let cols: Vec<ArrayRef> = vec![
         Arc::new(orderkey),
