@@ -83,6 +83,7 @@ pub struct MapDone {
 
 pub struct Driver {
     workers: Vec<WorkerClient>,
+    token: String,
     alive: Vec<AtomicBool>,
     cfg: DriverConfig,
     blocks: Mutex<HashMap<ShuffleId, Vec<BlockRef>>>,
@@ -105,6 +106,7 @@ impl Driver {
             .map(|(i, a)| WorkerClient::new(i, a, token, cfg.rpc_timeout))
             .collect::<Result<Vec<_>>>()?;
         Ok(Arc::new(Driver {
+            token: token.to_string(),
             alive: workers.iter().map(|_| AtomicBool::new(true)).collect(),
             workers,
             cfg,
@@ -116,6 +118,11 @@ impl Driver {
 
     pub fn config(&self) -> &DriverConfig {
         &self.cfg
+    }
+
+    /// The cluster token (engines hand it to in-process readers).
+    pub fn token(&self) -> &str {
+        &self.token
     }
 
     pub fn num_workers(&self) -> usize {

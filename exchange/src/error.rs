@@ -64,6 +64,9 @@ pub enum Error {
     #[error("cluster error: {0}")]
     Cluster(String),
 
+    #[error("task failed: {0}")]
+    Task(String),
+
     #[error("task cancelled: {0}")]
     Cancelled(String),
 }

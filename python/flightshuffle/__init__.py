@@ -7,6 +7,7 @@ anything that exports the Arrow PyCapsule stream interface (pyarrow, Polars, Duc
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from collections.abc import Iterator, Sequence
@@ -142,6 +143,7 @@ class Cluster:
             float(timeout),
         )
         self.workers = workers
+        self.last_metrics: dict[str, Any] = {}
 
     def shuffle(
         self,
@@ -182,6 +184,47 @@ class Cluster:
             parse_bytes(map_bytes),
         )
         return ShuffleResult(native, output)
+
+    def register_parquet(self, name: str, path: str) -> None:
+        """Register a Parquet file or directory as table ``name`` for :meth:`sql`."""
+        self._native.register_parquet(name, str(path))
+
+    def sql(
+        self,
+        query: str,
+        tables: dict[str, Any] | None = None,
+        output: Literal["arrow", "polars"] = "arrow",
+    ) -> Any:
+        """Run SQL distributed on the cluster (DataFusion plans, flightshuffle exchanges).
+
+        ``tables`` maps names to Parquet paths or to Arrow data (anything with
+        ``__arrow_c_stream__``: pyarrow, Polars, DuckDB relations), which is written to Parquet
+        in the cluster's scratch directory so every worker can scan it. ``EXPLAIN`` and
+        ``EXPLAIN ANALYZE`` return the staged plan. Per-exchange figures of the last query are
+        in :attr:`last_metrics`.
+        """
+        for name, source in (tables or {}).items():
+            if isinstance(source, (str, os.PathLike)):
+                self._native.register_parquet(name, os.fspath(source))
+            elif hasattr(source, "__arrow_c_stream__") or hasattr(source, "__arrow_c_array__"):
+                self._native.register_arrow(name, source)
+            else:
+                raise TypeError(
+                    f"table {name!r}: expected a Parquet path or Arrow data, "
+                    f"not {type(source).__name__}"
+                )
+        table, metrics = self._native.sql(query)
+        self.last_metrics = json.loads(metrics)
+        if output == "polars":
+            import polars as pl
+
+            return pl.from_arrow(table)
+        return table
+
+    def explain(self, query: str, analyze: bool = False) -> str:
+        """The stages of ``query`` and the exchanges between them; ``analyze`` runs it and adds
+        rows, bytes, blocks, spill and time per exchange."""
+        return self._native.explain(query, analyze)
 
     def stats(self) -> list[dict[str, int]]:
         """Per-worker block store figures: memory, spilled and restored bytes, peak RSS."""

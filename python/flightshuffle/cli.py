@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flightshuffle import ShuffleError, parse_bytes, worker_command
+import json
+import os
+import time
+
+from flightshuffle import Cluster, ShuffleError, parse_bytes, worker_command
 from flightshuffle._native import shuffle_bench
 
 
@@ -22,6 +26,76 @@ def _bench(args: argparse.Namespace) -> int:
         worker_command(),
     )
     print(report)
+    return 0
+
+
+def _sql(args: argparse.Namespace) -> int:
+    tables = {}
+    for spec in args.table:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--table takes name=path, not {spec!r}")
+        tables[name] = path
+    with Cluster(workers=args.workers, memory_budget=args.memory_budget) as c:
+        table = c.sql(args.query, tables=tables)
+        if args.query.lstrip().lower().startswith("explain"):
+            print("\n".join(table.column(0).to_pylist()))
+        else:
+            import polars as pl
+
+            with pl.Config(tbl_rows=args.max_rows, tbl_cols=-1):
+                print(pl.from_arrow(table))
+            print(f"{table.num_rows} rows in {c.last_metrics.get('seconds', 0):.3f} s", file=sys.stderr)
+    return 0
+
+
+def _tpch(args: argparse.Namespace) -> int:
+    from flightshuffle import tpch
+
+    root = args.data or os.path.join("data", f"tpch-sf{args.sf:g}")
+    t = time.monotonic()
+    if not tpch.is_generated(root):
+        print(f"generating TPC-H SF{args.sf:g} in {root}", file=sys.stderr)
+        tpch.ensure_data(args.sf, root, progress=sys.stderr.isatty())
+        print(f"generated in {time.monotonic() - t:.1f} s", file=sys.stderr)
+    queries = args.queries or list(range(1, 23))
+    duck = tpch.duckdb_connect(root) if args.check else None
+    rows = []
+    with Cluster(workers=args.workers, memory_budget=args.memory_budget) as c:
+        for name, path in tpch.table_paths(root).items():
+            c.register_parquet(name, path)
+        print(f"{'query':>5} {'cluster s':>10} {'duckdb s':>9} {'stages':>6} {'shuffled MB':>12}  answer")
+        for q in queries:
+            sql, ordered = tpch.query(q, args.sf)
+            t = time.monotonic()
+            got = c.sql(sql)
+            secs = time.monotonic() - t
+            stages = c.last_metrics.get("stages", [])
+            shuffled = sum(s["bytes"] for s in stages) / 1e6
+            ref_s, verdict = float("nan"), "not checked"
+            if duck is not None:
+                t = time.monotonic()
+                expected = duck.execute(sql).fetch_arrow_table()
+                ref_s = time.monotonic() - t
+                diff = tpch.compare(expected, got, ordered)
+                verdict = "ok (matches DuckDB)" if diff is None else f"WRONG: {diff}"
+            rows.append({"query": q, "cluster_s": secs, "duckdb_s": ref_s, "stages": len(stages),
+                         "shuffled_mb": shuffled, "answer": verdict})
+            print(f"{'q%02d' % q:>5} {secs:>10.3f} {ref_s:>9.3f} {len(stages):>6} {shuffled:>12.1f}  {verdict}",
+                  flush=True)
+    total = sum(r["cluster_s"] for r in rows)
+    total_ref = sum(r["duckdb_s"] for r in rows)
+    print(f"{'total':>5} {total:>10.3f} {total_ref:>9.3f}")
+    wrong = [r["query"] for r in rows if r["answer"].startswith("WRONG")]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"sf": args.sf, "workers": args.workers, "queries": rows,
+                       "total_cluster_s": total, "total_duckdb_s": total_ref}, f, indent=2)
+    if wrong:
+        print(f"wrong answers: {wrong}", file=sys.stderr)
+        return 1
+    if duck is not None:
+        print(f"all {len(rows)} answers match DuckDB on the same Parquet files")
     return 0
 
 
@@ -45,6 +119,27 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--seed", type=int, default=42)
     b.add_argument("--compression", default="auto", choices=["auto", "none", "lz4", "zstd"])
     b.set_defaults(run=_bench)
+
+    q = sub.add_parser("sql", help="run one SQL query on a local cluster")
+    q.add_argument("query")
+    q.add_argument("--workers", type=int, default=2)
+    q.add_argument("--table", action="append", default=[], metavar="NAME=PATH",
+                   help="register a Parquet file or directory (repeatable)")
+    q.add_argument("--memory-budget", default="2GiB")
+    q.add_argument("--max-rows", type=int, default=20)
+    q.set_defaults(run=_sql)
+
+    t = sub.add_parser("tpch", help="TPC-H on a local cluster: generate, run, check vs DuckDB")
+    t.add_argument("--sf", type=float, default=1.0)
+    t.add_argument("--workers", type=int, default=2)
+    t.add_argument("--data", help="data directory (default data/tpch-sf<SF>)")
+    t.add_argument("--queries", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="e.g. 1,3,18 (default all 22)")
+    t.add_argument("--memory-budget", default="4GiB")
+    t.add_argument("--no-check", dest="check", action="store_false",
+                   help="skip the DuckDB answer check")
+    t.add_argument("--json", help="also write the results as JSON to this file")
+    t.set_defaults(run=_tpch)
     args = p.parse_args(argv)
     try:
         return args.run(args)

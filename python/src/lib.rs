@@ -3,6 +3,7 @@
 //! (zero-copy import) and returns a `NativeShuffle` yielding partitions as Arrow tables.
 
 mod job;
+mod sql;
 
 use exchange::bench::{shuffle_bench as run_bench, BenchConfig};
 use exchange::cluster::{LocalCluster, LocalClusterConfig};
@@ -34,8 +35,12 @@ pyo3::create_exception!(
 
 /// Map an exchange error to the Python exception a user can catch.
 pub fn to_py(e: Error) -> PyErr {
+    to_py_ref(&e)
+}
+
+pub fn to_py_ref(e: &Error) -> PyErr {
     let msg = e.to_string();
-    match &e {
+    match e {
         Error::WorkerLost { .. } => WorkerLostError::new_err(msg),
         Error::Checksum { .. } => ChecksumError::new_err(msg),
         Error::Remote { code, .. } if *code == exchange::transport_code::Code::DataLoss => {
@@ -55,6 +60,7 @@ pub fn to_py(e: Error) -> PyErr {
 struct NativeCluster {
     rt: Arc<tokio::runtime::Runtime>,
     cluster: Arc<Mutex<Option<LocalCluster>>>,
+    sql: Mutex<Option<Arc<exchange_datafusion::DistributedContext>>>,
 }
 
 fn runtime() -> PyResult<tokio::runtime::Runtime> {
@@ -110,6 +116,7 @@ impl NativeCluster {
         Ok(NativeCluster {
             rt: Arc::new(rt),
             cluster: Arc::new(Mutex::new(Some(cluster))),
+            sql: Mutex::new(None),
         })
     }
 
@@ -170,8 +177,46 @@ impl NativeCluster {
         job::NativeShuffle::start(py, self.rt.clone(), driver, reader, opts)
     }
 
+    /// Register a Parquet file or directory as a SQL table.
+    fn register_parquet(&self, py: Python<'_>, name: String, path: String) -> PyResult<()> {
+        let ctx = self.sql_context()?;
+        py.detach(|| self.rt.block_on(sql::register(&ctx, &name, &path)))
+    }
+
+    /// Register Arrow data (anything with `__arrow_c_stream__`) as a SQL table: it is written
+    /// to Parquet in the cluster's scratch directory so every worker can scan it.
+    fn register_arrow(&self, py: Python<'_>, name: String, data: AnyRecordBatch) -> PyResult<()> {
+        let reader = data.into_reader()?;
+        let dir = self
+            .with(|c| c.spill_root.join("tables"))
+            .ok_or_else(|| ShuffleError::new_err("the cluster is closed"))?;
+        let path = py
+            .detach(|| sql::write_parquet(reader, &dir, &name))
+            .map_err(ShuffleError::new_err)?;
+        self.register_parquet(py, name, path.display().to_string())
+    }
+
+    /// Run a query on the cluster; returns (pyarrow.Table, metrics as JSON).
+    fn sql(&self, py: Python<'_>, query: String) -> PyResult<(Py<PyAny>, String)> {
+        let ctx = self.sql_context()?;
+        let result = py
+            .detach(|| self.rt.block_on(ctx.sql(&query)))
+            .map_err(sql::df_err)?;
+        let metrics = sql::metrics_json(&result);
+        let table = pyo3_arrow::PyTable::try_new(result.batches, result.schema)?;
+        Ok((table.into_pyarrow(py)?.unbind(), metrics))
+    }
+
+    /// The staged plan of a query; with `analyze`, run it and add per-exchange figures.
+    fn explain(&self, py: Python<'_>, query: String, analyze: bool) -> PyResult<String> {
+        let ctx = self.sql_context()?;
+        py.detach(|| self.rt.block_on(ctx.explain(&query, analyze)))
+            .map_err(sql::df_err)
+    }
+
     /// Stop every worker process. Safe to call more than once.
     fn close(&self, py: Python<'_>) {
+        self.sql.lock().unwrap_or_else(|p| p.into_inner()).take();
         let taken = self
             .cluster
             .lock()
@@ -190,6 +235,20 @@ impl NativeCluster {
             .map(f)
     }
 
+    fn sql_context(&self) -> PyResult<Arc<exchange_datafusion::DistributedContext>> {
+        let mut slot = self.sql.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(ctx) = slot.as_ref() {
+            return Ok(ctx.clone());
+        }
+        let driver = self.driver()?;
+        let config = exchange_datafusion::DistributedContext::default_config(driver.num_workers());
+        let ctx = Arc::new(
+            exchange_datafusion::DistributedContext::new(driver, config).map_err(sql::df_err)?,
+        );
+        *slot = Some(ctx.clone());
+        Ok(ctx)
+    }
+
     fn driver(&self) -> PyResult<Arc<exchange::driver::Driver>> {
         self.with(|c| c.driver.clone())
             .ok_or_else(|| ShuffleError::new_err("the cluster is closed"))
@@ -199,10 +258,8 @@ impl NativeCluster {
 /// Run a worker process (`python -m flightshuffle.worker ...`) until it is stopped.
 #[pyfunction]
 fn run_worker(py: Python<'_>, argv: Vec<String>) -> PyResult<()> {
-    py.detach(|| {
-        exchange::worker::main_with_args(argv, exchange::task::SourceRegistry::with_builtin())
-    })
-    .map_err(to_py)
+    py.detach(|| exchange::worker::main_with_args(argv, exchange_datafusion::worker_sources()))
+        .map_err(to_py)
 }
 
 /// `shuffle-bench`: returns the JSON report.
@@ -242,8 +299,26 @@ fn shuffle_bench(
     Ok(serde_json::to_string_pretty(&report).unwrap_or_default())
 }
 
+/// Write TPC-H tables at scale factor `sf` as Parquet under `out/<table>/`.
+#[pyfunction]
+fn tpch_generate(py: Python<'_>, sf: f64, out: String, progress: bool) -> PyResult<()> {
+    py.detach(|| tpch::generate(sf, std::path::Path::new(&out), progress))
+        .map_err(ShuffleError::new_err)
+}
+
+/// TPC-H query `n` (1..=22) for scale factor `sf`, and whether its result order is fixed.
+#[pyfunction]
+fn tpch_query(n: usize, sf: f64) -> PyResult<(String, bool)> {
+    tpch::query(n, sf)
+        .map(|q| (q, tpch::is_ordered(n)))
+        .ok_or_else(|| pyo3::exceptions::PyValueError::new_err(format!("no TPC-H query {n}")))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(tpch_generate, m)?)?;
+    m.add_function(wrap_pyfunction!(tpch_query, m)?)?;
+    m.add("TPCH_TABLES", tpch::TABLES.to_vec())?;
     m.add_class::<NativeCluster>()?;
     m.add_class::<job::NativeShuffle>()?;
     m.add_function(wrap_pyfunction!(run_worker, m)?)?;

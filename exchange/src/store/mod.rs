@@ -332,6 +332,20 @@ impl BlockStore {
         Ok((list.get(from..).unwrap_or(&[]).to_vec(), sh.sealed, rx))
     }
 
+    /// Blocks one map task wrote to a sealed shuffle, in (partition, attempt, seq) order.
+    pub fn map_output(&self, shuffle: ShuffleId, map: u32) -> Result<Vec<BlockId>> {
+        let st = lock(&self.state);
+        let sh = st.get(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
+        if !sh.sealed {
+            return Err(Error::invalid(format!(
+                "map output of shuffle {shuffle} is read only after the shuffle is sealed"
+            )));
+        }
+        let mut ids: Vec<BlockId> = sh.blocks.keys().filter(|b| b.map == map).copied().collect();
+        ids.sort_by_key(|b| (b.partition, b.attempt, b.seq));
+        Ok(ids)
+    }
+
     /// Mark the map side of a shuffle complete: partition streams end after their last block.
     pub fn seal(&self, shuffle: ShuffleId) -> Result<()> {
         if let Some(w) = lock(&self.writers).get(&shuffle) {

@@ -65,6 +65,7 @@ pub async fn map_side(
                             crate::Error::Cluster(format!("map task failed to run: {e}"))
                         })??;
                         load[done.worker] -= 1;
+                        tracing::debug!(shuffle = %spec.id, map = done.map, worker = done.worker, rows = done.input.rows, "map done");
                         out.input.add(done.input);
                         out.input_bytes += done.input_bytes;
                         out.maps.push(done);

@@ -263,6 +263,17 @@ impl WorkerClient {
         self.get(ticket, format!("partition {partition}")).await
     }
 
+    /// Stream every block one map task wrote (sealed shuffles only), in partition order.
+    pub async fn read_map_output(&self, shuffle: u64, map: u32) -> Result<BatchStream> {
+        let ticket = proto::Ticket {
+            kind: Some(proto::ticket::Kind::MapOutput(proto::MapOutputTicket {
+                shuffle_id: shuffle,
+                map_id: map,
+            })),
+        };
+        self.get(ticket, format!("output of map {map}")).await
+    }
+
     /// Stream one block.
     pub async fn read_block(&self, id: BlockId) -> Result<BatchStream> {
         let ticket = proto::Ticket {

@@ -216,7 +216,13 @@ impl FlightService for WorkerService {
                 let ids = self.partition_ids(shuffle, p.partition, p.wait_sealed, timeout);
                 self.serve_blocks(shuffle, ids)?
             }
-            None => return Err(bad("ticket names neither a block nor a partition")),
+            Some(proto::ticket::Kind::MapOutput(m)) => {
+                let shuffle = ShuffleId(m.shuffle_id);
+                let ids = self.state.store.map_output(shuffle, m.map_id)?;
+                let ids = futures::stream::iter(ids.into_iter().map(Ok)).boxed();
+                self.serve_blocks(shuffle, ids)?
+            }
+            None => return Err(bad("ticket names no block, partition or map output")),
         };
         Ok(Response::new(stream))
     }

@@ -1,0 +1,139 @@
+//! `datafusion-proto` extension codec for the exchange's plan nodes, so stage plans containing
+//! shuffle writers and readers can be sent to workers.
+
+use crate::reader::{ReadMode, ShuffleReaderExec};
+use crate::writer::{ShuffleWriterExec, WriterKind};
+use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::TaskContext;
+use datafusion::physical_plan::ExecutionPlan;
+use datafusion_proto::physical_plan::{PhysicalExtensionCodec, PhysicalProtoConverterExtension};
+use exchange::block::{decode_schema, encode_schema};
+use exchange::ShuffleId;
+use prost::Message;
+use std::sync::Arc;
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct ReaderNode {
+    #[prost(uint32, tag = "1")]
+    stage: u32,
+    #[prost(uint64, tag = "2")]
+    shuffle: u64,
+    #[prost(uint32, tag = "3")]
+    mode: u32,
+    #[prost(bytes = "vec", tag = "4")]
+    schema_ipc: Vec<u8>,
+    #[prost(uint32, tag = "5")]
+    partitions: u32,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct WriterNode {
+    #[prost(uint32, tag = "1")]
+    stage: u32,
+    #[prost(uint64, tag = "2")]
+    shuffle: u64,
+    #[prost(uint32, tag = "3")]
+    kind: u32,
+    #[prost(uint32, tag = "4")]
+    partitions: u32,
+    #[prost(string, repeated, tag = "5")]
+    keys: Vec<String>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct ExtensionNode {
+    #[prost(message, optional, tag = "1")]
+    reader: Option<ReaderNode>,
+    #[prost(message, optional, tag = "2")]
+    writer: Option<WriterNode>,
+}
+
+#[derive(Debug, Default)]
+pub struct ExchangeCodec;
+
+fn bad(what: &str) -> DataFusionError {
+    DataFusionError::Plan(format!("malformed flightshuffle plan node: {what}"))
+}
+
+impl PhysicalExtensionCodec for ExchangeCodec {
+    fn try_decode(
+        &self,
+        buf: &[u8],
+        inputs: &[Arc<dyn ExecutionPlan>],
+        _ctx: &TaskContext,
+        _proto_converter: &dyn PhysicalProtoConverterExtension,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let node = ExtensionNode::decode(buf).map_err(|e| bad(&e.to_string()))?;
+        if let Some(r) = node.reader {
+            let mode = match r.mode {
+                0 => ReadMode::Partition,
+                1 => ReadMode::MapOutput,
+                _ => return Err(bad("unknown reader mode")),
+            };
+            let schema = decode_schema(&r.schema_ipc).map_err(|e| bad(&e.to_string()))?;
+            return Ok(Arc::new(ShuffleReaderExec::new(
+                r.stage,
+                ShuffleId(r.shuffle),
+                mode,
+                schema,
+                r.partitions as usize,
+            )));
+        }
+        if let Some(w) = node.writer {
+            let input = inputs
+                .first()
+                .cloned()
+                .ok_or_else(|| bad("writer without input"))?;
+            let kind = WriterKind::from_u32(w.kind).ok_or_else(|| bad("unknown writer kind"))?;
+            return Ok(Arc::new(ShuffleWriterExec::new(
+                input,
+                w.stage,
+                ShuffleId(w.shuffle),
+                kind,
+                w.partitions,
+                w.keys,
+            )));
+        }
+        Err(bad("empty extension node"))
+    }
+
+    fn try_encode(
+        &self,
+        node: Arc<dyn ExecutionPlan>,
+        buf: &mut Vec<u8>,
+        _proto_converter: &dyn PhysicalProtoConverterExtension,
+    ) -> Result<()> {
+        let msg = if let Some(r) = node.downcast_ref::<ShuffleReaderExec>() {
+            ExtensionNode {
+                reader: Some(ReaderNode {
+                    stage: r.stage,
+                    shuffle: r.shuffle.0,
+                    mode: r.mode as u32,
+                    schema_ipc: encode_schema(&r.schema())
+                        .map_err(|e| DataFusionError::External(Box::new(e)))?
+                        .to_vec(),
+                    partitions: r.partitions() as u32,
+                }),
+                writer: None,
+            }
+        } else if let Some(w) = node.downcast_ref::<ShuffleWriterExec>() {
+            ExtensionNode {
+                reader: None,
+                writer: Some(WriterNode {
+                    stage: w.stage,
+                    shuffle: w.shuffle.0,
+                    kind: w.kind as u32,
+                    partitions: w.partitions,
+                    keys: w.keys.clone(),
+                }),
+            }
+        } else {
+            return Err(DataFusionError::NotImplemented(format!(
+                "cannot send plan node {} to workers",
+                node.name()
+            )));
+        };
+        msg.encode(buf)
+            .map_err(|e| DataFusionError::Internal(e.to_string()))
+    }
+}

@@ -1,0 +1,97 @@
+//! `exchange-datafusion`: flightshuffle as the distributed exchange of Apache DataFusion.
+//!
+//! The physical plan DataFusion makes for one process is cut into a DAG of stages at every
+//! boundary where rows move between partitions ([`planner`]); each producing stage is rooted at a
+//! [`writer::ShuffleWriterExec`] and each consuming stage reads through
+//! [`reader::ShuffleReaderExec`] leaves. Stage plans travel to workers with `datafusion-proto`
+//! and [`codec::ExchangeCodec`]; workers run stage partitions as map tasks through the
+//! exchange's `BatchSource` ([`source::StageSource`]). [`context::DistributedContext`] is the
+//! entry point: `sql()` runs distributed, `explain()` shows the stages.
+
+pub mod codec;
+pub mod context;
+pub mod planner;
+pub mod reader;
+pub mod source;
+pub mod writer;
+
+use datafusion::prelude::SessionConfig;
+use exchange::task::SourceRegistry;
+use exchange::transport::client::WorkerClient;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use context::{DistributedContext, QueryResult, StageMetrics};
+
+/// Task source kind of a DataFusion stage partition.
+pub const STAGE_SOURCE: &str = "datafusion-stage";
+
+/// Errors of the distributed SQL layer.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    DataFusion(#[from] datafusion::error::DataFusionError),
+    #[error(transparent)]
+    Exchange(#[from] exchange::Error),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Settings every session taking part in a distributed query needs, on the driver and on the
+/// workers alike. Each stage partition runs as an isolated task, so nothing may coordinate
+/// sibling partitions inside one plan instance: scans must not steal sibling file groups and
+/// joins must not wait at the dynamic-filter barrier for siblings that run elsewhere.
+pub fn distributed_options(mut config: SessionConfig) -> SessionConfig {
+    let opts = config.options_mut();
+    opts.execution.enable_file_stream_work_stealing = false;
+    opts.optimizer.enable_dynamic_filter_pushdown = false;
+    opts.optimizer.enable_join_dynamic_filter_pushdown = false;
+    opts.optimizer.enable_topk_dynamic_filter_pushdown = false;
+    opts.optimizer.enable_aggregate_dynamic_filter_pushdown = false;
+    // Uncorrelated scalar subqueries become joins rather than a ScalarSubqueryExec whose
+    // expressions could land in another stage than the node that fills them.
+    opts.optimizer.enable_physical_uncorrelated_scalar_subquery = false;
+    config
+}
+
+/// A worker's task sources: the exchange's built-ins plus DataFusion stages.
+pub fn worker_sources() -> SourceRegistry {
+    let mut r = SourceRegistry::with_builtin();
+    r.register(STAGE_SOURCE, Arc::new(source::StageSource));
+    r
+}
+
+/// What a shuffle reader needs at execution time (a DataFusion session-config extension):
+/// the workers to read from and the cluster token.
+pub struct ExchangeContext {
+    pub workers: Vec<String>,
+    clients: Vec<WorkerClient>,
+}
+
+impl ExchangeContext {
+    pub fn new(workers: Vec<String>, token: &str, timeout: Duration) -> exchange::Result<Self> {
+        let clients = workers
+            .iter()
+            .enumerate()
+            .map(|(i, a)| WorkerClient::new(i, a, token, timeout))
+            .collect::<exchange::Result<Vec<_>>>()?;
+        Ok(ExchangeContext { workers, clients })
+    }
+
+    pub fn clients(&self) -> &[WorkerClient] {
+        &self.clients
+    }
+}
+
+impl std::fmt::Debug for ExchangeContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExchangeContext")
+            .field("workers", &self.workers)
+            .finish()
+    }
+}
+
+/// DataFusion errors from exchange errors, keeping the original for callers to inspect.
+pub(crate) fn df_err(e: exchange::Error) -> datafusion::error::DataFusionError {
+    datafusion::error::DataFusionError::External(Box::new(e))
+}

@@ -1,0 +1,294 @@
+//! The stage planner: cuts a physical plan into a DAG of stages at every node that moves rows
+//! between partitions, so that every stage partition can run as an independent map task.
+//!
+//! Boundaries and what replaces them:
+//! * `RepartitionExec` hash → a stage whose writer hashes the (appended) key columns into R
+//!   partitions; the consumer reads partition p from every worker. Round-robin likewise.
+//! * `CoalescePartitionsExec` over several partitions → a *gather* stage (one partition); the
+//!   consumer keeps the coalesce (and its fetch) over a one-partition reader. This is also how
+//!   `CollectLeft` hash joins (and cross / nested-loop joins) are distributed: their build side
+//!   is coalesced, so every task of the probe stage reads the whole gathered build side — a
+//!   broadcast. DataFusion only picks `CollectLeft` for small build sides (its
+//!   `hash_join_single_partition_threshold`), where a broadcast is cheaper than shuffling the
+//!   probe side; larger joins are planned `Partitioned` and become hash exchanges above.
+//! * `SortPreservingMergeExec` over several partitions → a stage writing each sorted partition
+//!   as one run; the consumer reads run p as its partition p and merges them as before.
+//!
+//! * A `CollectLeft` join that emits build-side rows at its end (left outer, full, left
+//!   semi/anti/mark) relies on every probe partition of one plan instance reporting to the
+//!   last one; as independent tasks they never would. Such hash joins are re-planned
+//!   `Partitioned` (both sides hash-exchanged on the join keys, same partition count); such
+//!   nested-loop joins get their probe side gathered and their output dealt back out.
+//!
+//! Parquet scans need no boundary: their file groups are the stage's partitions, so map tasks
+//! split the scan across workers. A plan whose root has several partitions gets a final gather
+//! so that only the last, single-partition step runs on the driver.
+
+use crate::reader::{ReadMode, ShuffleReaderExec};
+use crate::writer::{ShuffleWriterExec, WriterKind, KEY_PREFIX};
+use datafusion::common::JoinType;
+use datafusion::error::Result;
+use datafusion::physical_expr::expressions::Column;
+use datafusion::physical_expr::{Partitioning, PhysicalExpr};
+use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
+use datafusion::physical_plan::joins::{HashJoinExec, NestedLoopJoinExec, PartitionMode};
+use datafusion::physical_plan::projection::ProjectionExec;
+use datafusion::physical_plan::repartition::RepartitionExec;
+use datafusion::physical_plan::sorts::sort::SortExec;
+use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMergeExec;
+use datafusion::physical_plan::{
+    displayable, replace_children_if_necessary, ExecutionPlan, ExecutionPlanProperties,
+};
+use exchange::ShuffleId;
+use std::sync::Arc;
+
+/// One producing stage: its writer (root) and the stages it reads from.
+#[derive(Debug, Clone)]
+pub struct Stage {
+    pub writer: Arc<ShuffleWriterExec>,
+    pub inputs: Vec<u32>,
+}
+
+impl Stage {
+    pub fn id(&self) -> u32 {
+        self.writer.stage
+    }
+}
+
+/// Stages in dependency order (every stage after the stages it reads) and the driver's part.
+#[derive(Debug, Clone)]
+pub struct StagedPlan {
+    pub stages: Vec<Stage>,
+    pub root: Arc<dyn ExecutionPlan>,
+    pub root_inputs: Vec<u32>,
+}
+
+impl StagedPlan {
+    /// Every stage, indented, then the driver's part: what `EXPLAIN` prints.
+    pub fn display(&self) -> String {
+        let mut out = String::new();
+        for s in &self.stages {
+            let reads = if s.inputs.is_empty() {
+                String::new()
+            } else {
+                format!(", reads stages {:?}", s.inputs)
+            };
+            out.push_str(&format!(
+                "Stage {} — {} map tasks, exchange: {} (strategy pull){reads}\n",
+                s.id(),
+                s.writer.tasks(),
+                s.writer.describe(),
+            ));
+            out.push_str(&indent(
+                &displayable(s.writer.as_ref()).indent(true).to_string(),
+            ));
+        }
+        out.push_str(&format!("Driver — reads stages {:?}\n", self.root_inputs));
+        out.push_str(&indent(
+            &displayable(self.root.as_ref()).indent(true).to_string(),
+        ));
+        out
+    }
+}
+
+fn indent(s: &str) -> String {
+    s.lines().map(|l| format!("  {l}\n")).collect()
+}
+
+#[derive(Default)]
+struct Planner {
+    stages: Vec<Stage>,
+}
+
+/// Cut `plan` into stages.
+pub fn plan_stages(plan: Arc<dyn ExecutionPlan>) -> Result<StagedPlan> {
+    let plan = if plan.output_partitioning().partition_count() > 1 {
+        Arc::new(CoalescePartitionsExec::new(plan)) as Arc<dyn ExecutionPlan>
+    } else {
+        plan
+    };
+    let plan = independent_joins(plan)?;
+    let mut planner = Planner::default();
+    let (root, root_inputs) = planner.cut(plan)?;
+    Ok(StagedPlan {
+        stages: planner.stages,
+        root,
+        root_inputs,
+    })
+}
+
+impl Planner {
+    fn add_stage(
+        &mut self,
+        input: Arc<dyn ExecutionPlan>,
+        inputs: Vec<u32>,
+        kind: WriterKind,
+        partitions: usize,
+        keys: Vec<String>,
+    ) -> Arc<ShuffleWriterExec> {
+        let id = self.stages.len() as u32 + 1;
+        let writer = Arc::new(ShuffleWriterExec::new(
+            input,
+            id,
+            ShuffleId::random(),
+            kind,
+            partitions as u32,
+            keys,
+        ));
+        self.stages.push(Stage {
+            writer: writer.clone(),
+            inputs,
+        });
+        writer
+    }
+
+    /// Rewrite `plan` bottom-up; returns the new plan and the stages it reads.
+    fn cut(&mut self, plan: Arc<dyn ExecutionPlan>) -> Result<(Arc<dyn ExecutionPlan>, Vec<u32>)> {
+        let mut children = Vec::new();
+        let mut deps = Vec::new();
+        for c in plan.children() {
+            let (c, d) = self.cut(c.clone())?;
+            children.push(c);
+            deps.extend(d);
+        }
+        if let Some(r) = plan.downcast_ref::<RepartitionExec>() {
+            let child = children.swap_remove(0);
+            let schema = child.schema();
+            let (kind, n, input, keys) = match r.partitioning() {
+                Partitioning::Hash(exprs, n) => {
+                    let (input, keys) = with_key_columns(child.clone(), exprs)?;
+                    (WriterKind::Hash, *n, input, keys)
+                }
+                other => (
+                    WriterKind::RoundRobin,
+                    other.partition_count(),
+                    child.clone(),
+                    vec![],
+                ),
+            };
+            let writer = self.add_stage(input, deps, kind, n, keys);
+            let reader: Arc<dyn ExecutionPlan> = Arc::new(ShuffleReaderExec::new(
+                writer.stage,
+                writer.shuffle,
+                ReadMode::Partition,
+                schema,
+                n,
+            ));
+            // A sort-preserving repartition promised sorted partitions: restore the order.
+            let out = match (r.preserve_order(), child.output_ordering()) {
+                (true, Some(order)) => {
+                    Arc::new(SortExec::new(order.clone(), reader).with_preserve_partitioning(true))
+                        as Arc<dyn ExecutionPlan>
+                }
+                _ => reader,
+            };
+            return Ok((out, vec![writer.stage]));
+        }
+        let gather = plan.downcast_ref::<CoalescePartitionsExec>().is_some();
+        let merge = plan.downcast_ref::<SortPreservingMergeExec>().is_some();
+        if (gather || merge) && children[0].output_partitioning().partition_count() > 1 {
+            let child = children.swap_remove(0);
+            let runs = child.output_partitioning().partition_count();
+            let schema = child.schema();
+            let (kind, mode, partitions) = if merge {
+                (WriterKind::Merge, ReadMode::MapOutput, runs)
+            } else {
+                (WriterKind::Gather, ReadMode::Partition, 1)
+            };
+            let writer = self.add_stage(child, deps, kind, 1, vec![]);
+            let reader: Arc<dyn ExecutionPlan> = Arc::new(ShuffleReaderExec::new(
+                writer.stage,
+                writer.shuffle,
+                mode,
+                schema,
+                partitions,
+            ));
+            let out = replace_children_if_necessary(plan, vec![reader])?;
+            return Ok((out, vec![writer.stage]));
+        }
+        Ok((replace_children_if_necessary(plan, children)?, deps))
+    }
+}
+
+/// Join types whose build-side rows are emitted after the whole probe side was seen.
+fn emits_build_rows(t: &JoinType) -> bool {
+    matches!(
+        t,
+        JoinType::Left
+            | JoinType::Full
+            | JoinType::LeftSemi
+            | JoinType::LeftAnti
+            | JoinType::LeftMark
+    )
+}
+
+/// Rewrite joins whose partitions coordinate inside one plan instance (see module doc).
+fn independent_joins(plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
+    let children = plan
+        .children()
+        .into_iter()
+        .map(|c| independent_joins(c.clone()))
+        .collect::<Result<Vec<_>>>()?;
+    let plan = replace_children_if_necessary(plan, children)?;
+    if let Some(j) = plan.downcast_ref::<HashJoinExec>() {
+        let n = j.right().output_partitioning().partition_count();
+        if *j.partition_mode() == PartitionMode::CollectLeft
+            && emits_build_rows(j.join_type())
+            && n > 1
+        {
+            let (lk, rk): (Vec<_>, Vec<_>) = j.on().iter().cloned().unzip();
+            let build = match j.left().downcast_ref::<CoalescePartitionsExec>() {
+                Some(c) => c.input().clone(),
+                None => j.left().clone(),
+            };
+            let left = Arc::new(RepartitionExec::try_new(build, Partitioning::Hash(lk, n))?);
+            let right = Arc::new(RepartitionExec::try_new(
+                j.right().clone(),
+                Partitioning::Hash(rk, n),
+            )?);
+            return j
+                .builder()
+                .with_partition_mode(PartitionMode::Partitioned)
+                .with_new_children(vec![left, right])?
+                .reset_state()
+                .build_exec();
+        }
+    }
+    if let Some(j) = plan.downcast_ref::<NestedLoopJoinExec>() {
+        let n = j.right().output_partitioning().partition_count();
+        if emits_build_rows(j.join_type()) && n > 1 {
+            let right = Arc::new(CoalescePartitionsExec::new(j.right().clone()));
+            let single =
+                replace_children_if_necessary(plan.clone(), vec![j.left().clone(), right])?;
+            return Ok(Arc::new(RepartitionExec::try_new(
+                single,
+                Partitioning::RoundRobinBatch(n),
+            )?));
+        }
+    }
+    Ok(plan)
+}
+
+/// Append the hash expressions as `__fs_key_<k>` columns so the exchange can hash them.
+fn with_key_columns(
+    child: Arc<dyn ExecutionPlan>,
+    exprs: &[Arc<dyn PhysicalExpr>],
+) -> Result<(Arc<dyn ExecutionPlan>, Vec<String>)> {
+    let schema = child.schema();
+    let mut projection: Vec<(Arc<dyn PhysicalExpr>, String)> = schema
+        .fields()
+        .iter()
+        .enumerate()
+        .map(|(i, f)| {
+            (
+                Arc::new(Column::new(f.name(), i)) as Arc<dyn PhysicalExpr>,
+                f.name().clone(),
+            )
+        })
+        .collect();
+    let keys: Vec<String> = (0..exprs.len())
+        .map(|k| format!("{KEY_PREFIX}{k}"))
+        .collect();
+    projection.extend(exprs.iter().cloned().zip(keys.iter().cloned()));
+    Ok((Arc::new(ProjectionExec::try_new(projection, child)?), keys))
+}

@@ -1,0 +1,160 @@
+//! `ShuffleReaderExec`: a leaf of a consuming stage. Output partition p is reduce partition p
+//! pulled from every worker (`Partition` mode), or the whole output of map task p — one sorted
+//! run of a sort-preserving merge — (`MapOutput` mode). Key columns a hash writer appended are
+//! stripped. Workers come from the session's [`crate::ExchangeContext`].
+
+use crate::{df_err, ExchangeContext};
+use arrow::array::RecordBatch;
+use arrow::datatypes::SchemaRef;
+use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::physical_expr::{EquivalenceProperties, Partitioning, PhysicalExpr};
+use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties};
+use exchange::ShuffleId;
+use futures::{StreamExt, TryStreamExt};
+use std::fmt;
+use std::sync::Arc;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadMode {
+    Partition = 0,
+    MapOutput = 1,
+}
+
+#[derive(Debug)]
+pub struct ShuffleReaderExec {
+    pub stage: u32,
+    pub shuffle: ShuffleId,
+    pub mode: ReadMode,
+    schema: SchemaRef,
+    properties: Arc<PlanProperties>,
+}
+
+impl ShuffleReaderExec {
+    pub fn new(
+        stage: u32,
+        shuffle: ShuffleId,
+        mode: ReadMode,
+        schema: SchemaRef,
+        partitions: usize,
+    ) -> Self {
+        let properties = PlanProperties::new(
+            EquivalenceProperties::new(schema.clone()),
+            Partitioning::UnknownPartitioning(partitions),
+            EmissionType::Incremental,
+            Boundedness::Bounded,
+        );
+        ShuffleReaderExec {
+            stage,
+            shuffle,
+            mode,
+            schema,
+            properties: Arc::new(properties),
+        }
+    }
+
+    pub fn partitions(&self) -> usize {
+        self.properties.partitioning.partition_count()
+    }
+}
+
+impl DisplayAs for ShuffleReaderExec {
+    fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
+        let mode = match self.mode {
+            ReadMode::Partition => "partition from every worker",
+            ReadMode::MapOutput => "one sorted run per map task",
+        };
+        write!(
+            f,
+            "ShuffleReaderExec: stage={}, partitions={}, {mode}",
+            self.stage,
+            self.partitions()
+        )
+    }
+}
+
+/// Keep the reader's columns (drop trailing key columns) under the reader's schema.
+fn conform(batch: RecordBatch, schema: &SchemaRef) -> Result<RecordBatch> {
+    let n = schema.fields().len();
+    let cols = batch.columns().get(..n).ok_or_else(|| {
+        DataFusionError::Execution(format!(
+            "shuffle rows have {} columns, the reader expects at least {n}",
+            batch.num_columns()
+        ))
+    })?;
+    Ok(RecordBatch::try_new(schema.clone(), cols.to_vec())?)
+}
+
+impl ExecutionPlan for ShuffleReaderExec {
+    fn name(&self) -> &str {
+        "ShuffleReaderExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        &self.properties
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![]
+    }
+
+    fn apply_expressions(
+        &self,
+        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
+    ) -> Result<TreeNodeRecursion> {
+        Ok(TreeNodeRecursion::Continue)
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        if children.is_empty() {
+            Ok(self)
+        } else {
+            Err(DataFusionError::Internal(
+                "ShuffleReaderExec has no children".into(),
+            ))
+        }
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        let ectx = context
+            .session_config()
+            .get_extension::<ExchangeContext>()
+            .ok_or_else(|| {
+                DataFusionError::Execution(
+                    "ShuffleReaderExec runs only in a flightshuffle session (no ExchangeContext)"
+                        .into(),
+                )
+            })?;
+        let (shuffle, mode) = (self.shuffle.0, self.mode);
+        let p = u32::try_from(partition)
+            .map_err(|_| DataFusionError::Execution(format!("partition {partition} too large")))?;
+        let open = async move {
+            let opens = ectx.clients().iter().map(|c| async move {
+                match mode {
+                    ReadMode::Partition => c.read_partition(shuffle, p, true).await,
+                    ReadMode::MapOutput => c.read_map_output(shuffle, p).await,
+                }
+            });
+            let streams = futures::future::try_join_all(opens).await.map_err(df_err)?;
+            Ok::<_, DataFusionError>(futures::stream::select_all(streams).map_err(df_err))
+        };
+        let schema = self.schema.clone();
+        let batches = futures::stream::once(open)
+            .try_flatten()
+            .map(move |b| b.and_then(|b| conform(b, &schema)));
+        Ok(Box::pin(RecordBatchStreamAdapter::new(
+            self.schema.clone(),
+            batches,
+        )))
+    }
+}

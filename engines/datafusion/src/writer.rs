@@ -1,0 +1,150 @@
+//! `ShuffleWriterExec`: the root of a producing stage. Executing partition i runs the stage's
+//! partition i; the worker's map task then partitions those rows into the stage's shuffle.
+//! For a hash exchange the input already carries the evaluated key expressions as trailing
+//! `__fs_key_<k>` columns, which the exchange hashes (and readers strip).
+
+use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::error::Result;
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::physical_expr::PhysicalExpr;
+use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties};
+use exchange::{partitioner, proto, ShuffleId};
+use std::fmt;
+use std::sync::Arc;
+
+/// Prefix of the key columns a hash exchange appends to its rows.
+pub const KEY_PREFIX: &str = "__fs_key_";
+
+/// How a stage's rows are spread over its shuffle's partitions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriterKind {
+    /// Hash of the key columns into R partitions (a hash repartition boundary).
+    Hash = 0,
+    /// Dealt in turn into R partitions (a round-robin repartition boundary).
+    RoundRobin = 1,
+    /// Everything into one partition, read whole by one consumer (coalesce / broadcast).
+    Gather = 2,
+    /// One partition; consumers read each map task's sorted output apart (sort-preserving merge).
+    Merge = 3,
+}
+
+impl WriterKind {
+    pub fn from_u32(v: u32) -> Option<Self> {
+        [Self::Hash, Self::RoundRobin, Self::Gather, Self::Merge]
+            .into_iter()
+            .find(|k| *k as u32 == v)
+    }
+}
+
+#[derive(Debug)]
+pub struct ShuffleWriterExec {
+    input: Arc<dyn ExecutionPlan>,
+    pub stage: u32,
+    pub shuffle: ShuffleId,
+    pub kind: WriterKind,
+    pub partitions: u32,
+    pub keys: Vec<String>,
+}
+
+impl ShuffleWriterExec {
+    pub fn new(
+        input: Arc<dyn ExecutionPlan>,
+        stage: u32,
+        shuffle: ShuffleId,
+        kind: WriterKind,
+        partitions: u32,
+        keys: Vec<String>,
+    ) -> Self {
+        ShuffleWriterExec {
+            input,
+            stage,
+            shuffle,
+            kind,
+            partitions,
+            keys,
+        }
+    }
+
+    pub fn input(&self) -> &Arc<dyn ExecutionPlan> {
+        &self.input
+    }
+
+    /// Map tasks of this stage: one per input partition.
+    pub fn tasks(&self) -> usize {
+        self.input.properties().partitioning.partition_count()
+    }
+
+    pub fn partitioner(&self) -> proto::Partitioner {
+        match self.kind {
+            WriterKind::Hash => {
+                partitioner::hash(&self.keys.iter().map(|s| s.as_str()).collect::<Vec<_>>())
+            }
+            _ => partitioner::round_robin(),
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        match self.kind {
+            WriterKind::Hash => format!("hash({}) into {}", self.keys.join(", "), self.partitions),
+            WriterKind::RoundRobin => format!("round-robin into {}", self.partitions),
+            WriterKind::Gather => "gather into 1".to_string(),
+            WriterKind::Merge => "sorted runs into 1 (merged by the reader)".to_string(),
+        }
+    }
+}
+
+impl DisplayAs for ShuffleWriterExec {
+    fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
+        write!(
+            f,
+            "ShuffleWriterExec: stage={}, {}, tasks={}",
+            self.stage,
+            self.describe(),
+            self.tasks()
+        )
+    }
+}
+
+impl ExecutionPlan for ShuffleWriterExec {
+    fn name(&self) -> &str {
+        "ShuffleWriterExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        self.input.properties()
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![&self.input]
+    }
+
+    fn apply_expressions(
+        &self,
+        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
+    ) -> Result<TreeNodeRecursion> {
+        Ok(TreeNodeRecursion::Continue)
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        mut children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let input = children.swap_remove(0);
+        Ok(Arc::new(ShuffleWriterExec::new(
+            input,
+            self.stage,
+            self.shuffle,
+            self.kind,
+            self.partitions,
+            self.keys.clone(),
+        )))
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        self.input.execute(partition, context)
+    }
+}

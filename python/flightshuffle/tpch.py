@@ -1,0 +1,109 @@
+"""TPC-H helpers: data generation (Rust ``tpchgen``), the 22 queries, DuckDB reference answers
+and answer comparison (floats to 1e-6 relative; row order only where the query orders)."""
+
+from __future__ import annotations
+
+import math
+import os
+from decimal import Decimal
+from typing import Any
+
+import pyarrow as pa
+
+from flightshuffle._native import TPCH_TABLES, tpch_generate, tpch_query
+
+__all__ = ["TABLES", "compare", "duckdb_connect", "ensure_data", "query"]
+
+TABLES: list[str] = list(TPCH_TABLES)
+
+
+def query(n: int, sf: float) -> tuple[str, bool]:
+    """The SQL of query ``n`` at scale factor ``sf`` and whether its result order is fixed."""
+    return tpch_query(n, sf)
+
+
+def is_generated(root: str) -> bool:
+    return all(
+        os.path.isdir(os.path.join(root, t))
+        and any(f.endswith(".parquet") for f in os.listdir(os.path.join(root, t)))
+        for t in TABLES
+    )
+
+
+def ensure_data(sf: float, root: str, progress: bool = True) -> str:
+    """Generate TPC-H Parquet files under ``root`` unless they are there already."""
+    if not is_generated(root):
+        tpch_generate(sf, root, progress)
+    return root
+
+
+def table_paths(root: str) -> dict[str, str]:
+    return {t: os.path.join(root, t) for t in TABLES}
+
+
+def duckdb_connect(root: str) -> Any:
+    """A DuckDB connection with one view per table over the same Parquet files."""
+    import duckdb
+
+    con = duckdb.connect()
+    for t, path in table_paths(root).items():
+        con.execute(f"CREATE VIEW {t} AS SELECT * FROM read_parquet('{path}/*.parquet')")
+    return con
+
+
+def _norm(v: Any) -> Any:
+    if isinstance(v, Decimal):
+        return float(v)
+    return v
+
+
+def _rows(t: pa.Table) -> list[tuple[Any, ...]]:
+    cols = [[_norm(v) for v in c.to_pylist()] for c in t.columns]
+    return list(zip(*cols, strict=True)) if cols else []
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+    return a == b
+
+
+def _same_row(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _key(row: tuple[Any, ...]) -> tuple[str, ...]:
+    return tuple("" if v is None else f"{v:.6g}" if isinstance(v, float) else str(v) for v in row)
+
+
+def _same_multiset(a: list[tuple[Any, ...]], b: list[tuple[Any, ...]]) -> bool:
+    return all(_same_row(x, y) for x, y in zip(sorted(a, key=_key), sorted(b, key=_key), strict=True))
+
+
+def compare(expected: pa.Table, got: pa.Table, ordered: bool) -> str | None:
+    """None when ``got`` matches ``expected``, else what differs. Rows tied on the ORDER BY
+    keys may come in either order (a short run of positions holding the same rows)."""
+    if expected.num_columns != got.num_columns:
+        return f"{expected.num_columns} columns expected, {got.num_columns} returned"
+    e, g = _rows(expected), _rows(got)
+    if len(e) != len(g):
+        return f"{len(e)} rows expected, {len(g)} returned"
+    if not ordered:
+        e, g = sorted(e, key=_key), sorted(g, key=_key)
+    i = 0
+    while i < len(e):
+        if _same_row(e[i], g[i]):
+            i += 1
+            continue
+        run = next(
+            (
+                j
+                for j in range(i + 2, min(len(e), i + 64) + 1)
+                if ordered and _same_multiset(e[i:j], g[i:j])
+            ),
+            None,
+        )
+        if run is None:
+            return f"row {i} differs: expected {e[i]}, got {g[i]}"
+        i = run
+    return None

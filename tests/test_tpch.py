@@ -1,0 +1,133 @@
+"""All 22 TPC-H queries at SF 0.1, distributed on local clusters of 2 and 3 worker processes
+(and with a memory budget small enough to spill), against DuckDB on the same Parquet files."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+from conftest import alive
+
+import flightshuffle as fs
+from flightshuffle import tpch
+
+SF = 0.1
+DATA = os.environ.get(
+    "FLIGHTSHUFFLE_TPCH_DATA",
+    os.path.join(os.path.expanduser("~"), ".cache", "flightshuffle", f"tpch-sf{SF}"),
+)
+CONFIGS = {
+    "2-workers": {"workers": 2, "memory_budget": "1GiB"},
+    "3-workers": {"workers": 3, "memory_budget": "1GiB"},
+    "2-workers-spilling": {"workers": 2, "memory_budget": "256KiB"},
+}
+
+
+@pytest.fixture(scope="module")
+def data() -> str:
+    return tpch.ensure_data(SF, DATA, progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference(data):
+    con = tpch.duckdb_connect(data)
+    answers = {}
+    for q in range(1, 23):
+        sql, _ = tpch.query(q, SF)
+        answers[q] = con.execute(sql).fetch_arrow_table()
+    return answers
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def sql_cluster(request, data):
+    with fs.Cluster(**CONFIGS[request.param], timeout=120) as c:
+        for name, path in tpch.table_paths(data).items():
+            c.register_parquet(name, path)
+        c.config_name = request.param
+        yield c
+
+
+@pytest.mark.parametrize("q", range(1, 23))
+def test_tpch_query_matches_duckdb(sql_cluster, reference, q):
+    sql, ordered = tpch.query(q, SF)
+    got = sql_cluster.sql(sql)
+    diff = tpch.compare(reference[q], got, ordered)
+    assert diff is None, f"q{q} on {sql_cluster.config_name}: {diff}"
+    assert sql_cluster.last_metrics["stages"], "the query ran no exchange"
+    if sql_cluster.config_name.endswith("spilling") and q == 22:
+        assert sum(s["spilled_bytes"] for s in sql_cluster.stats()) > 0
+
+
+def test_explain_shows_stages_and_analyze_adds_figures(data):
+    with fs.Cluster(workers=2) as c:
+        c.register_parquet("lineitem", os.path.join(data, "lineitem"))
+        sql, _ = tpch.query(1, SF)
+        plan = c.explain(sql)
+        assert "Stage 1" in plan and "ShuffleWriterExec" in plan and "ShuffleReaderExec" in plan
+        analyzed = c.explain(sql, analyze=True)
+        assert "rows" in analyzed and "bytes spilled" in analyzed
+        via_sql = c.sql("EXPLAIN " + sql).column(0).to_pylist()
+        assert any("Stage 1" in line for line in via_sql)
+
+
+def test_sql_over_arrow_polars_and_duckdb_tables():
+    import duckdb
+    import polars as pl
+
+    orders = pl.DataFrame({"o_id": list(range(1000)), "cust": [i % 37 for i in range(1000)]})
+    cust = duckdb.sql("SELECT range AS id, 'c' || range AS name FROM range(37)")
+    with fs.Cluster(workers=2) as c:
+        out = c.sql(
+            "SELECT name, count(*) AS n FROM orders JOIN cust ON cust = id GROUP BY name ORDER BY name",
+            tables={"orders": orders, "cust": cust},
+            output="polars",
+        )
+    expected = (
+        orders.join(cust.pl(), left_on="cust", right_on="id")
+        .group_by("name")
+        .agg(pl.len().alias("n"))
+        .sort("name")
+    )
+    assert out["name"].to_list() == expected["name"].to_list()
+    assert out["n"].to_list() == expected["n"].to_list()
+
+
+def test_bad_sql_is_a_clear_error(data):
+    with fs.Cluster(workers=1) as c:
+        with pytest.raises(ValueError, match="nope"):
+            c.sql("SELECT * FROM nope")
+        with pytest.raises(FileNotFoundError):
+            c.register_parquet("t", "/does/not/exist")
+
+
+def test_a_stage_whose_worker_dies_fails_within_bounded_time(data):
+    c = fs.Cluster(workers=2, timeout=60)
+    pids = c.worker_pids
+    try:
+        for name, path in tpch.table_paths(data).items():
+            c.register_parquet(name, path)
+        sql, _ = tpch.query(9, SF)
+        errors: list[BaseException] = []
+
+        def run():
+            try:
+                for _ in range(50):
+                    c.sql(sql)
+            except BaseException as e:  # noqa: BLE001 - handed to the test thread
+                errors.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        time.sleep(0.5)
+        os.kill(pids[1], 9)
+        killed = time.monotonic()
+        t.join(60)
+        assert not t.is_alive(), "the query did not fail after its worker died"
+        assert time.monotonic() - killed < 30
+        assert errors and isinstance(errors[0], fs.ShuffleError), errors
+        assert "worker 1" in str(errors[0]) and "lost" in str(errors[0])
+    finally:
+        c.close()
+    assert not any(alive(p) for p in pids)

@@ -1,0 +1,74 @@
+//! TPC-H through the distributed exchange with real worker processes (this crate's binary in
+//! `worker` mode): answers equal single-process DataFusion's, and staged plans are snapshotted
+//! so a change in staging shows up in review.
+
+use datafusion::prelude::{SessionConfig, SessionContext};
+use exchange::cluster::{LocalCluster, LocalClusterConfig};
+use exchange_datafusion::DistributedContext;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+const SF: f64 = 0.01;
+
+fn data() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("flightshuffle-tpch-test-sf{SF}"));
+        if !tpch::is_generated(&dir) {
+            tpch::generate(SF, &dir, false).unwrap();
+        }
+        dir
+    })
+}
+
+async fn cluster(workers: usize) -> (LocalCluster, DistributedContext) {
+    let cfg = LocalClusterConfig::new(
+        workers,
+        vec![env!("CARGO_BIN_EXE_tpch").to_string(), "worker".into()],
+    );
+    let cluster = LocalCluster::start(cfg).await.unwrap();
+    let ctx = DistributedContext::new(
+        cluster.driver.clone(),
+        DistributedContext::default_config(workers),
+    )
+    .unwrap();
+    tpch::register(ctx.session(), data()).await.unwrap();
+    (cluster, ctx)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_queries_match_single_process_datafusion() {
+    let (_cluster, ctx) = cluster(2).await;
+    let local = SessionContext::new_with_config(SessionConfig::new().with_target_partitions(2));
+    tpch::register(&local, data()).await.unwrap();
+    let mut wrong = Vec::new();
+    for q in 1..=22 {
+        let sql = tpch::query(q, SF).unwrap();
+        let expected = local.sql(&sql).await.unwrap().collect().await.unwrap();
+        match ctx.sql(&sql).await {
+            Ok(got) => {
+                if let Err(e) = tpch::check::compare(&expected, &got.batches, tpch::is_ordered(q)) {
+                    wrong.push(format!("q{q}: {e}"));
+                }
+                assert!(!got.stages.is_empty() || q == 0, "q{q} ran no exchange");
+            }
+            Err(e) => wrong.push(format!("q{q} failed: {e}")),
+        }
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn staged_plans_snapshot() {
+    let (_cluster, ctx) = cluster(2).await;
+    let root = data().to_string_lossy().into_owned();
+    for q in [1, 3, 5, 13, 18] {
+        let sql = tpch::query(q, SF).unwrap();
+        let text = ctx
+            .explain(&sql, false)
+            .await
+            .unwrap()
+            .replace(&root, "<data>");
+        insta::assert_snapshot!(format!("q{q:02}"), text);
+    }
+}
