@@ -47,7 +47,9 @@ def test_every_input_kind_keeps_the_multiset(cluster, kind):
     parts = list(cluster.shuffle(data, by="key", partitions=7, map_bytes="256KiB"))
     assert len(parts) == 7
     parts = as_polars(parts)
-    expected = pl.from_arrow(df.to_arrow()) if kind != "duckdb" else pl.from_arrow(data.arrow())
+    expected = (
+        pl.from_arrow(df.to_arrow()) if kind != "duckdb" else pl.from_arrow(data.to_arrow_table())
+    )
     assert_same_multiset(expected, parts)
     assert_keys_not_split(parts, ["key"])
 

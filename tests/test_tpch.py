@@ -7,10 +7,9 @@ import os
 import threading
 import time
 
+import flightshuffle as fs
 import pytest
 from conftest import alive
-
-import flightshuffle as fs
 from flightshuffle import tpch
 
 SF = 0.1
@@ -36,7 +35,7 @@ def reference(data):
     answers = {}
     for q in range(1, 23):
         sql, _ = tpch.query(q, SF)
-        answers[q] = con.execute(sql).fetch_arrow_table()
+        answers[q] = con.sql(sql).to_arrow_table()
     return answers
 
 

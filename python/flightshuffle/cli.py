@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
-
 import json
 import os
+import sys
 import time
 
 from flightshuffle import Cluster, ShuffleError, parse_bytes, worker_command
@@ -45,7 +44,10 @@ def _sql(args: argparse.Namespace) -> int:
 
             with pl.Config(tbl_rows=args.max_rows, tbl_cols=-1):
                 print(pl.from_arrow(table))
-            print(f"{table.num_rows} rows in {c.last_metrics.get('seconds', 0):.3f} s", file=sys.stderr)
+            print(
+                f"{table.num_rows} rows in {c.last_metrics.get('seconds', 0):.3f} s",
+                file=sys.stderr,
+            )
     return 0
 
 
@@ -64,7 +66,9 @@ def _tpch(args: argparse.Namespace) -> int:
     with Cluster(workers=args.workers, memory_budget=args.memory_budget) as c:
         for name, path in tpch.table_paths(root).items():
             c.register_parquet(name, path)
-        print(f"{'query':>5} {'cluster s':>10} {'duckdb s':>9} {'stages':>6} {'shuffled MB':>12}  answer")
+        print(
+            f"{'query':>5} {'cluster s':>10} {'duckdb s':>9} {'stages':>6} {'shuffled MB':>12}  answer"
+        )
         for q in queries:
             sql, ordered = tpch.query(q, args.sf)
             t = time.monotonic()
@@ -75,22 +79,41 @@ def _tpch(args: argparse.Namespace) -> int:
             ref_s, verdict = float("nan"), "not checked"
             if duck is not None:
                 t = time.monotonic()
-                expected = duck.execute(sql).fetch_arrow_table()
+                expected = duck.sql(sql).to_arrow_table()
                 ref_s = time.monotonic() - t
                 diff = tpch.compare(expected, got, ordered)
                 verdict = "ok (matches DuckDB)" if diff is None else f"WRONG: {diff}"
-            rows.append({"query": q, "cluster_s": secs, "duckdb_s": ref_s, "stages": len(stages),
-                         "shuffled_mb": shuffled, "answer": verdict})
-            print(f"{'q%02d' % q:>5} {secs:>10.3f} {ref_s:>9.3f} {len(stages):>6} {shuffled:>12.1f}  {verdict}",
-                  flush=True)
+            rows.append(
+                {
+                    "query": q,
+                    "cluster_s": secs,
+                    "duckdb_s": ref_s,
+                    "stages": len(stages),
+                    "shuffled_mb": shuffled,
+                    "answer": verdict,
+                }
+            )
+            print(
+                f"{f'q{q:02d}':>5} {secs:>10.3f} {ref_s:>9.3f} {len(stages):>6} {shuffled:>12.1f}  {verdict}",
+                flush=True,
+            )
     total = sum(r["cluster_s"] for r in rows)
     total_ref = sum(r["duckdb_s"] for r in rows)
     print(f"{'total':>5} {total:>10.3f} {total_ref:>9.3f}")
     wrong = [r["query"] for r in rows if r["answer"].startswith("WRONG")]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"sf": args.sf, "workers": args.workers, "queries": rows,
-                       "total_cluster_s": total, "total_duckdb_s": total_ref}, f, indent=2)
+            json.dump(
+                {
+                    "sf": args.sf,
+                    "workers": args.workers,
+                    "queries": rows,
+                    "total_cluster_s": total,
+                    "total_duckdb_s": total_ref,
+                },
+                f,
+                indent=2,
+            )
     if wrong:
         print(f"wrong answers: {wrong}", file=sys.stderr)
         return 1
@@ -123,8 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     q = sub.add_parser("sql", help="run one SQL query on a local cluster")
     q.add_argument("query")
     q.add_argument("--workers", type=int, default=2)
-    q.add_argument("--table", action="append", default=[], metavar="NAME=PATH",
-                   help="register a Parquet file or directory (repeatable)")
+    q.add_argument(
+        "--table",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="register a Parquet file or directory (repeatable)",
+    )
     q.add_argument("--memory-budget", default="2GiB")
     q.add_argument("--max-rows", type=int, default=20)
     q.set_defaults(run=_sql)
@@ -133,11 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--sf", type=float, default=1.0)
     t.add_argument("--workers", type=int, default=2)
     t.add_argument("--data", help="data directory (default data/tpch-sf<SF>)")
-    t.add_argument("--queries", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                   help="e.g. 1,3,18 (default all 22)")
+    t.add_argument(
+        "--queries",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=None,
+        help="e.g. 1,3,18 (default all 22)",
+    )
     t.add_argument("--memory-budget", default="4GiB")
-    t.add_argument("--no-check", dest="check", action="store_false",
-                   help="skip the DuckDB answer check")
+    t.add_argument(
+        "--no-check", dest="check", action="store_false", help="skip the DuckDB answer check"
+    )
     t.add_argument("--json", help="also write the results as JSON to this file")
     t.set_defaults(run=_tpch)
     args = p.parse_args(argv)

@@ -62,14 +62,26 @@ def _rows(t: pa.Table) -> list[tuple[Any, ...]]:
     return list(zip(*cols, strict=True)) if cols else []
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: Any, b: Any, abs_tol: float = 1e-9) -> bool:
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+        return math.isclose(a, b, rel_tol=1e-6, abs_tol=abs_tol)
     return a == b
 
 
-def _same_row(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+def _same_row(a: tuple[Any, ...], b: tuple[Any, ...], tols: list[float] | None = None) -> bool:
+    tols = tols or [1e-9] * len(a)
+    return len(a) == len(b) and all(_same(x, y, t) for x, y, t in zip(a, b, tols, strict=False))
+
+
+def _tolerances(*tables: pa.Table) -> list[float]:
+    """Per column: a decimal of scale s is exact only to 10^-s (e.g. AVG of a DECIMAL(15,2)
+    is DECIMAL(..., 6) in DataFusion but DOUBLE in DuckDB)."""
+    tols = [1e-9] * tables[0].num_columns
+    for t in tables:
+        for i, f in enumerate(t.schema):
+            if pa.types.is_decimal(f.type):
+                tols[i] = max(tols[i], 10.0**-f.type.scale)
+    return tols
 
 
 def _key(row: tuple[Any, ...]) -> tuple[str, ...]:
@@ -77,7 +89,9 @@ def _key(row: tuple[Any, ...]) -> tuple[str, ...]:
 
 
 def _same_multiset(a: list[tuple[Any, ...]], b: list[tuple[Any, ...]]) -> bool:
-    return all(_same_row(x, y) for x, y in zip(sorted(a, key=_key), sorted(b, key=_key), strict=True))
+    return all(
+        _same_row(x, y) for x, y in zip(sorted(a, key=_key), sorted(b, key=_key), strict=True)
+    )
 
 
 def compare(expected: pa.Table, got: pa.Table, ordered: bool) -> str | None:
@@ -86,13 +100,14 @@ def compare(expected: pa.Table, got: pa.Table, ordered: bool) -> str | None:
     if expected.num_columns != got.num_columns:
         return f"{expected.num_columns} columns expected, {got.num_columns} returned"
     e, g = _rows(expected), _rows(got)
+    tols = _tolerances(expected, got)
     if len(e) != len(g):
         return f"{len(e)} rows expected, {len(g)} returned"
     if not ordered:
         e, g = sorted(e, key=_key), sorted(g, key=_key)
     i = 0
     while i < len(e):
-        if _same_row(e[i], g[i]):
+        if _same_row(e[i], g[i], tols):
             i += 1
             continue
         run = next(

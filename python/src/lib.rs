@@ -241,6 +241,7 @@ impl NativeCluster {
             return Ok(ctx.clone());
         }
         let driver = self.driver()?;
+        let _runtime = self.rt.enter();
         let config = exchange_datafusion::DistributedContext::default_config(driver.num_workers());
         let ctx = Arc::new(
             exchange_datafusion::DistributedContext::new(driver, config).map_err(sql::df_err)?,

@@ -14,12 +14,12 @@ pub fn df_err(e: exchange_datafusion::Error) -> PyErr {
         exchange_datafusion::Error::Exchange(e) => to_py(e),
         exchange_datafusion::Error::DataFusion(e) => {
             // Errors that came out of the exchange keep their Python type.
-            if let datafusion::error::DataFusionError::External(inner) = &e {
+            if let datafusion::error::DataFusionError::External(inner) = e.find_root() {
                 if let Some(x) = inner.downcast_ref::<exchange::Error>() {
                     return to_py_ref(x);
                 }
             }
-            match &e {
+            match e.find_root() {
                 datafusion::error::DataFusionError::Plan(_)
                 | datafusion::error::DataFusionError::SQL(..)
                 | datafusion::error::DataFusionError::SchemaError(..) => {

@@ -112,7 +112,7 @@ pub fn is_generated(root: &Path) -> bool {
 
 /// Write the 8 tables at scale factor `sf` under `root/<table>/part-<i>.parquet`.
 pub fn generate(sf: f64, root: &Path, progress: bool) -> Result<(), String> {
-    if !(sf > 0.0) {
+    if sf.is_nan() || sf <= 0.0 {
         return Err(format!("scale factor must be positive, not {sf}"));
     }
     let jobs: Vec<(&str, i32, i32)> = TABLES

@@ -48,6 +48,11 @@ pub struct WorkerClient {
 impl WorkerClient {
     /// Connects lazily: the first call opens the connection (bounded by a connect timeout).
     pub fn new(index: usize, addr: &str, token: &str, timeout: Duration) -> Result<Self> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(Error::Cluster(
+                "a worker client must be created inside a tokio runtime".into(),
+            ));
+        }
         let endpoint = Endpoint::from_shared(format!("http://{addr}"))
             .map_err(|e| Error::invalid(format!("bad worker address {addr:?}: {e}")))?
             .connect_timeout(Duration::from_secs(5))
