@@ -221,6 +221,11 @@ class Cluster:
             return pl.from_arrow(table)
         return table
 
+    def sql_single_process(self, query: str) -> tuple[Any, float]:
+        """Run ``query`` on single-process DataFusion in this process over the tables registered
+        here (the baseline the cluster is compared with); returns (pyarrow.Table, seconds)."""
+        return self._native.sql_single_process(query)
+
     def explain(self, query: str, analyze: bool = False) -> str:
         """The stages of ``query`` and the exchanges between them; ``analyze`` runs it and adds
         rows, bytes, blocks, spill and time per exchange."""

@@ -67,7 +67,8 @@ def _tpch(args: argparse.Namespace) -> int:
         for name, path in tpch.table_paths(root).items():
             c.register_parquet(name, path)
         print(
-            f"{'query':>5} {'cluster s':>10} {'duckdb s':>9} {'stages':>6} {'shuffled MB':>12}  answer"
+            f"{'query':>5} {'cluster s':>10} {'1-proc DF s':>11} {'ratio':>6} {'duckdb s':>9} "
+            f"{'stages':>6} {'shuffled MB':>12}  answer"
         )
         for q in queries:
             sql, ordered = tpch.query(q, args.sf)
@@ -75,6 +76,9 @@ def _tpch(args: argparse.Namespace) -> int:
             got = c.sql(sql)
             secs = time.monotonic() - t
             stages = c.last_metrics.get("stages", [])
+            local_s = float("nan")
+            if args.baseline:
+                _, local_s = c.sql_single_process(sql)
             shuffled = sum(s["bytes"] for s in stages) / 1e6
             ref_s, verdict = float("nan"), "not checked"
             if duck is not None:
@@ -83,37 +87,43 @@ def _tpch(args: argparse.Namespace) -> int:
                 ref_s = time.monotonic() - t
                 diff = tpch.compare(expected, got, ordered)
                 verdict = "ok (matches DuckDB)" if diff is None else f"WRONG: {diff}"
-            rows.append(
-                {
-                    "query": q,
-                    "cluster_s": secs,
-                    "duckdb_s": ref_s,
-                    "stages": len(stages),
-                    "shuffled_mb": shuffled,
-                    "answer": verdict,
-                }
-            )
+            row = {
+                "query": q,
+                "cluster_s": secs,
+                "single_process_datafusion_s": local_s,
+                "ratio": secs / local_s,
+                "duckdb_s": ref_s,
+                "stages": len(stages),
+                "shuffled_mb": shuffled,
+                "exchanges": stages,
+                "answer": verdict,
+            }
+            rows.append(row)
             print(
-                f"{f'q{q:02d}':>5} {secs:>10.3f} {ref_s:>9.3f} {len(stages):>6} {shuffled:>12.1f}  {verdict}",
+                f"{f'q{q:02d}':>5} {secs:>10.3f} {local_s:>11.3f} {row['ratio']:>6.2f} "
+                f"{ref_s:>9.3f} {len(stages):>6} {shuffled:>12.1f}  {verdict}",
                 flush=True,
             )
     total = sum(r["cluster_s"] for r in rows)
+    total_local = sum(r["single_process_datafusion_s"] for r in rows)
     total_ref = sum(r["duckdb_s"] for r in rows)
-    print(f"{'total':>5} {total:>10.3f} {total_ref:>9.3f}")
+    print(
+        f"{'total':>5} {total:>10.3f} {total_local:>11.3f} {total / total_local:>6.2f} "
+        f"{total_ref:>9.3f}"
+    )
     wrong = [r["query"] for r in rows if r["answer"].startswith("WRONG")]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "sf": args.sf,
-                    "workers": args.workers,
-                    "queries": rows,
-                    "total_cluster_s": total,
-                    "total_duckdb_s": total_ref,
-                },
-                f,
-                indent=2,
-            )
+            report = {
+                "sf": args.sf,
+                "workers": args.workers,
+                "queries": rows,
+                "total_cluster_s": total,
+                "total_single_process_datafusion_s": total_local,
+                "ratio": total / total_local,
+                "total_duckdb_s": total_ref,
+            }
+            json.dump(report, f, indent=2)
     if wrong:
         print(f"wrong answers: {wrong}", file=sys.stderr)
         return 1
@@ -172,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         "--no-check", dest="check", action="store_false", help="skip the DuckDB answer check"
     )
     t.add_argument("--json", help="also write the results as JSON to this file")
+    t.add_argument(
+        "--no-baseline",
+        dest="baseline",
+        action="store_false",
+        help="skip timing single-process DataFusion on the same files",
+    )
     t.set_defaults(run=_tpch)
     args = p.parse_args(argv)
     try:

@@ -61,6 +61,8 @@ struct NativeCluster {
     rt: Arc<tokio::runtime::Runtime>,
     cluster: Arc<Mutex<Option<LocalCluster>>>,
     sql: Mutex<Option<Arc<exchange_datafusion::DistributedContext>>>,
+    /// Single-process DataFusion over the same tables: the baseline of benchmarks.
+    local: datafusion::prelude::SessionContext,
 }
 
 fn runtime() -> PyResult<tokio::runtime::Runtime> {
@@ -117,6 +119,11 @@ impl NativeCluster {
             rt: Arc::new(rt),
             cluster: Arc::new(Mutex::new(Some(cluster))),
             sql: Mutex::new(None),
+            local: datafusion::prelude::SessionContext::new_with_config(
+                datafusion::prelude::SessionConfig::new().with_target_partitions(
+                    std::thread::available_parallelism().map_or(2, |n| n.get()),
+                ),
+            ),
         })
     }
 
@@ -180,7 +187,34 @@ impl NativeCluster {
     /// Register a Parquet file or directory as a SQL table.
     fn register_parquet(&self, py: Python<'_>, name: String, path: String) -> PyResult<()> {
         let ctx = self.sql_context()?;
-        py.detach(|| self.rt.block_on(sql::register(&ctx, &name, &path)))
+        py.detach(|| {
+            self.rt.block_on(async {
+                sql::register(&ctx, &name, &path).await?;
+                self.local
+                    .register_parquet(&name, &path, Default::default())
+                    .await
+                    .map_err(|e| sql::df_err(e.into()))
+            })
+        })
+    }
+
+    /// Run a query on single-process DataFusion in this process over the same registered
+    /// tables (a baseline); returns (pyarrow.Table, seconds).
+    fn sql_single_process(&self, py: Python<'_>, query: String) -> PyResult<(Py<PyAny>, f64)> {
+        let start = std::time::Instant::now();
+        let batches = py
+            .detach(|| {
+                self.rt
+                    .block_on(async { self.local.sql(&query).await?.collect().await })
+            })
+            .map_err(|e| sql::df_err(e.into()))?;
+        let seconds = start.elapsed().as_secs_f64();
+        let schema = batches
+            .first()
+            .map(|b| b.schema())
+            .unwrap_or_else(|| Arc::new(arrow::datatypes::Schema::empty()));
+        let table = pyo3_arrow::PyTable::try_new(batches, schema)?;
+        Ok((table.into_pyarrow(py)?.unbind(), seconds))
     }
 
     /// Register Arrow data (anything with `__arrow_c_stream__`) as a SQL table: it is written

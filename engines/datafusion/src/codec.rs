@@ -8,6 +8,7 @@ use datafusion::execution::TaskContext;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion_proto::physical_plan::{PhysicalExtensionCodec, PhysicalProtoConverterExtension};
 use exchange::block::{decode_schema, encode_schema};
+use exchange::strategy::Strategy;
 use exchange::ShuffleId;
 use prost::Message;
 use std::sync::Arc;
@@ -38,6 +39,8 @@ struct WriterNode {
     partitions: u32,
     #[prost(string, repeated, tag = "5")]
     keys: Vec<String>,
+    #[prost(string, tag = "6")]
+    strategy: String,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -85,14 +88,24 @@ impl PhysicalExtensionCodec for ExchangeCodec {
                 .cloned()
                 .ok_or_else(|| bad("writer without input"))?;
             let kind = WriterKind::from_u32(w.kind).ok_or_else(|| bad("unknown writer kind"))?;
-            return Ok(Arc::new(ShuffleWriterExec::new(
-                input,
-                w.stage,
-                ShuffleId(w.shuffle),
-                kind,
-                w.partitions,
-                w.keys,
-            )));
+            let strategy = if w.strategy.is_empty() {
+                Strategy::Pull
+            } else {
+                w.strategy
+                    .parse()
+                    .map_err(|e: exchange::Error| bad(&e.to_string()))?
+            };
+            return Ok(Arc::new(
+                ShuffleWriterExec::new(
+                    input,
+                    w.stage,
+                    ShuffleId(w.shuffle),
+                    kind,
+                    w.partitions,
+                    w.keys,
+                )
+                .with_strategy(strategy),
+            ));
         }
         Err(bad("empty extension node"))
     }
@@ -125,6 +138,7 @@ impl PhysicalExtensionCodec for ExchangeCodec {
                     kind: w.kind as u32,
                     partitions: w.partitions,
                     keys: w.keys.clone(),
+                    strategy: w.strategy.to_string(),
                 }),
             }
         } else {

@@ -15,7 +15,7 @@ use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
 use datafusion_proto::bytes::physical_plan_to_bytes_with_extension_codec;
 use exchange::driver::{Driver, MapInput, ShuffleSpec};
 use exchange::proto;
-use exchange::strategy::{pull, StrategyOptions};
+use exchange::strategy::{pull, Strategy, StrategyOptions};
 use prost::Message;
 use std::sync::Arc;
 use std::time::Instant;
@@ -207,13 +207,12 @@ impl DistributedContext {
         tracing::info!(stage = writer.stage, tasks = writer.tasks(), exchange = %writer.describe(), "stage starts");
         let spilled_before = self.spilled().await?;
         let start = Instant::now();
-        let mapped = pull::map_side(
-            &self.driver,
-            &spec,
-            futures::stream::iter(inputs),
-            StrategyOptions::default(),
-        )
-        .await?;
+        let inputs = futures::stream::iter(inputs);
+        let mapped = match writer.strategy {
+            Strategy::Pull => {
+                pull::map_side(&self.driver, &spec, inputs, StrategyOptions::default()).await?
+            }
+        };
         let seconds = start.elapsed().as_secs_f64();
         tracing::info!(
             stage = writer.stage,

@@ -27,7 +27,7 @@
 use crate::reader::{ReadMode, ShuffleReaderExec};
 use crate::writer::{ShuffleWriterExec, WriterKind, KEY_PREFIX};
 use datafusion::common::JoinType;
-use datafusion::error::Result;
+use datafusion::error::{DataFusionError, Result};
 use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_expr::{Partitioning, PhysicalExpr};
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
@@ -39,6 +39,7 @@ use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMerge
 use datafusion::physical_plan::{
     displayable, replace_children_if_necessary, ExecutionPlan, ExecutionPlanProperties,
 };
+use exchange::strategy::Strategy;
 use exchange::ShuffleId;
 use std::sync::Arc;
 
@@ -65,6 +66,17 @@ pub struct StagedPlan {
 
 impl StagedPlan {
     /// Every stage, indented, then the driver's part: what `EXPLAIN` prints.
+    /// Choose the exchange strategy of one stage (stage ids start at 1).
+    pub fn set_strategy(&mut self, stage: u32, strategy: Strategy) -> Result<()> {
+        let s = self
+            .stages
+            .iter_mut()
+            .find(|s| s.id() == stage)
+            .ok_or_else(|| DataFusionError::Plan(format!("no stage {stage}")))?;
+        s.writer = Arc::new(s.writer.with_strategy(strategy));
+        Ok(())
+    }
+
     pub fn display(&self) -> String {
         let mut out = String::new();
         for s in &self.stages {
@@ -74,10 +86,11 @@ impl StagedPlan {
                 format!(", reads stages {:?}", s.inputs)
             };
             out.push_str(&format!(
-                "Stage {} — {} map tasks, exchange: {} (strategy pull){reads}\n",
+                "Stage {} — {} map tasks, exchange: {} (strategy {}){reads}\n",
                 s.id(),
                 s.writer.tasks(),
                 s.writer.describe(),
+                s.writer.strategy,
             ));
             out.push_str(&indent(
                 &displayable(s.writer.as_ref()).indent(true).to_string(),

@@ -8,6 +8,7 @@ use datafusion::error::Result;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties};
+use exchange::strategy::Strategy;
 use exchange::{partitioner, proto, ShuffleId};
 use std::fmt;
 use std::sync::Arc;
@@ -44,6 +45,8 @@ pub struct ShuffleWriterExec {
     pub kind: WriterKind,
     pub partitions: u32,
     pub keys: Vec<String>,
+    /// How this exchange moves its blocks (a per-exchange setting).
+    pub strategy: Strategy,
 }
 
 impl ShuffleWriterExec {
@@ -62,6 +65,17 @@ impl ShuffleWriterExec {
             kind,
             partitions,
             keys,
+            strategy: Strategy::Pull,
+        }
+    }
+
+    /// The same writer with another exchange strategy.
+    pub fn with_strategy(&self, strategy: Strategy) -> Self {
+        ShuffleWriterExec {
+            input: self.input.clone(),
+            keys: self.keys.clone(),
+            strategy,
+            ..*self
         }
     }
 
@@ -97,10 +111,11 @@ impl DisplayAs for ShuffleWriterExec {
     fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
         write!(
             f,
-            "ShuffleWriterExec: stage={}, {}, tasks={}",
+            "ShuffleWriterExec: stage={}, {}, tasks={}, strategy={}",
             self.stage,
             self.describe(),
-            self.tasks()
+            self.tasks(),
+            self.strategy
         )
     }
 }
@@ -130,14 +145,17 @@ impl ExecutionPlan for ShuffleWriterExec {
         mut children: Vec<Arc<dyn ExecutionPlan>>,
     ) -> Result<Arc<dyn ExecutionPlan>> {
         let input = children.swap_remove(0);
-        Ok(Arc::new(ShuffleWriterExec::new(
-            input,
-            self.stage,
-            self.shuffle,
-            self.kind,
-            self.partitions,
-            self.keys.clone(),
-        )))
+        Ok(Arc::new(
+            ShuffleWriterExec::new(
+                input,
+                self.stage,
+                self.shuffle,
+                self.kind,
+                self.partitions,
+                self.keys.clone(),
+            )
+            .with_strategy(self.strategy),
+        ))
     }
 
     fn execute(

@@ -11,6 +11,14 @@ pub enum Strategy {
     Pull,
 }
 
+impl std::fmt::Display for Strategy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Strategy::Pull => "pull",
+        })
+    }
+}
+
 /// Strategies of the design that are not built yet.
 pub const PLANNED: &[&str] = &["merged", "push", "two-level", "streaming", "auto"];
 
