@@ -110,3 +110,32 @@ def test_dropping_the_driver_stops_its_workers(pids_gone, tmp_path):
     while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
         time.sleep(0.1)
     pids_gone(pids)
+
+
+def test_dropping_an_unfinished_shuffle_after_close_does_not_hang():
+    """The last owner of the driver runtime may be freed by the garbage collector while a
+    reader thread waits for the GIL inside a Python data source: freeing must not wait for it.
+    Run in a subprocess so a regression fails by timeout instead of hanging the suite."""
+    import subprocess
+    import sys
+
+    script = (
+        "import gc, time, pyarrow as pa, flightshuffle as fs\n"
+        "schema = pa.schema([('id', pa.int64()), ('key', pa.int64())])\n"
+        "def gen():\n"
+        "    for b in range(400):\n"
+        "        ids = pa.array(range(b * 1000, (b + 1) * 1000), pa.int64())\n"
+        "        yield pa.record_batch([ids, ids], schema=schema)\n"
+        "        time.sleep(0.02)\n"
+        "c = fs.Cluster(workers=2)\n"
+        "r = c.shuffle(pa.RecordBatchReader.from_batches(schema, gen()), by='key', partitions=2)\n"
+        "time.sleep(0.5)\n"
+        "c.close()\n"
+        "del r, c\n"
+        "gc.collect()\n"
+        "print('freed')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert "freed" in out.stdout, out.stderr[-2000:]

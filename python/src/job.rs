@@ -46,7 +46,7 @@ type Partition = Result<(u32, Vec<RecordBatch>)>;
 
 #[pyclass(module = "flightshuffle._native")]
 pub struct NativeShuffle {
-    rt: Arc<tokio::runtime::Runtime>,
+    rt: Arc<crate::Rt>,
     driver: Arc<Driver>,
     id: ShuffleId,
     schema: SchemaRef,
@@ -103,7 +103,7 @@ fn sample(batches: &[RecordBatch]) -> Result<Vec<RecordBatch>> {
 impl NativeShuffle {
     pub fn start(
         py: Python<'_>,
-        rt: Arc<tokio::runtime::Runtime>,
+        rt: Arc<crate::Rt>,
         driver: Arc<Driver>,
         reader: Box<dyn RecordBatchReader + Send>,
         opts: JobOptions,

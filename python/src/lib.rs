@@ -56,21 +56,45 @@ pub fn to_py_ref(e: &Error) -> PyErr {
     }
 }
 
+/// The driver's tokio runtime. Dropping it never waits for blocking threads: the last owner may
+/// be dropped by Python's garbage collector while holding the GIL, and a blocking thread may be
+/// waiting for the GIL inside a Python data source — waiting there would deadlock.
+pub struct Rt(Option<tokio::runtime::Runtime>);
+
+impl std::ops::Deref for Rt {
+    type Target = tokio::runtime::Runtime;
+    fn deref(&self) -> &tokio::runtime::Runtime {
+        match &self.0 {
+            Some(rt) => rt,
+            None => unreachable!("the runtime is only taken when dropped"),
+        }
+    }
+}
+
+impl Drop for Rt {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
 #[pyclass(module = "flightshuffle._native")]
 struct NativeCluster {
-    rt: Arc<tokio::runtime::Runtime>,
+    rt: Arc<Rt>,
     cluster: Arc<Mutex<Option<LocalCluster>>>,
     sql: Mutex<Option<Arc<exchange_datafusion::DistributedContext>>>,
     /// Single-process DataFusion over the same tables: the baseline of benchmarks.
     local: datafusion::prelude::SessionContext,
 }
 
-fn runtime() -> PyResult<tokio::runtime::Runtime> {
+fn runtime() -> PyResult<Rt> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .thread_name("flightshuffle-driver")
         .build()
+        .map(|rt| Rt(Some(rt)))
         .map_err(|e| ShuffleError::new_err(format!("cannot start runtime: {e}")))
 }
 
