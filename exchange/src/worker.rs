@@ -285,11 +285,9 @@ pub async fn serve(
         .map_err(|e| Error::Cluster(format!("worker server failed: {e}")))
 }
 
-/// Entry point shared by the worker binary and the Python module: parse `argv`, start a
-/// runtime, serve, and print the ready line. Returns when the server stops.
-pub fn main_with_args(argv: Vec<String>, sources: SourceRegistry) -> Result<()> {
-    use clap::Parser;
-    let args = WorkerArgs::try_parse_from(argv).map_err(|e| Error::invalid(e.to_string()))?;
+/// Log to stderr, filtered by `$FLIGHTSHUFFLE_LOG` (e.g. `info`, `exchange=debug`); default
+/// `warn`. Does nothing when a subscriber is already set.
+pub fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("FLIGHTSHUFFLE_LOG")
@@ -297,6 +295,14 @@ pub fn main_with_args(argv: Vec<String>, sources: SourceRegistry) -> Result<()> 
         )
         .with_writer(std::io::stderr)
         .try_init();
+}
+
+/// Entry point shared by the worker binary and the Python module: parse `argv`, start a
+/// runtime, serve, and print the ready line. Returns when the server stops.
+pub fn main_with_args(argv: Vec<String>, sources: SourceRegistry) -> Result<()> {
+    use clap::Parser;
+    let args = WorkerArgs::try_parse_from(argv).map_err(|e| Error::invalid(e.to_string()))?;
+    init_logging();
     let token = std::env::var(TOKEN_ENV).unwrap_or_default();
     if args.exit_with_stdin {
         std::thread::spawn(|| {

@@ -375,6 +375,7 @@ fn tpch_query(n: usize, sf: f64) -> PyResult<(String, bool)> {
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    exchange::worker::init_logging();
     m.add_function(wrap_pyfunction!(tpch_generate, m)?)?;
     m.add_function(wrap_pyfunction!(tpch_query, m)?)?;
     m.add("TPCH_TABLES", tpch::TABLES.to_vec())?;

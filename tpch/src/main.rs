@@ -70,13 +70,7 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("FLIGHTSHUFFLE_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .try_init();
+    exchange::worker::init_logging();
     if let Command::Worker { args } = &cli.command {
         let argv = std::iter::once("tpch-worker".to_string())
             .chain(args.iter().cloned())
