@@ -49,6 +49,7 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
         schema: lineitem_schema(),
         partitions: cfg.partitions,
         partitioner: partitioner::hash(&["l_orderkey"]),
+        checksum_inputs: true,
     };
     driver.create_shuffle(&spec).await?;
     let inputs = (0..maps).map(|m| {

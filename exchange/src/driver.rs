@@ -47,6 +47,9 @@ pub struct ShuffleSpec {
     pub schema: SchemaRef,
     pub partitions: u32,
     pub partitioner: proto::Partitioner,
+    /// Map tasks checksum their input rows (for end-to-end multiset checks); engines that do
+    /// not compare checksums turn it off to save the CPU.
+    pub checksum_inputs: bool,
 }
 
 /// Where a block is and how big it is.
@@ -87,7 +90,7 @@ pub struct Driver {
     alive: Vec<AtomicBool>,
     cfg: DriverConfig,
     blocks: Mutex<HashMap<ShuffleId, Vec<BlockRef>>>,
-    schemas: Mutex<HashMap<ShuffleId, SchemaRef>>,
+    schemas: Mutex<HashMap<ShuffleId, (SchemaRef, bool)>>,
     lineage: Mutex<HashMap<(ShuffleId, u32), (usize, Lineage)>>,
 }
 
@@ -266,7 +269,7 @@ impl Driver {
             partitioner: Some(spec.partitioner.clone()),
         };
         lock(&self.blocks).entry(spec.id).or_default();
-        lock(&self.schemas).insert(spec.id, spec.schema.clone());
+        lock(&self.schemas).insert(spec.id, (spec.schema.clone(), spec.checksum_inputs));
         self.on_all(|w| {
             let msg = msg.clone();
             async move { w.create_shuffle(&msg).await }
@@ -283,11 +286,13 @@ impl Driver {
         input: MapInput,
     ) -> tokio::task::JoinHandle<Result<MapDone>> {
         let me = self.clone();
+        let checksum = lock(&self.schemas).get(&shuffle).is_none_or(|(_, c)| *c);
         let task = proto::MapTask {
             shuffle_id: shuffle.0,
             map_id: map,
             attempt: 0,
             source: None,
+            skip_checksum: !checksum,
         };
         let lineage = match &input {
             MapInput::Source(s) => Lineage::Source(s.clone()),
@@ -348,7 +353,7 @@ impl Driver {
     fn shuffle_schema(&self, shuffle: ShuffleId) -> Result<SchemaRef> {
         lock(&self.schemas)
             .get(&shuffle)
-            .cloned()
+            .map(|(s, _)| s.clone())
             .ok_or(Error::UnknownShuffle(shuffle))
     }
 

@@ -64,6 +64,7 @@ async fn shuffle(
         schema: schema(),
         partitions,
         partitioner: partitioner::hash(&["k"]),
+        checksum_inputs: true,
     };
     driver.create_shuffle(&spec).await?;
     let chunk = input.len().div_ceil(maps);
@@ -146,6 +147,7 @@ async fn killed_worker_fails_the_shuffle_quickly_and_names_it() {
         schema: exchange::gen::lineitem_schema(),
         partitions: 8,
         partitioner: partitioner::hash(&["l_orderkey"]),
+        checksum_inputs: true,
     };
     driver.create_shuffle(&spec).await.unwrap();
     let inputs = (0..60u64).map(|m| {
@@ -289,6 +291,7 @@ async fn bad_requests_get_clear_statuses() {
         schema: schema(),
         partitions: 2,
         partitioner: partitioner::hash(&["k"]),
+        checksum_inputs: true,
     };
     cluster.driver.create_shuffle(&spec).await.unwrap();
     let other = Arc::new(Schema::new(vec![Field::new("k", DataType::Utf8, false)]));
@@ -299,6 +302,7 @@ async fn bad_requests_get_clear_statuses() {
         map_id: 0,
         attempt: 0,
         source: None,
+        skip_checksum: false,
     };
     let err = w
         .put_map(&task, other, Box::pin(futures::stream::iter(vec![Ok(b)])))

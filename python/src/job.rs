@@ -163,6 +163,7 @@ impl NativeShuffle {
             schema: schema.clone(),
             partitions: opts.partitions,
             partitioner,
+            checksum_inputs: true,
         };
         let input: Box<dyn Iterator<Item = Result<RecordBatch>> + Send> = match buffered {
             Some(all) => Box::new(all.into_iter().map(Ok)),

@@ -181,6 +181,7 @@ impl DistributedContext {
             schema: writer.input().schema(),
             partitions: writer.partitions,
             partitioner: writer.partitioner(),
+            checksum_inputs: false,
         };
         self.driver.create_shuffle(&spec).await?;
         let plan = physical_plan_to_bytes_with_extension_codec(
