@@ -68,6 +68,11 @@ def worker_command() -> list[str]:
     return [sys.executable, "-m", "flightshuffle.worker"]
 
 
+def _exports_arrow(obj: Any) -> bool:
+    """True for anything exporting the Arrow PyCapsule interface (stream or array)."""
+    return hasattr(obj, "__arrow_c_stream__") or hasattr(obj, "__arrow_c_array__")
+
+
 class ShuffleResult:
     """The reduce partitions of one shuffle, yielded in partition order as each is complete.
 
@@ -170,7 +175,7 @@ class Cluster:
             raise ValueError(f"partitioner {kind!r} needs key columns in by=")
         if output not in ("arrow", "polars"):
             raise ValueError(f"output must be 'arrow' or 'polars', not {output!r}")
-        if not hasattr(data, "__arrow_c_stream__") and not hasattr(data, "__arrow_c_array__"):
+        if not _exports_arrow(data):
             raise TypeError(
                 f"cannot shuffle {type(data).__name__}: it does not export Arrow data "
                 "(__arrow_c_stream__); pass a pyarrow Table, Polars DataFrame or DuckDB relation"
@@ -206,7 +211,7 @@ class Cluster:
         for name, source in (tables or {}).items():
             if isinstance(source, (str, os.PathLike)):
                 self._native.register_parquet(name, os.fspath(source))
-            elif hasattr(source, "__arrow_c_stream__") or hasattr(source, "__arrow_c_array__"):
+            elif _exports_arrow(source):
                 self._native.register_arrow(name, source)
             else:
                 raise TypeError(
