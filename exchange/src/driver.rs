@@ -414,6 +414,23 @@ impl Driver {
         }
     }
 
+    /// Run a fold task on `worker` (streaming strategy): fold `blocks` of `partition` into
+    /// the partition's running state there and return the partial result.
+    pub async fn fold(
+        &self,
+        worker: usize,
+        task: proto::FoldTask,
+    ) -> Result<(SchemaRef, Vec<arrow::array::RecordBatch>, proto::FoldResult)> {
+        match self.workers[worker].fold(&task).await {
+            Ok(r) => {
+                let (schema, batches) =
+                    crate::block::decode_block(&bytes::Bytes::from(r.result_ipc.clone()))?;
+                Ok((schema, batches, r))
+            }
+            Err(e) => Err(self.classify(e).await),
+        }
+    }
+
     /// Free a shuffle's memory and files on every live worker.
     pub async fn drop_shuffle(&self, shuffle: ShuffleId) -> Result<()> {
         lock(&self.blocks).remove(&shuffle);

@@ -1,5 +1,6 @@
-//! Tasks a worker runs: the map task (partition a `BatchSource` into blocks) and the
-//! `BatchSource` trait through which engines feed map tasks.
+//! Tasks a worker runs: the map task (partition a `BatchSource` into blocks), the
+//! `BatchSource` trait through which engines feed map tasks, and the `Reducer` trait through
+//! which engines fold blocks into a running reduce state (streaming strategy).
 
 use crate::block::{encode_block, same_columns, schema_summary, BlockId, BlockMeta, Compression};
 use crate::checksum::Checksum;
@@ -9,6 +10,7 @@ use crate::store::{BlockStore, ShuffleInfo};
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use futures::{Stream, StreamExt};
+use std::any::Any;
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -22,10 +24,77 @@ pub trait BatchSource: Send + Sync {
     fn open(&self, payload: &[u8], schema: SchemaRef) -> Result<BatchStream>;
 }
 
-/// Sources a worker knows, by kind name.
+/// A reducer's running state for one partition, opaque to the data plane.
+pub type ReduceState = Box<dyn Any + Send>;
+
+/// Something a worker can fold blocks into, round after round (streaming strategy): a
+/// running aggregate, a Python reduce function. `payload` is the reducer-specific description
+/// the driver sent with every fold. Both calls may block (they run on a blocking thread).
+pub trait Reducer: Send + Sync {
+    /// Fold `batches` (the new blocks of one partition) into `state` (None on the first fold).
+    fn fold(
+        &self,
+        payload: &[u8],
+        state: Option<ReduceState>,
+        batches: Vec<RecordBatch>,
+        schema: SchemaRef,
+    ) -> Result<ReduceState>;
+    /// The partial result of the state folded so far.
+    fn emit(&self, payload: &[u8], state: &ReduceState) -> Result<(SchemaRef, Vec<RecordBatch>)>;
+}
+
+/// Built-in reducer `"checksum"`: counts rows and sums the multiset checksum of everything
+/// folded; emits one row `(rows: UInt64, checksum: UInt64)`.
+pub struct ChecksumReducer;
+
+pub const CHECKSUM_REDUCER: &str = "checksum";
+
+impl Reducer for ChecksumReducer {
+    fn fold(
+        &self,
+        _payload: &[u8],
+        state: Option<ReduceState>,
+        batches: Vec<RecordBatch>,
+        _schema: SchemaRef,
+    ) -> Result<ReduceState> {
+        let mut sum = match state {
+            Some(s) => *s
+                .downcast::<Checksum>()
+                .map_err(|_| Error::invalid("checksum reducer given a foreign state"))?,
+            None => Checksum::default(),
+        };
+        for b in &batches {
+            sum.add(Checksum::of_batch(b)?);
+        }
+        Ok(Box::new(sum))
+    }
+
+    fn emit(&self, _payload: &[u8], state: &ReduceState) -> Result<(SchemaRef, Vec<RecordBatch>)> {
+        use arrow::array::UInt64Array;
+        use arrow::datatypes::{DataType, Field, Schema};
+        let sum = state
+            .downcast_ref::<Checksum>()
+            .ok_or_else(|| Error::invalid("checksum reducer given a foreign state"))?;
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("rows", DataType::UInt64, false),
+            Field::new("checksum", DataType::UInt64, false),
+        ]));
+        let batch = RecordBatch::try_new(
+            schema.clone(),
+            vec![
+                Arc::new(UInt64Array::from(vec![sum.rows])),
+                Arc::new(UInt64Array::from(vec![sum.sum])),
+            ],
+        )?;
+        Ok((schema, vec![batch]))
+    }
+}
+
+/// Sources and reducers a worker knows, by kind name.
 #[derive(Clone, Default)]
 pub struct SourceRegistry {
     sources: HashMap<String, Arc<dyn BatchSource>>,
+    reducers: HashMap<String, Arc<dyn Reducer>>,
 }
 
 impl SourceRegistry {
@@ -35,7 +104,20 @@ impl SourceRegistry {
             crate::gen::LINEITEM_SOURCE,
             Arc::new(crate::gen::LineitemSource),
         );
+        r.register_reducer(CHECKSUM_REDUCER, Arc::new(ChecksumReducer));
         r
+    }
+
+    pub fn register_reducer(&mut self, kind: &str, reducer: Arc<dyn Reducer>) {
+        self.reducers.insert(kind.to_string(), reducer);
+    }
+
+    pub fn reducer(&self, kind: &str) -> Result<Arc<dyn Reducer>> {
+        self.reducers.get(kind).cloned().ok_or_else(|| {
+            let mut known: Vec<&str> = self.reducers.keys().map(|s| s.as_str()).collect();
+            known.sort();
+            Error::invalid(format!("unknown reducer {kind:?} (known: {known:?})"))
+        })
     }
 
     pub fn register(&mut self, kind: &str, source: Arc<dyn BatchSource>) {

@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::partitioner::Partitioner;
 use crate::proto;
 use crate::store::{BlockStore, ShuffleInfo, StoreConfig, DEFAULT_SEGMENT_BYTES};
-use crate::task::{run_map, BatchStream, MapConfig, SourceRegistry};
+use crate::task::{run_map, BatchStream, MapConfig, ReduceState, SourceRegistry};
 use crate::transport::client::WorkerClient;
 use crate::transport::server::WorkerService;
 use crate::transport::{bearer, CONNECTION_WINDOW, MAX_MESSAGE_BYTES, STREAM_WINDOW, TOKEN_HEADER};
@@ -68,6 +68,10 @@ pub struct WorkerState {
     pub read_timeout: Duration,
     token: String,
     tasks: Mutex<HashMap<(ShuffleId, u32), AbortHandle>>,
+    /// Running reduce states of the streaming strategy, per (shuffle, partition). `None` marks
+    /// a state that is being folded or was lost by a failed fold: the next fold fails loudly
+    /// instead of silently starting over.
+    fold_states: Mutex<HashMap<(ShuffleId, u32), Option<ReduceState>>>,
 }
 
 impl WorkerState {
@@ -131,6 +135,109 @@ impl WorkerState {
                 Err(e)
             }
         }
+    }
+
+    /// Fold task (streaming strategy): read the listed blocks of one partition from their
+    /// workers, fold them into this partition's running state and return its partial result.
+    pub async fn fold(&self, m: proto::FoldTask) -> Result<proto::FoldResult> {
+        let start = Instant::now();
+        let shuffle = ShuffleId(m.shuffle_id);
+        let info = self.store.shuffle_info(shuffle)?;
+        if m.partition >= info.partitions {
+            return Err(Error::invalid(format!(
+                "partition {} out of range: shuffle {shuffle} has {}",
+                m.partition, info.partitions
+            )));
+        }
+        let reducer = self.sources.reducer(&m.reducer)?;
+        let key = (shuffle, m.partition);
+        let mut batches = Vec::new();
+        let mut clients: HashMap<String, WorkerClient> = HashMap::new();
+        for loc in &m.blocks {
+            let id: crate::block::BlockId = loc
+                .key
+                .as_ref()
+                .ok_or_else(|| Error::invalid("fold block without a key"))?
+                .into();
+            if id.shuffle != shuffle || id.partition != m.partition {
+                return Err(Error::invalid(format!(
+                    "fold of {shuffle} partition {} given block {id}",
+                    m.partition
+                )));
+            }
+            let client = match clients.get(&loc.peer) {
+                Some(c) => c.clone(),
+                None => {
+                    let c = WorkerClient::new(
+                        clients.len(),
+                        &loc.peer,
+                        &self.token,
+                        self.read_timeout,
+                    )?;
+                    clients.insert(loc.peer.clone(), c.clone());
+                    c
+                }
+            };
+            let mut stream = client.read_block(id).await?;
+            while let Some(b) = stream.next().await {
+                batches.push(b?);
+            }
+        }
+        let state = {
+            let mut states = lock(&self.fold_states);
+            match (m.first, states.get_mut(&key)) {
+                (true, None) => {
+                    states.insert(key, None);
+                    None
+                }
+                (false, Some(slot)) => Some(slot.take().ok_or_else(|| {
+                    Error::Cluster(format!(
+                        "reduce state of {shuffle} partition {} is busy or was lost by a \
+                         failed fold",
+                        m.partition
+                    ))
+                })?),
+                (true, Some(_)) => {
+                    return Err(Error::invalid(format!(
+                        "first fold of {shuffle} partition {} but a state exists",
+                        m.partition
+                    )))
+                }
+                (false, None) => {
+                    return Err(Error::Cluster(format!(
+                        "no reduce state for {shuffle} partition {} on this worker (was it \
+                         restarted?)",
+                        m.partition
+                    )))
+                }
+            }
+        };
+        let rows: u64 = batches.iter().map(|b| b.num_rows() as u64).sum();
+        let payload = m.payload.clone();
+        let schema = info.schema.clone();
+        let folded = tokio::task::spawn_blocking(move || {
+            let state = reducer.fold(&payload, state, batches, schema)?;
+            let out = reducer.emit(&payload, &state)?;
+            Ok::<_, Error>((state, out))
+        })
+        .await
+        .map_err(|e| Error::Cluster(format!("fold task panicked: {e}")))??;
+        let (state, (schema, out)) = folded;
+        if let Some(slot) = lock(&self.fold_states).get_mut(&key) {
+            *slot = Some(state);
+        }
+        let result_ipc = crate::block::encode_block(&schema, &out, Compression::None)?;
+        Ok(proto::FoldResult {
+            result_ipc: result_ipc.to_vec(),
+            rows_folded: rows,
+            blocks_folded: m.blocks.len() as u64,
+            seconds: start.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// Forget the reduce states of a dropped shuffle.
+    pub fn drop_fold_states(&self, shuffle: ShuffleId) {
+        lock(&self.fold_states).retain(|(s, _), _| *s != shuffle);
     }
 
     /// Reduce task: pull one partition from every peer and fold it into a sink.
@@ -234,6 +341,7 @@ pub fn build_state(
         read_timeout: Duration::from_secs(args.timeout_secs.max(1)),
         token,
         tasks: Mutex::new(HashMap::new()),
+        fold_states: Mutex::new(HashMap::new()),
     })
 }
 

@@ -320,3 +320,77 @@ async fn bad_requests_get_clear_statuses() {
     assert!(err.to_string().contains("missing"), "{err}");
     let _ = proto::Ticket::default().encode_to_vec();
 }
+
+/// Streaming strategy: one partial result per round, the row count folded so far grows with
+/// progress, and the final partial's rows and checksum equal the input's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_rounds_fold_to_the_exact_multiset() {
+    use exchange::strategy::streaming::{self, StreamingJob};
+    let mut cluster = LocalCluster::start(config(2, 1 << 30)).await.unwrap();
+    let input = batches(12, 500);
+    let expected = checksum(&input);
+    let inputs: Vec<MapInput> = input
+        .iter()
+        .map(|b| MapInput::Stream(Box::pin(futures::stream::iter(vec![Ok(b.clone())]))))
+        .collect();
+    let job = StreamingJob {
+        spec: ShuffleSpec {
+            id: ShuffleId::random(),
+            schema: schema(),
+            partitions: 3,
+            partitioner: partitioner::hash(&["k"]),
+            checksum_inputs: true,
+        },
+        weights: vec![500; inputs.len()],
+        inputs,
+        rounds: 4,
+        reducer: exchange::task::CHECKSUM_REDUCER.to_string(),
+        payload: vec![],
+    };
+    let (tx, mut rx) = tokio::sync::mpsc::channel(8);
+    let driver = cluster.driver.clone();
+    let run =
+        tokio::spawn(
+            async move { streaming::run(&driver, job, StrategyOptions::default(), tx).await },
+        );
+    let mut partials = Vec::new();
+    while let Some(p) = rx.recv().await {
+        partials.push(p.unwrap());
+    }
+    run.await.unwrap();
+    assert_eq!(partials.len(), 4);
+    let mut last_rows = 0;
+    for (i, p) in partials.iter().enumerate() {
+        assert_eq!(p.round, i);
+        assert_eq!(p.is_final, i == 3);
+        assert_eq!(p.partitions.len(), 3);
+        let mut total = Checksum::default();
+        for part in &p.partitions {
+            total.add(checksum_rows(part));
+        }
+        assert!(total.rows > last_rows, "rows folded grow with every round");
+        assert!((p.progress - total.rows as f64 / 6000.0).abs() < 1e-9);
+        last_rows = total.rows;
+        if p.is_final {
+            assert_eq!(total, expected);
+        }
+    }
+    cluster.stop();
+}
+
+/// Sum the `(rows, checksum)` rows a checksum reducer emits.
+fn checksum_rows(batches: &[RecordBatch]) -> Checksum {
+    use arrow::array::UInt64Array;
+    let mut c = Checksum::default();
+    for b in batches {
+        let rows = b.column(0).as_any().downcast_ref::<UInt64Array>().unwrap();
+        let sums = b.column(1).as_any().downcast_ref::<UInt64Array>().unwrap();
+        for i in 0..b.num_rows() {
+            c.add(Checksum {
+                rows: rows.value(i),
+                sum: sums.value(i),
+            });
+        }
+    }
+    c
+}

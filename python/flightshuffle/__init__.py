@@ -1,7 +1,9 @@
 """flightshuffle: a distributed shuffle for Arrow data over Arrow Flight.
 
 ``Cluster`` starts a local cluster of worker processes (the embedded default) and shuffles
-anything that exports the Arrow PyCapsule stream interface (pyarrow, Polars, DuckDB).
+anything that exports the Arrow PyCapsule stream interface (pyarrow, Polars, DuckDB); runs SQL
+distributed (DataFusion); runs Polars functions and DuckDB SQL on the workers over distributed
+datasets (``read_parquet`` / ``from_arrow``); and runs online aggregation (``online``).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import os
 import re
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 from flightshuffle._native import (
     ChecksumError,
@@ -19,6 +21,10 @@ from flightshuffle._native import (
     ShuffleError,
     WorkerLostError,
 )
+
+if TYPE_CHECKING:
+    from flightshuffle.dataset import Dataset, Grouped
+    from flightshuffle.online import OnlineResult
 
 __all__ = [
     "ChecksumError",
@@ -149,6 +155,9 @@ class Cluster:
         )
         self.workers = workers
         self.last_metrics: dict[str, Any] = {}
+        # Parquet paths of tables registered here (for online SQL).
+        self._tables: dict[str, str] = {}
+        self._arrow_tables = 0
 
     def shuffle(
         self,
@@ -193,6 +202,119 @@ class Cluster:
     def register_parquet(self, name: str, path: str) -> None:
         """Register a Parquet file or directory as table ``name`` for :meth:`sql`."""
         self._native.register_parquet(name, str(path))
+        self._tables[name] = os.fspath(path)
+
+    # -- datasets: Polars and DuckDB work on the workers ----------------------------------------
+
+    def read_parquet(self, paths: Any, min_splits: int | None = None) -> Dataset:
+        """A distributed dataset over Parquet files (a file, a directory, a glob, or a list).
+        Each row group is one input split (row groups are cut into row ranges when there would
+        be fewer than ``min_splits`` splits, by default two per worker)."""
+        from flightshuffle.dataset import Dataset, Source, make_splits, parquet_files
+
+        splits, schema = make_splits(parquet_files(paths), min_splits or 2 * self.workers)
+        return Dataset(self, Source(splits, schema))
+
+    def from_arrow(self, data: Any, min_splits: int | None = None) -> Dataset:
+        """A distributed dataset over Arrow data (pyarrow, Polars, DuckDB relation, anything
+        with ``__arrow_c_stream__``); it is written to Parquet in the cluster's scratch
+        directory so every worker can read its splits."""
+        path = self._write_arrow(data, "dataset")
+        return self.read_parquet(path, min_splits)
+
+    def _write_arrow(self, data: Any, stem: str) -> str:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if not _exports_arrow(data):
+            raise TypeError(f"expected Arrow data (__arrow_c_stream__), not {type(data).__name__}")
+        table = data if isinstance(data, pa.Table) else pa.table(data)
+        root = self.spill_root or "."
+        os.makedirs(os.path.join(root, "datasets"), exist_ok=True)
+        self._arrow_tables += 1
+        path = os.path.join(root, "datasets", f"{stem}-{self._arrow_tables}.parquet")
+        pq.write_table(table, path, row_group_size=128 * 1024)
+        return path
+
+    def online(
+        self,
+        query: str | Grouped,
+        rounds: int = 10,
+        tables: dict[str, Any] | None = None,
+        engine: Literal["datafusion", "duckdb"] = "datafusion",
+        seed: int | None = None,
+        confidence: float = 0.95,
+        progress: bool | None = None,
+        min_splits: int | None = None,
+    ) -> Iterator[OnlineResult]:
+        """Online aggregation: a generator of partial results, one per round, refining until the
+        final (exact) one.
+
+        ``query`` is SQL (``SELECT keys, SUM/COUNT/AVG/MIN/MAX(expr) ... FROM t [WHERE ...]
+        GROUP BY keys``) over ``tables`` (as in :meth:`sql`) or a table registered here, run
+        on each split by ``engine`` (DataFusion or DuckDB); or a ``dataset.group_by(keys).agg(
+        exprs)`` with Polars expressions. Input splits are read in a random order (``seed``) in
+        ``rounds`` rounds (at least ``min_splits`` splits, default ``4 * rounds``). Each
+        result has ``.progress`` (fraction of the input read), ``.final`` and ``.estimates``
+        (a Polars DataFrame: keys, then per aggregate ``name``, ``name_low``, ``name_high``,
+        the estimate and its ``confidence`` interval; MIN/MAX have no interval). A tqdm bar
+        shows progress on a terminal (``progress=False`` hides it).
+        """
+        from flightshuffle import online as ol
+        from flightshuffle.dataset import Grouped, make_splits, parquet_files, shuffled
+
+        if engine not in ("datafusion", "duckdb"):
+            raise ValueError(f"engine must be 'datafusion' or 'duckdb', not {engine!r}")
+        if not 0 < confidence < 1:
+            raise ValueError("confidence must be between 0 and 1")
+        want = max(min_splits or 0, 4 * rounds)
+        if isinstance(query, Grouped):
+            if query.aggs is None:
+                raise ValueError(
+                    "online aggregation supports sum, mean, count, len, min and max of "
+                    "row-wise expressions"
+                )
+            if any(node.op is None for node in query.base._chain):
+                raise ValueError("online aggregation cannot follow a repartition")
+            base = query.base
+            files = sorted({s.path for s in base._source.splits})
+            splits, _ = make_splits(files, want)
+            pre = [node.op for node in base._chain]
+            aggs = [ol.AggRef(a.name, a.kind) for a in query.aggs]
+            stats: Any = ol.PolarsStats(query.keys, query.aggs)
+            keys, columns, order, limit = query.keys, None, None, None
+        elif isinstance(query, str):
+            plan = ol.plan_sql(query, engine)
+            for name, source in (tables or {}).items():
+                if isinstance(source, (str, os.PathLike)):
+                    self._tables[name] = os.fspath(source)
+                else:
+                    self._tables[name] = self._write_arrow(source, name)
+            if plan.table not in self._tables:
+                raise ValueError(
+                    f"unknown table {plan.table!r}: pass it in tables= or register_parquet() it"
+                )
+            splits, schema = make_splits(parquet_files(self._tables[plan.table]), want)
+            columns = [c for c in schema.names if c in plan.columns] or None
+            pre, aggs, keys = [], plan.aggs, plan.keys
+            stats = ol.SqlStats(engine, plan.table, plan.stats)
+            order, limit = plan.order, plan.limit
+        else:
+            raise TypeError("online() takes SQL text or a dataset.group_by(...).agg(...)")
+        return ol.run(
+            self,
+            shuffled(splits, seed),
+            pre,
+            stats,
+            columns,
+            keys,
+            aggs,
+            rounds,
+            confidence,
+            progress,
+            order,
+            limit,
+        )
 
     def sql(
         self,

@@ -3,7 +3,9 @@
 //! (zero-copy import) and returns a `NativeShuffle` yielding partitions as Arrow tables.
 
 mod job;
+mod script;
 mod sql;
+mod stage;
 
 use exchange::bench::{shuffle_bench as run_bench, BenchConfig};
 use exchange::cluster::{LocalCluster, LocalClusterConfig};
@@ -86,6 +88,8 @@ struct NativeCluster {
     sql: Mutex<Option<Arc<exchange_datafusion::DistributedContext>>>,
     /// Single-process DataFusion over the same tables: the baseline of benchmarks.
     local: datafusion::prelude::SessionContext,
+    /// Output shuffles of Python map stages (datasets), by id.
+    stages: stage::Stages,
 }
 
 fn runtime() -> PyResult<Rt> {
@@ -148,7 +152,93 @@ impl NativeCluster {
                     std::thread::available_parallelism().map_or(2, |n| n.get()),
                 ),
             ),
+            stages: Default::default(),
         })
+    }
+
+    /// Run a map stage of Python tasks into a new shuffle of `partitions` partitions (hash on
+    /// `keys`, round-robin when empty). A task is `(body, input_stage | None, input_partition)`.
+    /// Returns `(stage id, rows written)`.
+    fn run_stage(
+        &self,
+        py: Python<'_>,
+        schema: pyo3_arrow::PySchema,
+        partitions: u32,
+        keys: Vec<String>,
+        tasks: Vec<(Vec<u8>, Option<u64>, u32)>,
+    ) -> PyResult<(u64, u64)> {
+        let driver = self.driver()?;
+        let tasks = stage_tasks(tasks);
+        py.detach(|| {
+            self.rt.block_on(stage::run_stage(
+                &driver,
+                &self.stages,
+                schema.into_inner(),
+                partitions,
+                keys,
+                tasks,
+            ))
+        })
+        .map_err(to_py)
+    }
+
+    /// Every partition of a stage as a list of pyarrow Tables, in partition order.
+    fn read_stage(&self, py: Python<'_>, stage_id: u64) -> PyResult<Vec<Py<PyAny>>> {
+        let driver = self.driver()?;
+        let (schema, parts) = py
+            .detach(|| {
+                self.rt
+                    .block_on(stage::read_stage(&driver, &self.stages, stage_id))
+            })
+            .map_err(to_py)?;
+        parts
+            .into_iter()
+            .map(|b| {
+                Ok(pyo3_arrow::PyTable::try_new(b, schema.clone())?
+                    .into_pyarrow(py)?
+                    .unbind())
+            })
+            .collect()
+    }
+
+    /// Free a stage's blocks on every worker.
+    fn drop_stage(&self, py: Python<'_>, stage_id: u64) -> PyResult<()> {
+        let driver = self.driver()?;
+        py.detach(|| {
+            self.rt
+                .block_on(stage::drop_stage(&driver, &self.stages, stage_id))
+        })
+        .map_err(to_py)
+    }
+
+    /// Start a streaming job: the tasks run in `rounds` rounds (in the given order), each
+    /// round's blocks are folded by the Python reducer described by `reducer`.
+    #[pyo3(signature = (schema, partitions, keys, tasks, weights, rounds, reducer))]
+    #[allow(clippy::too_many_arguments)]
+    fn stream(
+        &self,
+        schema: pyo3_arrow::PySchema,
+        partitions: u32,
+        keys: Vec<String>,
+        tasks: Vec<(Vec<u8>, Option<u64>, u32)>,
+        weights: Vec<u64>,
+        rounds: usize,
+        reducer: Vec<u8>,
+    ) -> PyResult<stage::NativeStream> {
+        let driver = self.driver()?;
+        stage::start_stream(
+            &self.rt,
+            &driver,
+            &self.stages,
+            schema.into_inner(),
+            partitions,
+            keys,
+            stage_tasks(tasks),
+            weights,
+            rounds,
+            reducer,
+        )
+        .map_err(to_py)
     }
 
     fn worker_pids(&self) -> Vec<u32> {
@@ -314,11 +404,71 @@ impl NativeCluster {
     }
 }
 
-/// Run a worker process (`python -m flightshuffle.worker ...`) until it is stopped.
+fn stage_tasks(tasks: Vec<(Vec<u8>, Option<u64>, u32)>) -> Vec<stage::StageTask> {
+    tasks
+        .into_iter()
+        .map(|(body, shuffle, partition)| stage::StageTask {
+            body,
+            input: shuffle.map(|s| (s, partition)),
+        })
+        .collect()
+}
+
+/// Run a worker process (`python -m flightshuffle.worker ...`) until it is stopped. Besides
+/// SQL stages it runs Python map tasks and folds (`flightshuffle._exec`).
 #[pyfunction]
 fn run_worker(py: Python<'_>, argv: Vec<String>) -> PyResult<()> {
-    py.detach(|| exchange::worker::main_with_args(argv, exchange_datafusion::worker_sources()))
+    let mut sources = exchange_datafusion::worker_sources();
+    sources.register(script::PYTHON_KIND, Arc::new(script::PythonSource));
+    sources.register_reducer(script::PYTHON_KIND, Arc::new(script::PythonReducer));
+    py.detach(|| exchange::worker::main_with_args(argv, sources))
         .map_err(to_py)
+}
+
+/// Run a query on single-process DataFusion over in-memory Arrow tables (`{name: table}`);
+/// used by map tasks on workers (online SQL) and as a baseline.
+#[pyfunction]
+fn datafusion_query(
+    py: Python<'_>,
+    query: String,
+    tables: std::collections::HashMap<String, AnyRecordBatch>,
+) -> PyResult<Py<PyAny>> {
+    use datafusion::datasource::MemTable;
+    let ctx = datafusion::prelude::SessionContext::new_with_config(
+        datafusion::prelude::SessionConfig::new().with_target_partitions(1),
+    );
+    for (name, data) in tables {
+        let (batches, schema) = data.into_table()?.into_inner();
+        let table = MemTable::try_new(schema, vec![batches]).map_err(|e| sql::df_err(e.into()))?;
+        ctx.register_table(name.as_str(), Arc::new(table))
+            .map_err(|e| sql::df_err(e.into()))?;
+    }
+    let batches = py
+        .detach(|| {
+            let rt = query_runtime()?;
+            rt.block_on(async {
+                let df = ctx.sql(&query).await?;
+                let schema = Arc::new(df.schema().as_arrow().clone());
+                Ok((schema, df.collect().await?))
+            })
+        })
+        .map_err(|e: datafusion::error::DataFusionError| sql::df_err(e.into()))?;
+    let table = pyo3_arrow::PyTable::try_new(batches.1, batches.0)?;
+    Ok(table.into_pyarrow(py)?.unbind())
+}
+
+/// A small runtime for `datafusion_query`, shared by all calls in this process.
+fn query_runtime() -> datafusion::error::Result<&'static tokio::runtime::Runtime> {
+    static RT: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
+    if let Some(rt) = RT.get() {
+        return Ok(rt);
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("flightshuffle-query")
+        .build()
+        .map_err(|e| datafusion::error::DataFusionError::External(Box::new(e)))?;
+    Ok(RT.get_or_init(|| rt))
 }
 
 /// `shuffle-bench`: returns the JSON report.
@@ -381,6 +531,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("TPCH_TABLES", tpch::TABLES.to_vec())?;
     m.add_class::<NativeCluster>()?;
     m.add_class::<job::NativeShuffle>()?;
+    m.add_class::<stage::NativeStream>()?;
+    m.add_function(wrap_pyfunction!(datafusion_query, m)?)?;
     m.add_function(wrap_pyfunction!(run_worker, m)?)?;
     m.add_function(wrap_pyfunction!(shuffle_bench, m)?)?;
     m.add("ShuffleError", m.py().get_type::<ShuffleError>())?;

@@ -1,8 +1,10 @@
 //! Strategies: small control-plane programs over the [`crate::driver`] API that decide which
-//! task runs where and when. Only `pull` exists so far; the others are named so a user asking
-//! for them gets a clear error rather than a silent fallback.
+//! task runs where and when. `pull` serves one-shot exchanges and `streaming` serves online
+//! aggregation (it is driven through its own API, not chosen per exchange); the others are
+//! named so a user asking for them gets a clear error rather than a silent fallback.
 
 pub mod pull;
+pub mod streaming;
 
 use crate::error::{Error, Result};
 
@@ -20,13 +22,17 @@ impl std::fmt::Display for Strategy {
 }
 
 /// Strategies of the design that are not built yet.
-pub const PLANNED: &[&str] = &["merged", "push", "two-level", "streaming", "auto"];
+pub const PLANNED: &[&str] = &["merged", "push", "two-level", "auto"];
 
 impl std::str::FromStr for Strategy {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
         match s.to_ascii_lowercase().as_str() {
             "pull" => Ok(Strategy::Pull),
+            "streaming" => Err(Error::invalid(
+                "the streaming strategy runs online aggregation (Cluster.online / \
+                 strategy::streaming::run), not single exchanges; available: [\"pull\"]",
+            )),
             other if PLANNED.contains(&other) => Err(Error::invalid(format!(
                 "strategy {other:?} is not implemented yet; available: [\"pull\"]"
             ))),

@@ -27,12 +27,25 @@ pub async fn map_side(
     inputs: impl Stream<Item = MapInput> + Unpin,
     opts: StrategyOptions,
 ) -> Result<Mapped> {
+    let out = run_maps(driver, spec, inputs, 0, opts).await?;
+    driver.seal(spec.id).await?;
+    Ok(out)
+}
+
+/// Run map tasks for every input, numbering them from `first_map`, without sealing.
+pub async fn run_maps(
+    driver: &Arc<Driver>,
+    spec: &ShuffleSpec,
+    inputs: impl Stream<Item = MapInput> + Unpin,
+    first_map: u32,
+    opts: StrategyOptions,
+) -> Result<Mapped> {
     let n = driver.num_workers();
     let limit = n * opts.maps_per_worker.max(1);
     let mut load = vec![0usize; n];
     let mut running = FuturesUnordered::new();
     let mut inputs = inputs.fuse();
-    let mut next_map = 0u32;
+    let mut next_map = first_map;
     let mut out = Mapped {
         maps: Vec::new(),
         input: Checksum::default(),
@@ -76,7 +89,6 @@ pub async fn map_side(
             Ok(())
         })
         .await?;
-    driver.seal(spec.id).await?;
     out.maps.sort_by_key(|m| m.map);
     Ok(out)
 }

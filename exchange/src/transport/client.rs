@@ -142,6 +142,13 @@ impl WorkerClient {
         decode(&body)
     }
 
+    pub async fn fold(&self, m: &proto::FoldTask) -> Result<proto::FoldResult> {
+        let body = self
+            .action(actions::FOLD, m.encode_to_vec(), self.timeout)
+            .await?;
+        decode(&body)
+    }
+
     pub async fn shuffle_action(&self, kind: &str, shuffle: u64) -> Result<()> {
         let m = proto::ShuffleRef {
             shuffle_id: shuffle,

@@ -29,6 +29,7 @@ pub mod actions {
     pub const CREATE_SHUFFLE: &str = "create_shuffle";
     pub const RUN_MAP: &str = "run_map";
     pub const RUN_REDUCE: &str = "run_reduce";
+    pub const FOLD: &str = "fold";
     pub const SEAL_SHUFFLE: &str = "seal_shuffle";
     pub const DROP_SHUFFLE: &str = "drop_shuffle";
     pub const CANCEL: &str = "cancel";
@@ -38,6 +39,7 @@ pub mod actions {
         CREATE_SHUFFLE,
         RUN_MAP,
         RUN_REDUCE,
+        FOLD,
         SEAL_SHUFFLE,
         DROP_SHUFFLE,
         CANCEL,

@@ -281,6 +281,7 @@ impl FlightService for WorkerService {
                 s.run_map(task, input).await?.encode_to_vec()
             }
             actions::RUN_REDUCE => s.run_reduce(decode(&body)?).await?.encode_to_vec(),
+            actions::FOLD => s.fold(decode(&body)?).await?.encode_to_vec(),
             actions::SEAL_SHUFFLE => {
                 let m: proto::ShuffleRef = decode(&body)?;
                 s.store.seal(ShuffleId(m.shuffle_id))?;
@@ -289,6 +290,7 @@ impl FlightService for WorkerService {
             actions::DROP_SHUFFLE => {
                 let m: proto::ShuffleRef = decode(&body)?;
                 s.cancel_shuffle(ShuffleId(m.shuffle_id));
+                s.drop_fold_states(ShuffleId(m.shuffle_id));
                 s.store.drop_shuffle(ShuffleId(m.shuffle_id))?;
                 vec![]
             }

@@ -1,0 +1,233 @@
+//! Streaming shuffle (Exoshuffle §3.3.1): map tasks run in rounds; after each round every
+//! reducer folds the round's new blocks into its running state (on the worker that owns the
+//! partition) and returns a partial result, which the caller receives while the next round's
+//! map tasks run. The last round's partial result is the exact, final result.
+//!
+//! Only the driver API is used: `run_maps` per round, one `fold` per partition per round.
+
+use super::{pull, StrategyOptions};
+use crate::driver::{Driver, MapDone, MapInput, ShuffleSpec};
+use crate::error::{Error, Result};
+use crate::proto;
+use arrow::array::RecordBatch;
+use arrow::datatypes::SchemaRef;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc;
+
+/// A streaming shuffle to run.
+pub struct StreamingJob {
+    pub spec: ShuffleSpec,
+    /// Map inputs in the order they are read (callers randomise it for online aggregation).
+    pub inputs: Vec<MapInput>,
+    /// Size of each input (e.g. rows), for progress; empty = every input weighs 1.
+    pub weights: Vec<u64>,
+    /// Number of rounds (clamped to 1..=inputs).
+    pub rounds: usize,
+    /// Reducer kind registered on the workers and its description.
+    pub reducer: String,
+    pub payload: Vec<u8>,
+}
+
+/// The partial result after one round.
+#[derive(Debug, Clone)]
+pub struct Partial {
+    /// 0-based round whose blocks were folded last.
+    pub round: usize,
+    pub rounds: usize,
+    /// Share of the input weight folded into the states (0..=1).
+    pub progress: f64,
+    /// Map tasks finished when this partial was sent, of `maps_total`.
+    pub maps_done: usize,
+    pub maps_total: usize,
+    pub is_final: bool,
+    pub schema: SchemaRef,
+    /// Each reduce partition's partial result, in partition order.
+    pub partitions: Vec<Vec<RecordBatch>>,
+    /// Rows folded in this round, over all partitions.
+    pub rows_folded: u64,
+    /// Seconds since the job started.
+    pub elapsed: f64,
+}
+
+/// Split `n` inputs into `rounds` consecutive, nearly equal ranges.
+pub fn round_ranges(n: usize, rounds: usize) -> Vec<std::ops::Range<usize>> {
+    let k = rounds.clamp(1, n.max(1));
+    (0..k).map(|r| r * n / k..(r + 1) * n / k).collect()
+}
+
+/// Run the job, sending one [`Partial`] per round to `out` (the last has `is_final`), or the
+/// error that stopped it. The shuffle is dropped on every worker when the job ends.
+pub async fn run(
+    driver: &Arc<Driver>,
+    job: StreamingJob,
+    opts: StrategyOptions,
+    out: mpsc::Sender<Result<Partial>>,
+) {
+    let id = job.spec.id;
+    let result = match driver.create_shuffle(&job.spec).await {
+        Ok(()) => driver.watch(rounds(driver, job, opts, out.clone())).await,
+        Err(e) => Err(e),
+    };
+    let _ = driver.drop_shuffle(id).await;
+    if let Err(e) = result {
+        let _ = out.send(Err(e)).await;
+    }
+}
+
+async fn rounds(
+    driver: &Arc<Driver>,
+    job: StreamingJob,
+    opts: StrategyOptions,
+    out: mpsc::Sender<Result<Partial>>,
+) -> Result<()> {
+    let start = Instant::now();
+    let total_maps = job.inputs.len();
+    let weights: Vec<u64> = if job.weights.len() == total_maps {
+        job.weights.clone()
+    } else {
+        vec![1; total_maps]
+    };
+    let total_weight = weights.iter().sum::<u64>().max(1) as f64;
+    let ranges = round_ranges(total_maps, job.rounds);
+    let rounds = ranges.len();
+    let fold = Arc::new(FoldSpec {
+        spec: job.spec.clone(),
+        reducer: job.reducer,
+        payload: job.payload,
+        rounds,
+        total_maps,
+    });
+    let mut inputs = job.inputs.into_iter();
+    let mut pending: Option<tokio::task::JoinHandle<Result<()>>> = None;
+    let mut maps_done = 0usize;
+    let mut folded_weight = 0u64;
+    for (r, range) in ranges.into_iter().enumerate() {
+        let round_inputs: Vec<MapInput> = inputs.by_ref().take(range.len()).collect();
+        let mapped = pull::run_maps(
+            driver,
+            &fold.spec,
+            futures::stream::iter(round_inputs),
+            range.start as u32,
+            opts,
+        )
+        .await?;
+        maps_done += mapped.maps.len();
+        folded_weight += weights[range].iter().sum::<u64>();
+        // One fold of a partition at a time: the previous round's folds finish first.
+        if let Some(prev) = pending.take() {
+            join(prev).await?;
+        }
+        let round = RoundInfo {
+            round: r,
+            maps_done,
+            progress: folded_weight as f64 / total_weight,
+            start,
+        };
+        let (driver, fold, out) = (driver.clone(), fold.clone(), out.clone());
+        pending = Some(tokio::spawn(async move {
+            let partial = fold_round(&driver, &fold, round, mapped.maps).await?;
+            // A caller that stopped listening ends the job at the next round.
+            out.send(Ok(partial))
+                .await
+                .map_err(|_| Error::Cancelled("streaming result receiver closed".into()))
+        }));
+    }
+    if let Some(prev) = pending.take() {
+        join(prev).await?;
+    }
+    Ok(())
+}
+
+async fn join(h: tokio::task::JoinHandle<Result<()>>) -> Result<()> {
+    h.await
+        .map_err(|e| Error::Cluster(format!("fold round panicked: {e}")))?
+}
+
+struct FoldSpec {
+    spec: ShuffleSpec,
+    reducer: String,
+    payload: Vec<u8>,
+    rounds: usize,
+    total_maps: usize,
+}
+
+struct RoundInfo {
+    round: usize,
+    maps_done: usize,
+    progress: f64,
+    start: Instant,
+}
+
+/// Fold one round's blocks: partition p on worker p mod N, all partitions at once.
+async fn fold_round(
+    driver: &Arc<Driver>,
+    f: &FoldSpec,
+    round: RoundInfo,
+    maps: Vec<MapDone>,
+) -> Result<Partial> {
+    let n = driver.num_workers();
+    let addrs = driver.addresses();
+    let mut per_partition: Vec<Vec<proto::BlockLocation>> =
+        vec![Vec::new(); f.spec.partitions as usize];
+    for m in &maps {
+        for b in &m.blocks {
+            let p = b.meta.id.partition as usize;
+            if let Some(list) = per_partition.get_mut(p) {
+                list.push(proto::BlockLocation {
+                    key: Some(b.meta.id.into()),
+                    peer: addrs[b.worker].clone(),
+                });
+            }
+        }
+    }
+    let folds = per_partition.into_iter().enumerate().map(|(p, blocks)| {
+        let task = proto::FoldTask {
+            shuffle_id: f.spec.id.0,
+            partition: p as u32,
+            blocks,
+            reducer: f.reducer.clone(),
+            payload: f.payload.clone(),
+            first: round.round == 0,
+        };
+        driver.fold(p % n, task)
+    });
+    let results = futures::future::try_join_all(folds).await?;
+    let mut schema = None;
+    let mut partitions = Vec::with_capacity(results.len());
+    let mut rows_folded = 0;
+    for (s, batches, r) in results {
+        schema.get_or_insert(s);
+        partitions.push(batches);
+        rows_folded += r.rows_folded;
+    }
+    Ok(Partial {
+        round: round.round,
+        rounds: f.rounds,
+        progress: round.progress,
+        maps_done: round.maps_done,
+        maps_total: f.total_maps,
+        is_final: round.round + 1 == f.rounds,
+        schema: schema.unwrap_or_else(|| f.spec.schema.clone()),
+        partitions,
+        rows_folded,
+        elapsed: round.start.elapsed().as_secs_f64(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::round_ranges;
+
+    #[test]
+    fn rounds_cover_every_input_once() {
+        for n in 0..40 {
+            for k in 0..12 {
+                let r = round_ranges(n, k);
+                assert_eq!(r.len(), k.clamp(1, n.max(1)));
+                let covered: Vec<usize> = r.into_iter().flatten().collect();
+                assert_eq!(covered, (0..n).collect::<Vec<_>>());
+            }
+        }
+    }
+}

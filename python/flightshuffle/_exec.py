@@ -1,0 +1,87 @@
+"""Python work executed inside worker processes (called from Rust, see ``python/src/script.rs``).
+
+``run_map`` runs one map task of a dataset stage: it reads its input (a Parquet split, or the
+partition of an earlier stage that Rust already read) and applies the stage's operators.
+``fold`` / ``emit`` run a streaming reducer. Task descriptions arrive pickled (cloudpickle, so
+user functions travel with them); Arrow data arrives and leaves through the PyCapsule interface.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+@dataclass(frozen=True)
+class Split:
+    """Rows ``[start, start + rows)`` of one row group of one Parquet file."""
+
+    path: str
+    row_group: int
+    start: int
+    rows: int
+    whole_group: bool = True
+
+    def read(self, columns: list[str] | None = None) -> pa.Table:
+        table = pq.ParquetFile(self.path).read_row_group(self.row_group, columns=columns)
+        if not self.whole_group:
+            table = table.slice(self.start, self.rows)
+        return table
+
+
+@dataclass
+class MapTask:
+    """One map task: an input split (None when Rust passes an earlier stage's partition), the
+    columns to read, and the operators to apply in order."""
+
+    split: Split | None
+    ops: list[Any] = field(default_factory=list)
+    columns: list[str] | None = None
+
+
+def apply_ops(table: pa.Table, ops: list[Any]) -> pa.Table:
+    for op in ops:
+        table = op.apply(table)
+    return table
+
+
+def conform(table: pa.Table, expected: pa.Schema) -> pa.Table:
+    """Give the task's output the stage's schema (inferred on the driver from an empty input)."""
+    if table.schema.equals(expected):
+        return table
+    if table.column_names != expected.names:
+        raise ValueError(
+            f"the stage's operators returned columns {table.column_names} here but "
+            f"{expected.names} on an empty input; a map function must return the same "
+            "columns for every partition"
+        )
+    try:
+        return table.cast(expected)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        raise ValueError(
+            f"the stage's operators returned types {table.schema} here but {expected} on an "
+            f"empty input: {e}"
+        ) from e
+
+
+def run_map(body: bytes, input_table: pa.Table | None, expected: pa.Schema) -> pa.Table:
+    task: MapTask = pickle.loads(body)
+    if input_table is None:
+        if task.split is None:
+            raise ValueError("a map task without a split needs an input partition")
+        input_table = task.split.read(task.columns)
+    return conform(apply_ops(input_table, task.ops), expected)
+
+
+def fold(body: bytes, state: Any, table: pa.Table) -> Any:
+    reducer = pickle.loads(body)
+    return reducer.fold(state, table)
+
+
+def emit(body: bytes, state: Any) -> pa.Table:
+    reducer = pickle.loads(body)
+    return reducer.emit(state)

@@ -1,0 +1,150 @@
+//! Python work on workers: the `"python"` task source (a map task whose batches come from a
+//! Python function, fed with a file split or with one partition of an earlier shuffle) and the
+//! `"python"` reducer (a Python fold over a partition's new blocks, for the streaming
+//! strategy). Both call `flightshuffle._exec` in the worker process; Arrow data crosses the
+//! boundary through the PyCapsule interface, without copies.
+
+use arrow::array::RecordBatch;
+use arrow::datatypes::SchemaRef;
+use exchange::block::decode_schema;
+use exchange::task::{BatchSource, BatchStream, ReduceState, Reducer};
+use exchange::transport::client::{decode, WorkerClient};
+use exchange::{proto, Error, Result};
+use futures::{StreamExt, TryStreamExt};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use pyo3_arrow::input::AnyRecordBatch;
+use pyo3_arrow::{PySchema, PyTable};
+use std::time::Duration;
+
+/// Task source and reducer kind of Python work.
+pub const PYTHON_KIND: &str = "python";
+const EXEC_MODULE: &str = "flightshuffle._exec";
+/// Longest wait for one block of an input partition.
+const READ_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// A Python exception as an exchange error, with its traceback.
+fn py_failed(what: &str, py: Python<'_>, e: PyErr) -> Error {
+    let tb = e
+        .traceback(py)
+        .and_then(|t| t.format().ok())
+        .unwrap_or_default();
+    Error::Cluster(format!("{what} failed: {e}\n{tb}"))
+}
+
+/// Read an Arrow object returned by Python (anything with `__arrow_c_stream__`).
+fn arrow_from_py(obj: &Bound<'_, PyAny>) -> PyResult<(SchemaRef, Vec<RecordBatch>)> {
+    let reader = obj.extract::<AnyRecordBatch>()?.into_reader()?;
+    let schema = reader.schema();
+    let batches = reader
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+    Ok((schema, batches))
+}
+
+/// Read every block of one partition of an earlier shuffle from all its workers.
+async fn read_input(input: proto::PartitionInput) -> Result<(SchemaRef, Vec<RecordBatch>)> {
+    let schema = decode_schema(&input.schema_ipc)?;
+    let token = std::env::var(exchange::worker::TOKEN_ENV).unwrap_or_default();
+    let mut batches = Vec::new();
+    for (i, peer) in input.peers.iter().enumerate() {
+        let client = WorkerClient::new(i, peer, &token, READ_TIMEOUT)?;
+        let stream = client
+            .read_partition(input.shuffle_id, input.partition, true)
+            .await?;
+        batches.extend(stream.try_collect::<Vec<_>>().await?);
+    }
+    Ok((schema, batches))
+}
+
+/// Map tasks computed by `flightshuffle._exec.run_map(body, input, schema)`.
+pub struct PythonSource;
+
+impl BatchSource for PythonSource {
+    fn open(&self, payload: &[u8], schema: SchemaRef) -> Result<BatchStream> {
+        let task: proto::SourceInput = decode(payload)?;
+        let fut = async move {
+            let input = match task.partition {
+                Some(p) => Some(read_input(p).await?),
+                None => None,
+            };
+            let body = task.body;
+            let out = tokio::task::spawn_blocking(move || {
+                Python::attach(|py| {
+                    let call = || -> PyResult<Vec<RecordBatch>> {
+                        let input = match input {
+                            Some((s, b)) => PyTable::try_new(b, s)?.into_pyarrow(py)?,
+                            None => py.None().into_bound(py),
+                        };
+                        let expected = PySchema::new(schema.clone()).into_pyarrow(py)?;
+                        let module = py.import(EXEC_MODULE)?;
+                        let result = module
+                            .call_method1("run_map", (PyBytes::new(py, &body), input, expected))?;
+                        Ok(arrow_from_py(&result)?.1)
+                    };
+                    call().map_err(|e| py_failed("python map task", py, e))
+                })
+            })
+            .await
+            .map_err(|e| Error::Cluster(format!("python map task panicked: {e}")))??;
+            Ok::<_, Error>(futures::stream::iter(out.into_iter().map(Ok)))
+        };
+        Ok(futures::stream::once(fut).try_flatten().boxed())
+    }
+}
+
+/// Folds computed by `flightshuffle._exec.fold(body, state, table)` and
+/// `flightshuffle._exec.emit(body, state)`; the state is a Python object kept on the worker.
+pub struct PythonReducer;
+
+struct PyState(Py<PyAny>);
+
+impl Reducer for PythonReducer {
+    fn fold(
+        &self,
+        payload: &[u8],
+        state: Option<ReduceState>,
+        batches: Vec<RecordBatch>,
+        schema: SchemaRef,
+    ) -> Result<ReduceState> {
+        let state = match state {
+            Some(s) => Some(
+                s.downcast::<PyState>()
+                    .map_err(|_| Error::invalid("python reducer given a foreign state"))?,
+            ),
+            None => None,
+        };
+        Python::attach(|py| {
+            let call = || -> PyResult<Py<PyAny>> {
+                let table = PyTable::try_new(batches, schema)?.into_pyarrow(py)?;
+                let state = match state {
+                    Some(s) => s.0.into_bound(py),
+                    None => py.None().into_bound(py),
+                };
+                let module = py.import(EXEC_MODULE)?;
+                let new = module.call_method1("fold", (PyBytes::new(py, payload), state, table))?;
+                Ok(new.unbind())
+            };
+            call()
+                .map(|s| Box::new(PyState(s)) as ReduceState)
+                .map_err(|e| py_failed("python fold", py, e))
+        })
+    }
+
+    fn emit(&self, payload: &[u8], state: &ReduceState) -> Result<(SchemaRef, Vec<RecordBatch>)> {
+        let state = state
+            .downcast_ref::<PyState>()
+            .ok_or_else(|| Error::invalid("python reducer given a foreign state"))?;
+        Python::attach(|py| {
+            let call = || -> PyResult<(SchemaRef, Vec<RecordBatch>)> {
+                let module = py.import(EXEC_MODULE)?;
+                let out = module.call_method1(
+                    "emit",
+                    (PyBytes::new(py, payload), state.0.bind(py).clone()),
+                )?;
+                arrow_from_py(&out)
+            };
+            call().map_err(|e| py_failed("python emit", py, e))
+        })
+    }
+}

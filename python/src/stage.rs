@@ -1,0 +1,241 @@
+//! Stages of Python work on the cluster: a map stage runs Python map tasks (file splits or
+//! partitions of an earlier stage) into a new shuffle with the pull strategy; a streaming job
+//! runs them in rounds with the streaming strategy and a Python reducer, handing each round's
+//! partial result to Python while later rounds run.
+
+use crate::script::PYTHON_KIND;
+use crate::to_py;
+use arrow::array::RecordBatch;
+use arrow::compute::concat_batches;
+use arrow::datatypes::SchemaRef;
+use exchange::block::{encode_schema, ShuffleId};
+use exchange::driver::{Driver, MapInput, ShuffleSpec};
+use exchange::strategy::streaming::{self, Partial, StreamingJob};
+use exchange::strategy::{pull, StrategyOptions};
+use exchange::{partitioner, proto, Error, Result};
+use futures::TryStreamExt;
+use prost::Message;
+use pyo3::prelude::*;
+use pyo3_arrow::PyTable;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use tokio::sync::mpsc;
+
+/// One map task of a stage: the Python task description and, optionally, the earlier stage
+/// and partition it reads.
+pub struct StageTask {
+    pub body: Vec<u8>,
+    pub input: Option<(u64, u32)>,
+}
+
+/// Output shuffles of the stages run so far: schema and partition count.
+pub type Stages = Mutex<HashMap<u64, (SchemaRef, u32)>>;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn spec(schema: SchemaRef, partitions: u32, keys: &[String]) -> ShuffleSpec {
+    let keys: Vec<&str> = keys.iter().map(|s| s.as_str()).collect();
+    ShuffleSpec {
+        id: ShuffleId::random(),
+        schema,
+        partitions: partitions.max(1),
+        partitioner: if keys.is_empty() {
+            partitioner::round_robin()
+        } else {
+            partitioner::hash(&keys)
+        },
+        checksum_inputs: false,
+    }
+}
+
+fn inputs(driver: &Driver, stages: &Stages, tasks: Vec<StageTask>) -> Result<Vec<MapInput>> {
+    let peers = driver.addresses();
+    tasks
+        .into_iter()
+        .map(|t| {
+            let partition = match t.input {
+                None => None,
+                Some((shuffle, partition)) => {
+                    let (schema, parts) = lock(stages)
+                        .get(&shuffle)
+                        .cloned()
+                        .ok_or(Error::UnknownShuffle(ShuffleId(shuffle)))?;
+                    if partition >= parts {
+                        return Err(Error::invalid(format!(
+                            "stage {} has {parts} partitions, not {}",
+                            ShuffleId(shuffle),
+                            partition + 1
+                        )));
+                    }
+                    Some(proto::PartitionInput {
+                        shuffle_id: shuffle,
+                        partition,
+                        peers: peers.clone(),
+                        schema_ipc: encode_schema(&schema)?.to_vec(),
+                    })
+                }
+            };
+            let payload = proto::SourceInput {
+                partition,
+                body: t.body,
+            };
+            Ok(MapInput::Source(proto::TaskSource {
+                kind: PYTHON_KIND.to_string(),
+                payload: payload.encode_to_vec(),
+            }))
+        })
+        .collect()
+}
+
+/// Run one map stage into a new shuffle; returns its id and the rows its maps wrote.
+pub async fn run_stage(
+    driver: &Arc<Driver>,
+    stages: &Stages,
+    schema: SchemaRef,
+    partitions: u32,
+    keys: Vec<String>,
+    tasks: Vec<StageTask>,
+) -> Result<(u64, u64)> {
+    let spec = spec(schema.clone(), partitions, &keys);
+    let inputs = inputs(driver, stages, tasks)?;
+    driver.create_shuffle(&spec).await?;
+    let mapped = pull::map_side(
+        driver,
+        &spec,
+        futures::stream::iter(inputs),
+        StrategyOptions::default(),
+    )
+    .await;
+    match mapped {
+        Ok(m) => {
+            lock(stages).insert(spec.id.0, (schema, spec.partitions));
+            Ok((spec.id.0, m.input.rows))
+        }
+        Err(e) => {
+            let _ = driver.drop_shuffle(spec.id).await;
+            Err(e)
+        }
+    }
+}
+
+/// Read every partition of a stage back to the driver, in partition order.
+pub async fn read_stage(
+    driver: &Arc<Driver>,
+    stages: &Stages,
+    shuffle: u64,
+) -> Result<(SchemaRef, Vec<Vec<RecordBatch>>)> {
+    let (schema, parts) = lock(stages)
+        .get(&shuffle)
+        .cloned()
+        .ok_or(Error::UnknownShuffle(ShuffleId(shuffle)))?;
+    let mut out = Vec::with_capacity(parts as usize);
+    for p in 0..parts {
+        let read = async {
+            let stream = driver.read_partition(ShuffleId(shuffle), p, true).await?;
+            stream.try_collect::<Vec<_>>().await
+        };
+        out.push(driver.watch(read).await?);
+    }
+    Ok((schema, out))
+}
+
+pub async fn drop_stage(driver: &Arc<Driver>, stages: &Stages, shuffle: u64) -> Result<()> {
+    if lock(stages).remove(&shuffle).is_some() {
+        driver.drop_shuffle(ShuffleId(shuffle)).await?;
+    }
+    Ok(())
+}
+
+/// A running streaming job; `next()` yields each round's partial result.
+#[pyclass(module = "flightshuffle._native")]
+pub struct NativeStream {
+    rt: Arc<crate::Rt>,
+    driver: Arc<Driver>,
+    id: ShuffleId,
+    rx: Mutex<mpsc::Receiver<Result<Partial>>>,
+    task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn start_stream(
+    rt: &Arc<crate::Rt>,
+    driver: &Arc<Driver>,
+    stages: &Stages,
+    schema: SchemaRef,
+    partitions: u32,
+    keys: Vec<String>,
+    tasks: Vec<StageTask>,
+    weights: Vec<u64>,
+    rounds: usize,
+    reducer_payload: Vec<u8>,
+) -> Result<NativeStream> {
+    let job = StreamingJob {
+        spec: spec(schema, partitions, &keys),
+        inputs: inputs(driver, stages, tasks)?,
+        weights,
+        rounds,
+        reducer: PYTHON_KIND.to_string(),
+        payload: reducer_payload,
+    };
+    let (tx, rx) = mpsc::channel(2);
+    let id = job.spec.id;
+    let d = driver.clone();
+    let task = rt.spawn(async move {
+        streaming::run(&d, job, StrategyOptions::default(), tx).await;
+    });
+    Ok(NativeStream {
+        rt: rt.clone(),
+        driver: driver.clone(),
+        id,
+        rx: Mutex::new(rx),
+        task: Mutex::new(Some(task)),
+    })
+}
+
+#[pymethods]
+impl NativeStream {
+    /// The next partial result as `(info dict, pyarrow.Table)`, or None after the final one.
+    fn next_partial(&self, py: Python<'_>) -> PyResult<Option<(Py<PyAny>, Py<PyAny>)>> {
+        let next = py.detach(|| lock(&self.rx).blocking_recv());
+        let partial = match next {
+            None => return Ok(None),
+            Some(Err(e)) => return Err(to_py(e)),
+            Some(Ok(p)) => p,
+        };
+        let batches: Vec<RecordBatch> = partial.partitions.into_iter().flatten().collect();
+        let table = concat_batches(&partial.schema, &batches).map_err(|e| to_py(e.into()))?;
+        let info = pyo3::types::PyDict::new(py);
+        info.set_item("round", partial.round)?;
+        info.set_item("rounds", partial.rounds)?;
+        info.set_item("progress", partial.progress)?;
+        info.set_item("maps_done", partial.maps_done)?;
+        info.set_item("maps_total", partial.maps_total)?;
+        info.set_item("final", partial.is_final)?;
+        info.set_item("rows_folded", partial.rows_folded)?;
+        info.set_item("elapsed", partial.elapsed)?;
+        let table = PyTable::try_new(vec![table], partial.schema)?.into_pyarrow(py)?;
+        Ok(Some((info.into_any().unbind(), table.unbind())))
+    }
+
+    /// Stop the job; its shuffle and reduce states are dropped on the workers.
+    fn close(&self) {
+        lock(&self.rx).close();
+        if let Some(t) = lock(&self.task).take() {
+            if !t.is_finished() {
+                t.abort();
+                let (driver, id) = (self.driver.clone(), self.id);
+                self.rt.spawn(async move {
+                    let _ = driver.drop_shuffle(id).await;
+                });
+            }
+        }
+    }
+}
+
+impl Drop for NativeStream {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
