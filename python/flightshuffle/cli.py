@@ -132,6 +132,149 @@ def _tpch(args: argparse.Namespace) -> int:
     return 0
 
 
+Q1_LIKE = """SELECT l_returnflag, l_linestatus,
+  SUM(l_quantity) AS sum_qty,
+  SUM(l_extendedprice) AS sum_base_price,
+  SUM(l_extendedprice * (1 - l_discount)) AS sum_disc_price,
+  SUM(l_extendedprice * (1 - l_discount) * (1 + l_tax)) AS sum_charge,
+  AVG(l_quantity) AS avg_qty,
+  AVG(l_extendedprice) AS avg_price,
+  AVG(l_discount) AS avg_disc,
+  COUNT(*) AS count_order
+FROM lineitem
+WHERE l_shipdate <= DATE '1998-12-01' - INTERVAL '90' DAY
+GROUP BY l_returnflag, l_linestatus
+ORDER BY l_returnflag, l_linestatus"""
+
+
+def first_within(history: list, final, keys: list[str], names: list[str], rel: float):
+    """The first partial result whose every estimate is within ``rel`` of the final answer."""
+    want = final.estimates.select(keys + names)
+    for r in history:
+        got = r.estimates.select(keys + names).join(want, on=keys, how="full", suffix="_f")
+        ok = got.height == want.height
+        for n in names:
+            err = ((got[n] - got[f"{n}_f"]).abs() / got[f"{n}_f"].abs()).fill_nan(0.0)
+            ok = ok and err.null_count() == 0 and float(err.max() or 0.0) <= rel
+        if ok:
+            return r
+    return final
+
+
+def plot(history: list, keys: list[str], names: list[str], path: str, top: int) -> None:
+    """Estimate and interval versus time for the ``top`` largest groups, one panel per
+    aggregate (at most four), each relative to the group's final answer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import polars as pl
+
+    final = history[-1].estimates
+    first = names[0]
+    groups = final.sort(first, descending=True).head(top).select(keys).rows()
+    shown = names[:4]
+    fig, axes = plt.subplots(len(shown), 1, figsize=(8, 2.6 * len(shown)), squeeze=False)
+    for ax, name in zip(axes[:, 0], shown, strict=True):
+        for g in groups:
+            cond = pl.all_horizontal([pl.col(k) == v for k, v in zip(keys, g, strict=True)])
+            t, est, lo, hi = [], [], [], []
+            exact = final.filter(cond)[name][0] or 1.0
+            for r in history:
+                row = r.estimates.filter(cond)
+                if row.height:
+                    t.append(r.elapsed)
+                    est.append(row[name][0] / exact)
+                    low, high = row[f"{name}_low"][0], row[f"{name}_high"][0]
+                    lo.append(None if low is None else low / exact)
+                    hi.append(None if high is None else high / exact)
+            label = "/".join(str(v) for v in g)
+            (line,) = ax.plot(t, est, marker="o", label=label)
+            if all(v is not None for v in lo + hi):
+                ax.fill_between(t, lo, hi, alpha=0.2, color=line.get_color())
+        ax.set_ylabel(f"{name} / final")
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(title="/".join(keys), fontsize="small")
+    axes[-1, 0].set_xlabel("seconds since start")
+    fig.suptitle("online aggregation: estimate and 95% interval per round, relative to final")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _online(args: argparse.Namespace) -> int:
+    from flightshuffle import tpch
+
+    tables = {}
+    for spec in args.table:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--table takes name=path, not {spec!r}")
+        tables[name] = path
+    if not tables:
+        data = tpch.ensure_data(args.sf, args.data or f"data/tpch-sf{args.sf:g}", progress=True)
+        tables = tpch.table_paths(data)
+    query = args.sql or Q1_LIKE
+    with Cluster(workers=args.workers, memory_budget=args.memory_budget) as c:
+        start = time.perf_counter()
+        history = list(
+            c.online(query, rounds=args.rounds, tables=tables, engine=args.engine, seed=args.seed)
+        )
+        streaming = time.perf_counter() - start
+        final = history[-1]
+        est = final.estimates
+        names = [n for n in est.columns if f"{n}_low" in est.columns]
+        keys = [k for k in est.columns if k not in names and not k.endswith(("_low", "_high"))]
+        interval = [n for n in names if est[f"{n}_low"].null_count() == 0]
+        close = first_within(history, final, keys, interval, args.within)
+        report = {
+            "query": query,
+            "workers": args.workers,
+            "rounds": len(history),
+            "engine": args.engine,
+            "streaming_seconds": streaming,
+            "first_estimate_seconds": history[0].elapsed,
+            "within": args.within,
+            "within_seconds": close.elapsed,
+            "within_progress": close.progress,
+        }
+        if args.compare:
+            start = time.perf_counter()
+            # Same splits, one round: the shuffle is folded once, after every map ran.
+            list(
+                c.online(
+                    query,
+                    rounds=1,
+                    tables=tables,
+                    engine=args.engine,
+                    progress=False,
+                    min_splits=4 * args.rounds,
+                )
+            )
+            report["non_streaming_seconds"] = time.perf_counter() - start
+            report["streaming_over_non_streaming"] = streaming / report["non_streaming_seconds"]
+            report["within_over_non_streaming"] = close.elapsed / report["non_streaming_seconds"]
+            start = time.perf_counter()
+            c.sql(query, tables=tables)
+            report["distributed_sql_seconds"] = time.perf_counter() - start
+        report["within_over_full"] = close.elapsed / streaming
+    with pl_config():
+        print(est)
+    print(json.dumps(report, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.plot:
+        plot(history, keys, interval or names, args.plot, args.top)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def pl_config():
+    import polars as pl
+
+    return pl.Config(tbl_cols=12, tbl_rows=20, tbl_width_chars=160)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="flightshuffle", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -189,6 +332,32 @@ def main(argv: list[str] | None = None) -> int:
         help="skip timing single-process DataFusion on the same files",
     )
     t.set_defaults(run=_tpch)
+
+    o = sub.add_parser(
+        "online",
+        help="online aggregation: estimates with 95%% intervals that refine every round",
+    )
+    o.add_argument("--sql", help="aggregate query (default: a TPC-H Q1-like query)")
+    o.add_argument(
+        "--table", action="append", default=[], metavar="NAME=PATH", help="Parquet table"
+    )
+    o.add_argument("--sf", type=float, default=1.0, help="TPC-H scale when no --table is given")
+    o.add_argument("--data", help="TPC-H data directory (default data/tpch-sf<SF>)")
+    o.add_argument("--workers", type=int, default=2)
+    o.add_argument("--memory-budget", default="2GiB")
+    o.add_argument("--rounds", type=int, default=10)
+    o.add_argument("--engine", default="datafusion", choices=["datafusion", "duckdb"])
+    o.add_argument("--seed", type=int, default=None)
+    o.add_argument("--within", type=float, default=0.05, help="relative error to report")
+    o.add_argument(
+        "--compare",
+        action="store_true",
+        help="also time the same query in one round (non-streaming) and as distributed SQL",
+    )
+    o.add_argument("--plot", help="write estimate/interval vs time (PNG; needs matplotlib)")
+    o.add_argument("--top", type=int, default=4, help="groups to plot")
+    o.add_argument("--json", help="also write the report as JSON to this file")
+    o.set_defaults(run=_online)
     args = p.parse_args(argv)
     try:
         return args.run(args)

@@ -154,7 +154,7 @@ def _final_exprs(aggs: list[Agg]) -> list[pl.Expr]:
             out.append(pl.col(f"__s{j}").alias(a.name))
         elif a.kind == "mean":
             c, s = pl.col(f"__c{j}"), pl.col(f"__s{j}")
-            out.append(pl.when(c > 0).then(s / c).otherwise(None).alias(a.name))
+            out.append(pl.when(c > 0).then(s.cast(pl.Float64) / c).otherwise(None).alias(a.name))
         else:
             out.append(pl.col(f"__m{j}").alias(a.name))
     return out

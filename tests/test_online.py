@@ -1,0 +1,186 @@
+"""Online aggregation over the streaming strategy, on real worker processes and TPC-H SF 0.1:
+the final result is exact, 95% intervals after 10% of the input cover the truth, intervals
+narrow, and partial results arrive while map tasks are still running."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+
+import duckdb
+import flightshuffle as fs
+import polars as pl
+import pytest
+from flightshuffle import tpch
+from flightshuffle.cli import Q1_LIKE
+
+SF = 0.1
+DATA = os.environ.get(
+    "FLIGHTSHUFFLE_TPCH_DATA",
+    os.path.join(os.path.expanduser("~"), ".cache", "flightshuffle", f"tpch-sf{SF}"),
+)
+KEYS = ["l_returnflag", "l_linestatus"]
+AGGS = [
+    "sum_qty",
+    "sum_base_price",
+    "sum_disc_price",
+    "sum_charge",
+    "avg_qty",
+    "avg_price",
+    "avg_disc",
+    "count_order",
+]
+
+
+@pytest.fixture(scope="module")
+def lineitem() -> str:
+    return tpch.table_paths(tpch.ensure_data(SF, DATA, progress=False))["lineitem"]
+
+
+@pytest.fixture(scope="module")
+def exact(lineitem) -> pl.DataFrame:
+    query = Q1_LIKE.replace("FROM lineitem", f"FROM read_parquet('{lineitem}/*.parquet')")
+    return pl.from_arrow(duckdb.sql(query).to_arrow_table())
+
+
+@pytest.fixture(scope="module")
+def cl(lineitem):
+    with fs.Cluster(workers=2, memory_budget="512MiB", timeout=120) as c:
+        c.register_parquet("lineitem", lineitem)
+        yield c
+
+
+def joined(est: pl.DataFrame, exact: pl.DataFrame) -> pl.DataFrame:
+    return est.join(exact, on=KEYS, how="full", suffix="_exact", coalesce=True)
+
+
+def assert_exact(est: pl.DataFrame, exact: pl.DataFrame, names: list[str]) -> None:
+    j = joined(est, exact)
+    assert j.height == exact.height
+    for n in names:
+        got, want = j[n].cast(pl.Float64), j[f"{n}_exact"].cast(pl.Float64)
+        assert ((got - want).abs() <= 1e-9 * want.abs().clip(1.0)).all(), n
+        assert (j[f"{n}_low"] == j[f"{n}_high"]).all(), "the final interval has width 0"
+
+
+@pytest.mark.parametrize("engine", ["datafusion", "duckdb"])
+def test_sql_final_result_is_exact_and_intervals_narrow(cl, exact, engine):
+    results = list(cl.online(Q1_LIKE, rounds=5, engine=engine, seed=3, progress=False))
+    assert [r.round for r in results] == list(range(5))
+    assert [r.final for r in results] == [False] * 4 + [True]
+    assert all(a.progress < b.progress for a, b in itertools.pairwise(results))
+    assert results[-1].progress == pytest.approx(1.0)
+    assert results[-1].estimates.columns[:5] == KEYS + ["sum_qty", "sum_qty_low", "sum_qty_high"]
+    assert_exact(results[-1].estimates, exact, AGGS)
+    assert results[-1].estimates[KEYS].rows() == sorted(exact[KEYS].rows()), "ORDER BY kept"
+
+    def width(r: fs.online.OnlineResult) -> float:
+        e = r.estimates
+        return sum(float(((e[f"{n}_high"] - e[f"{n}_low"]) / e[n].abs()).mean()) for n in AGGS)
+
+    widths = [width(r) for r in results]
+    assert widths[0] > widths[2] > widths[3] > widths[4] == 0.0
+
+
+def test_intervals_after_ten_percent_cover_the_truth(cl, exact):
+    covered = total = 0
+    for seed in range(20):
+        stream = cl.online(Q1_LIKE, rounds=10, seed=seed, progress=False)
+        first = next(stream)
+        stream.close()
+        assert 0.05 < first.progress < 0.2
+        j = joined(first.estimates, exact)
+        for n in AGGS:
+            truth = j[f"{n}_exact"].cast(pl.Float64)
+            ok = (j[f"{n}_low"] <= truth) & (truth <= j[f"{n}_high"])
+            covered += int(ok.fill_null(False).sum())
+            total += j.height
+    assert total == 20 * len(AGGS) * exact.height
+    assert covered / total >= 0.85, f"coverage {covered}/{total}"
+
+
+def test_partial_results_arrive_while_maps_still_run(cl):
+    stream = cl.online(Q1_LIKE, rounds=10, seed=1, progress=False)
+    first = next(stream)
+    # The cluster has not finished the map side when the first estimate reaches the caller.
+    assert not first.final
+    assert first.maps_done < first.maps_total
+    rest = list(stream)
+    assert rest[-1].final and rest[-1].maps_done == rest[-1].maps_total
+    assert first.elapsed < rest[-1].elapsed
+
+
+def test_polars_group_by_online_is_exact_at_the_end(cl, lineitem):
+    ds = cl.read_parquet(lineitem).map_partitions(lambda df: df.filter(pl.col("l_discount") > 0.02))
+    grouped = ds.group_by("l_shipmode").agg(
+        pl.col("l_extendedprice").sum().alias("revenue"),
+        pl.col("l_quantity").mean().alias("avg_qty"),
+        pl.len().alias("n"),
+        pl.col("l_shipdate").max().alias("last"),
+    )
+    results = list(cl.online(grouped, rounds=4, seed=5, progress=False))
+    assert len(results) == 4 and results[-1].final
+    want = (
+        pl.read_parquet(lineitem)
+        .filter(pl.col("l_discount") > 0.02)
+        .group_by("l_shipmode")
+        .agg(
+            pl.col("l_extendedprice").sum().alias("revenue"),
+            pl.col("l_quantity").mean().alias("avg_qty"),
+            pl.len().alias("n"),
+            pl.col("l_shipdate").max().alias("last"),
+        )
+    )
+    got = results[-1].estimates.sort("l_shipmode")
+    want = want.sort("l_shipmode")
+    assert got["l_shipmode"].to_list() == want["l_shipmode"].to_list()
+    for n in ["revenue", "avg_qty", "n"]:
+        a, b = got[n], want[n].cast(pl.Float64)
+        assert ((a - b).abs() <= 1e-9 * b.abs()).all(), n
+    assert got["last"].to_list() == want["last"].to_list()
+    assert got["last_low"].null_count() == got.height, "MIN/MAX have no interval"
+
+
+def test_unsupported_online_queries_are_clear_errors(cl):
+    bad = [
+        "SELECT l_returnflag, SUM(l_quantity) / SUM(l_tax) FROM lineitem GROUP BY l_returnflag",
+        "SELECT l_returnflag, COUNT(DISTINCT l_orderkey) FROM lineitem GROUP BY l_returnflag",
+        (
+            "SELECT a.l_returnflag, SUM(a.l_tax) FROM lineitem a JOIN lineitem b "
+            "ON a.l_orderkey = b.l_orderkey GROUP BY a.l_returnflag"
+        ),
+        "SELECT l_returnflag, SUM(l_tax) FROM lineitem GROUP BY l_returnflag HAVING SUM(l_tax) > 1",
+        "SELECT SUM(x) FROM nowhere",
+        "SELEC nonsense",
+    ]
+    for q in bad:
+        with pytest.raises(ValueError):
+            next(cl.online(q, progress=False))
+
+
+def test_cli_online_draws_the_plot(lineitem, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "online.png"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flightshuffle.cli",
+            "online",
+            "--table",
+            f"lineitem={lineitem}",
+            "--rounds",
+            "4",
+            "--plot",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert '"within_over_full"' in out.stdout
+    assert png.stat().st_size > 10_000
