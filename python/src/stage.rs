@@ -219,23 +219,37 @@ impl NativeStream {
         Ok(Some((info.into_any().unbind(), table.unbind())))
     }
 
-    /// Stop the job; its shuffle and reduce states are dropped on the workers.
-    fn close(&self) {
-        lock(&self.rx).close();
-        if let Some(t) = lock(&self.task).take() {
-            if !t.is_finished() {
-                t.abort();
-                let (driver, id) = (self.driver.clone(), self.id);
-                self.rt.spawn(async move {
-                    let _ = driver.drop_shuffle(id).await;
-                });
-            }
+    /// Stop the job; its shuffle and reduce states are dropped on the workers before this
+    /// returns (bounded wait), so closing the cluster right after finds nothing running.
+    fn close(&self, py: Python<'_>) {
+        if let Some(drop) = self.stop() {
+            py.detach(|| {
+                self.rt.block_on(async {
+                    let _ = tokio::time::timeout(std::time::Duration::from_secs(10), drop).await;
+                })
+            });
         }
+    }
+}
+
+impl NativeStream {
+    /// Abort a running job; returns the task dropping its shuffle, if one was started.
+    fn stop(&self) -> Option<tokio::task::JoinHandle<()>> {
+        lock(&self.rx).close();
+        let t = lock(&self.task).take()?;
+        if t.is_finished() {
+            return None;
+        }
+        t.abort();
+        let (driver, id) = (self.driver.clone(), self.id);
+        Some(self.rt.spawn(async move {
+            let _ = driver.drop_shuffle(id).await;
+        }))
     }
 }
 
 impl Drop for NativeStream {
     fn drop(&mut self) {
-        self.close();
+        self.stop();
     }
 }
