@@ -60,3 +60,15 @@ impl Default for StrategyOptions {
         }
     }
 }
+
+/// Tasks spawned by a strategy that must not outlive it: aborted when this is dropped (the
+/// strategy failed or its caller went away).
+pub(crate) struct AbortOnDrop(pub Vec<tokio::task::AbortHandle>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        for h in &self.0 {
+            h.abort();
+        }
+    }
+}

@@ -2,7 +2,7 @@
 //! of the worker it ran on; once all maps are done the shuffle is sealed and each reducer
 //! pulls its partition — one column of the M×R block matrix — from every worker.
 
-use super::StrategyOptions;
+use super::{AbortOnDrop, StrategyOptions};
 use crate::checksum::Checksum;
 use crate::driver::{Driver, MapDone, MapInput, ShuffleSpec};
 use crate::error::Result;
@@ -91,16 +91,6 @@ pub async fn run_maps(
         .await?;
     out.maps.sort_by_key(|m| m.map);
     Ok(out)
-}
-
-struct AbortOnDrop(Vec<tokio::task::AbortHandle>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        for h in &self.0 {
-            h.abort();
-        }
-    }
 }
 
 /// Reduce every partition on the workers (partition p on worker p mod N), each reducer pulling

@@ -5,7 +5,7 @@
 //!
 //! Only the driver API is used: `run_maps` per round, one `fold` per partition per round.
 
-use super::{pull, StrategyOptions};
+use super::{pull, AbortOnDrop, StrategyOptions};
 use crate::driver::{Driver, MapDone, MapInput, ShuffleSpec};
 use crate::error::{Error, Result};
 use crate::proto;
@@ -100,6 +100,8 @@ async fn rounds(
     });
     let mut inputs = job.inputs.into_iter();
     let mut pending: Option<tokio::task::JoinHandle<Result<()>>> = None;
+    // The round being folded stops with the job (a dropped job must not keep calling workers).
+    let mut guard = AbortOnDrop(Vec::new());
     let mut maps_done = 0usize;
     let mut folded_weight = 0u64;
     for (r, range) in ranges.into_iter().enumerate() {
@@ -125,13 +127,15 @@ async fn rounds(
             start,
         };
         let (driver, fold, out) = (driver.clone(), fold.clone(), out.clone());
-        pending = Some(tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             let partial = fold_round(&driver, &fold, round, mapped.maps).await?;
             // A caller that stopped listening ends the job at the next round.
             out.send(Ok(partial))
                 .await
                 .map_err(|_| Error::Cancelled("streaming result receiver closed".into()))
-        }));
+        });
+        guard.0 = vec![task.abort_handle()];
+        pending = Some(task);
     }
     if let Some(prev) = pending.take() {
         join(prev).await?;
