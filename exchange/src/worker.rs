@@ -13,13 +13,16 @@ use crate::transport::client::WorkerClient;
 use crate::transport::server::WorkerService;
 use crate::transport::{bearer, CONNECTION_WINDOW, MAX_MESSAGE_BYTES, STREAM_WINDOW, TOKEN_HEADER};
 use arrow_flight::flight_service_server::FlightServiceServer;
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::task::AbortHandle;
+
+/// Block reads a fold task keeps in flight.
+const FOLD_READS: usize = 8;
 
 /// Printed on stdout once the worker listens: `FLIGHTSHUFFLE_WORKER_READY <addr>`.
 pub const READY_LINE: &str = "FLIGHTSHUFFLE_WORKER_READY";
@@ -151,38 +154,7 @@ impl WorkerState {
         }
         let reducer = self.sources.reducer(&m.reducer)?;
         let key = (shuffle, m.partition);
-        let mut batches = Vec::new();
-        let mut clients: HashMap<String, WorkerClient> = HashMap::new();
-        for loc in &m.blocks {
-            let id: crate::block::BlockId = loc
-                .key
-                .as_ref()
-                .ok_or_else(|| Error::invalid("fold block without a key"))?
-                .into();
-            if id.shuffle != shuffle || id.partition != m.partition {
-                return Err(Error::invalid(format!(
-                    "fold of {shuffle} partition {} given block {id}",
-                    m.partition
-                )));
-            }
-            let client = match clients.get(&loc.peer) {
-                Some(c) => c.clone(),
-                None => {
-                    let c = WorkerClient::new(
-                        clients.len(),
-                        &loc.peer,
-                        &self.token,
-                        self.read_timeout,
-                    )?;
-                    clients.insert(loc.peer.clone(), c.clone());
-                    c
-                }
-            };
-            let mut stream = client.read_block(id).await?;
-            while let Some(b) = stream.next().await {
-                batches.push(b?);
-            }
-        }
+        let batches = self.read_blocks(shuffle, m.partition, &m.blocks).await?;
         let state = {
             let mut states = lock(&self.fold_states);
             match (m.first, states.get_mut(&key)) {
@@ -233,6 +205,54 @@ impl WorkerState {
             blocks_folded: m.blocks.len() as u64,
             seconds: start.elapsed().as_secs_f64(),
         })
+    }
+
+    /// Read the listed blocks of one partition, in order: blocks this worker holds straight from
+    /// its store, the others over Flight, several at a time.
+    async fn read_blocks(
+        &self,
+        shuffle: ShuffleId,
+        partition: u32,
+        blocks: &[proto::BlockLocation],
+    ) -> Result<Vec<arrow::array::RecordBatch>> {
+        let mut clients: HashMap<&str, WorkerClient> = HashMap::new();
+        let mut reads = Vec::with_capacity(blocks.len());
+        for loc in blocks {
+            let id: crate::block::BlockId = loc
+                .key
+                .as_ref()
+                .ok_or_else(|| Error::invalid("fold block without a key"))?
+                .into();
+            if id.shuffle != shuffle || id.partition != partition {
+                return Err(Error::invalid(format!(
+                    "fold of {shuffle} partition {partition} given block {id}"
+                )));
+            }
+            let client = if self.store.meta(&id).is_ok() {
+                None
+            } else if let Some(c) = clients.get(loc.peer.as_str()) {
+                Some(c.clone())
+            } else {
+                let c =
+                    WorkerClient::new(clients.len(), &loc.peer, &self.token, self.read_timeout)?;
+                clients.insert(&loc.peer, c.clone());
+                Some(c)
+            };
+            reads.push(async move {
+                match client {
+                    None => {
+                        let data = self.store.get(&id)?;
+                        Ok(tokio::task::block_in_place(|| crate::block::decode_block(&data))?.1)
+                    }
+                    Some(c) => c.read_block(id).await?.try_collect::<Vec<_>>().await,
+                }
+            });
+        }
+        let parts: Vec<Vec<_>> = futures::stream::iter(reads)
+            .buffered(FOLD_READS)
+            .try_collect()
+            .await?;
+        Ok(parts.into_iter().flatten().collect())
     }
 
     /// Forget the reduce states of a dropped shuffle.
