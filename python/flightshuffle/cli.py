@@ -28,13 +28,19 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sql(args: argparse.Namespace) -> int:
+def _tables(specs: list[str]) -> dict[str, str]:
+    """``--table name=path`` options as a mapping."""
     tables = {}
-    for spec in args.table:
+    for spec in specs:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             raise ValueError(f"--table takes name=path, not {spec!r}")
         tables[name] = path
+    return tables
+
+
+def _sql(args: argparse.Namespace) -> int:
+    tables = _tables(args.table)
     with Cluster(workers=args.workers, memory_budget=args.memory_budget) as c:
         table = c.sql(args.query, tables=tables)
         if args.query.lstrip().lower().startswith("explain"):
@@ -204,12 +210,7 @@ def plot(history: list, keys: list[str], names: list[str], path: str, top: int) 
 def _online(args: argparse.Namespace) -> int:
     from flightshuffle import tpch
 
-    tables = {}
-    for spec in args.table:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--table takes name=path, not {spec!r}")
-        tables[name] = path
+    tables = _tables(args.table)
     if not tables:
         data = tpch.ensure_data(args.sf, args.data or f"data/tpch-sf{args.sf:g}", progress=True)
         tables = tpch.table_paths(data)
