@@ -223,17 +223,34 @@ class Cluster:
         return self.read_parquet(path, min_splits)
 
     def _write_arrow(self, data: Any, stem: str) -> str:
+        """Write Arrow data to a new Parquet file in the cluster's scratch directory (streamed,
+        row groups of 128Ki rows: the input splits of datasets); returns its path."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         if not _exports_arrow(data):
             raise TypeError(f"expected Arrow data (__arrow_c_stream__), not {type(data).__name__}")
-        table = data if isinstance(data, pa.Table) else pa.table(data)
-        root = self.spill_root or "."
-        os.makedirs(os.path.join(root, "datasets"), exist_ok=True)
+        if not re.fullmatch(r"[A-Za-z0-9_]+", stem):
+            raise ValueError(f"table name {stem!r} must be letters, digits and underscores")
+        if hasattr(data, "__arrow_c_stream__"):
+            reader = pa.RecordBatchReader.from_stream(data)
+        else:
+            reader = pa.Table.from_batches([pa.record_batch(data)]).to_reader()
+        root = os.path.join(self.spill_root or ".", "datasets")
+        os.makedirs(root, exist_ok=True)
         self._arrow_tables += 1
-        path = os.path.join(root, "datasets", f"{stem}-{self._arrow_tables}.parquet")
-        pq.write_table(table, path, row_group_size=128 * 1024)
+        path = os.path.join(root, f"{stem}-{self._arrow_tables}.parquet")
+        rows = 128 * 1024
+        with pq.ParquetWriter(path, reader.schema) as w:
+            pending, count = [], 0
+            for batch in reader:
+                pending.append(batch)
+                count += batch.num_rows
+                if count >= rows:
+                    w.write_table(pa.Table.from_batches(pending), row_group_size=rows)
+                    pending, count = [], 0
+            if pending:
+                w.write_table(pa.Table.from_batches(pending), row_group_size=rows)
         return path
 
     def online(
@@ -334,7 +351,7 @@ class Cluster:
             if isinstance(source, (str, os.PathLike)):
                 self._native.register_parquet(name, os.fspath(source))
             elif _exports_arrow(source):
-                self._native.register_arrow(name, source)
+                self.register_parquet(name, self._write_arrow(source, name))
             else:
                 raise TypeError(
                     f"table {name!r}: expected a Parquet path or Arrow data, "

@@ -1,7 +1,7 @@
 """Python work executed inside worker processes (called from Rust, see ``python/src/script.rs``).
 
-``run_map`` runs one map task of a dataset stage: it reads its input (a Parquet split, or the
-partition of an earlier stage that Rust already read) and applies the stage's operators.
+``run_map`` runs one map task of a dataset stage: it applies the stage's operators to its input
+(a Parquet split or the partition of an earlier stage, both read by Rust).
 ``fold`` / ``emit`` run a streaming reducer. Task descriptions arrive pickled (cloudpickle, so
 user functions travel with them); Arrow data arrives and leaves through the PyCapsule interface.
 """
@@ -18,29 +18,27 @@ import pyarrow.parquet as pq
 
 @dataclass(frozen=True)
 class Split:
-    """Rows ``[start, start + rows)`` of one row group of one Parquet file."""
+    """Rows ``[start, start + rows)`` of one row group of one Parquet file (read by the worker
+    in Rust, decoding only the pages that hold those rows)."""
 
     path: str
     row_group: int
     start: int
     rows: int
-    whole_group: bool = True
 
-    def read(self, columns: list[str] | None = None) -> pa.Table:
-        table = pq.ParquetFile(self.path).read_row_group(self.row_group, columns=columns)
-        if not self.whole_group:
-            table = table.slice(self.start, self.rows)
-        return table
+    def native(self, columns: list[str] | None) -> tuple[str, int, int, int, list[str]]:
+        return (self.path, self.row_group, self.start, self.rows, list(columns or []))
+
+    def schema(self, columns: list[str] | None) -> pa.Schema:
+        schema = pq.read_schema(self.path)
+        return pa.schema([schema.field(c) for c in columns]) if columns else schema
 
 
 @dataclass
 class MapTask:
-    """One map task: an input split (None when Rust passes an earlier stage's partition), the
-    columns to read, and the operators to apply in order."""
+    """One map task: the operators to apply, in order, to its input."""
 
-    split: Split | None
     ops: list[Any] = field(default_factory=list)
-    columns: list[str] | None = None
 
 
 def apply_ops(table: pa.Table, ops: list[Any]) -> pa.Table:
@@ -68,12 +66,8 @@ def conform(table: pa.Table, expected: pa.Schema) -> pa.Table:
         ) from e
 
 
-def run_map(body: bytes, input_table: pa.Table | None, expected: pa.Schema) -> pa.Table:
+def run_map(body: bytes, input_table: pa.Table, expected: pa.Schema) -> pa.Table:
     task: MapTask = pickle.loads(body)
-    if input_table is None:
-        if task.split is None:
-            raise ValueError("a map task without a split needs an input partition")
-        input_table = task.split.read(task.columns)
     return conform(apply_ops(input_table, task.ops), expected)
 
 

@@ -69,7 +69,7 @@ def make_splits(files: list[str], min_splits: int) -> tuple[list[Split], pa.Sche
         k = max(1, min(pieces, rows))
         for i in range(k):
             start, end = i * rows // k, (i + 1) * rows // k
-            splits.append(Split(path, rg, start, end - start, whole_group=k == 1))
+            splits.append(Split(path, rg, start, end - start))
     return splits, schema
 
 
@@ -173,15 +173,11 @@ class Dataset:
                             f"exchange key {k!r} is not a column of {out_schema.names}"
                         )
                 if previous is None:
-                    tasks = [
-                        (cloudpickle.dumps(MapTask(s, stage_ops)), None, 0)
-                        for s in self._source.splits
-                    ]
+                    body = cloudpickle.dumps(MapTask(stage_ops))
+                    tasks = [(body, None, 0, s.native(None)) for s in self._source.splits]
                 else:
-                    tasks = [
-                        (cloudpickle.dumps(MapTask(None, stage_ops)), previous[0], p)
-                        for p in range(previous[1])
-                    ]
+                    body = cloudpickle.dumps(MapTask(stage_ops))
+                    tasks = [(body, previous[0], p, None) for p in range(previous[1])]
                 stage_id, _rows = native.run_stage(out_schema, partitions, keys, tasks)
                 created.append(stage_id)
                 if previous is not None:

@@ -174,9 +174,16 @@ def plan_sql(query: str, engine: str) -> SqlPlan:
     group = list(tree.args["group"].expressions) if tree.args.get("group") else []
     group_sql = [sql(g) for g in group]
     keys: list[str] = []
-    key_items: list[str] = []
+    key_exprs: list[str] = []
     aggs: list[AggRef] = []
     stat_items: list[str] = []
+    # Inner projection: each distinct argument evaluated once per row (cast to DOUBLE for the
+    # sums; as is for MIN/MAX), then aggregated by the outer query.
+    evaluated: dict[str, str] = {}
+
+    def column(text: str) -> str:
+        return f'"{evaluated.setdefault(text, f"__x{len(evaluated)}")}"'
+
     for item in tree.expressions:
         inner = item.this if isinstance(item, exp.Alias) else item
         name = item.alias_or_name or sql(inner)
@@ -184,7 +191,7 @@ def plan_sql(query: str, engine: str) -> SqlPlan:
             if sql(inner) not in group_sql:
                 raise unsupported(f"{sql(inner)} is neither an aggregate nor a GROUP BY key")
             keys.append(name)
-            key_items.append(f'{sql(inner)} AS "{name}"')
+            key_exprs.append(sql(inner))
             continue
         kind = _SQL_KINDS.get(type(inner).__name__)
         if kind is None or isinstance(inner.this, exp.Distinct) or inner.args.get("distinct"):
@@ -195,26 +202,30 @@ def plan_sql(query: str, engine: str) -> SqlPlan:
         j = len(aggs)
         aggs.append(AggRef(name, kind))
         arg = "" if star else sql(inner.this)
-        x = f"CAST(({arg}) AS DOUBLE)"
         for stat in NEEDS[kind]:
-            expr = {
-                "c": "COUNT(*)" if kind == "len" else f"COUNT({arg})",
-                "s": f"SUM({x})",
-                "q": f"SUM({x} * {x})",
-                "m": f"{kind.upper()}({arg})",
-            }[stat]
+            if stat == "m":
+                expr = f"{kind.upper()}({column(f'({arg})')})"
+            elif kind == "len":
+                expr = "COUNT(*)"
+            else:
+                x = column(f"CAST(({arg}) AS DOUBLE)")
+                expr = {"c": f"COUNT({x})", "s": f"SUM({x})", "q": f"SUM({x} * {x})"}[stat]
             stat_items.append(f'{expr} AS "__{stat}{j}"')
     if not aggs:
         raise unsupported("there is no aggregate")
     for g in group_sql:
-        if g not in [k.split(" AS ")[0] for k in key_items]:
+        if g not in key_exprs:
             raise unsupported(f"GROUP BY key {g} must be selected")
+    projected = [f'{e} AS "{k}"' for e, k in zip(key_exprs, keys, strict=True)]
+    projected += [f'{text} AS "{c}"' for text, c in evaluated.items()]
+    inner_sql = f"SELECT {', '.join(projected) or '1 AS __one'} FROM {sql(source.this)}"
     where = tree.args.get("where")
-    stats = f"SELECT {', '.join(key_items + stat_items)} FROM {sql(source.this)}"
     if where is not None:
-        stats += f" WHERE {sql(where.this)}"
-    if group_sql:
-        stats += f" GROUP BY {', '.join(group_sql)}"
+        inner_sql += f" WHERE {sql(where.this)}"
+    outer_keys = [f'"{k}"' for k in keys]
+    stats = f"SELECT {', '.join(outer_keys + stat_items)} FROM ({inner_sql}) AS __split"
+    if keys:
+        stats += f" GROUP BY {', '.join(outer_keys)}"
     order: list[tuple[str, bool]] = []
     if tree.args.get("order"):
         for o in tree.args["order"].expressions:
@@ -318,9 +329,9 @@ def run(
     if not splits:
         raise ValueError("online aggregation needs input splits")
     stage_ops = [*pre_ops, stats_op]
-    first = splits[0].read(columns).schema
-    schema = apply_ops(empty(first), stage_ops).schema
-    tasks = [(cloudpickle.dumps(MapTask(s, stage_ops, columns)), None, 0) for s in splits]
+    schema = apply_ops(empty(splits[0].schema(columns)), stage_ops).schema
+    body = cloudpickle.dumps(MapTask(stage_ops))
+    tasks = [(body, None, 0, s.native(columns)) for s in splits]
     weights = [s.rows for s in splits]
     total = sum(weights)
     reducer = cloudpickle.dumps(StatsReducer(keys, aggs))

@@ -157,7 +157,8 @@ impl NativeCluster {
     }
 
     /// Run a map stage of Python tasks into a new shuffle of `partitions` partitions (hash on
-    /// `keys`, round-robin when empty). A task is `(body, input_stage | None, input_partition)`.
+    /// `keys`, round-robin when empty). A task is `(body, input_stage | None, input_partition,
+    /// split | None)` with a split `(path, row_group, start, rows, columns)`.
     /// Returns `(stage id, rows written)`.
     fn run_stage(
         &self,
@@ -165,7 +166,7 @@ impl NativeCluster {
         schema: pyo3_arrow::PySchema,
         partitions: u32,
         keys: Vec<String>,
-        tasks: Vec<(Vec<u8>, Option<u64>, u32)>,
+        tasks: Vec<PyTask>,
     ) -> PyResult<(u64, u64)> {
         let driver = self.driver()?;
         let tasks = stage_tasks(tasks);
@@ -220,7 +221,7 @@ impl NativeCluster {
         schema: pyo3_arrow::PySchema,
         partitions: u32,
         keys: Vec<String>,
-        tasks: Vec<(Vec<u8>, Option<u64>, u32)>,
+        tasks: Vec<PyTask>,
         weights: Vec<u64>,
         rounds: usize,
         reducer: Vec<u8>,
@@ -331,19 +332,6 @@ impl NativeCluster {
         Ok((table.into_pyarrow(py)?.unbind(), seconds))
     }
 
-    /// Register Arrow data (anything with `__arrow_c_stream__`) as a SQL table: it is written
-    /// to Parquet in the cluster's scratch directory so every worker can scan it.
-    fn register_arrow(&self, py: Python<'_>, name: String, data: AnyRecordBatch) -> PyResult<()> {
-        let reader = data.into_reader()?;
-        let dir = self
-            .with(|c| c.spill_root.join("tables"))
-            .ok_or_else(|| ShuffleError::new_err("the cluster is closed"))?;
-        let path = py
-            .detach(|| sql::write_parquet(reader, &dir, &name))
-            .map_err(ShuffleError::new_err)?;
-        self.register_parquet(py, name, path.display().to_string())
-    }
-
     /// Run a query on the cluster; returns (pyarrow.Table, metrics as JSON).
     fn sql(&self, py: Python<'_>, query: String) -> PyResult<(Py<PyAny>, String)> {
         let ctx = self.sql_context()?;
@@ -404,12 +392,26 @@ impl NativeCluster {
     }
 }
 
-fn stage_tasks(tasks: Vec<(Vec<u8>, Option<u64>, u32)>) -> Vec<stage::StageTask> {
+/// A task from Python: `(body, input stage | None, input partition, split | None)`, a split
+/// being `(path, row group, first row, rows, columns)`.
+type PyTask = (Vec<u8>, Option<u64>, u32, Option<PySplit>);
+type PySplit = (String, u32, u64, u64, Vec<String>);
+
+fn stage_tasks(tasks: Vec<PyTask>) -> Vec<stage::StageTask> {
     tasks
         .into_iter()
-        .map(|(body, shuffle, partition)| stage::StageTask {
+        .map(|(body, shuffle, partition, split)| stage::StageTask {
             body,
             input: shuffle.map(|s| (s, partition)),
+            split: split.map(|(path, row_group, start, rows, columns)| {
+                exchange::proto::FileSplit {
+                    path,
+                    row_group,
+                    start,
+                    rows,
+                    columns,
+                }
+            }),
         })
         .collect()
 }

@@ -1,10 +1,11 @@
 //! Python work on workers: the `"python"` task source (a map task whose batches come from a
-//! Python function, fed with a file split or with one partition of an earlier shuffle) and the
+//! Python function, fed with a Parquet split or with one partition of an earlier shuffle, both
+//! read here in Rust) and the
 //! `"python"` reducer (a Python fold over a partition's new blocks, for the streaming
 //! strategy). Both call `flightshuffle._exec` in the worker process; Arrow data crosses the
 //! boundary through the PyCapsule interface, without copies.
 
-use arrow::array::RecordBatch;
+use arrow::array::{RecordBatch, RecordBatchReader};
 use arrow::datatypes::SchemaRef;
 use exchange::block::decode_schema;
 use exchange::task::{BatchSource, BatchStream, ReduceState, Reducer};
@@ -57,6 +58,89 @@ async fn read_input(input: proto::PartitionInput) -> Result<(SchemaRef, Vec<Reco
     Ok((schema, batches))
 }
 
+/// Read a Parquet split: only the wanted columns, and with the page index only the pages that
+/// hold rows `[start, start + rows)` of the row group are decoded.
+fn read_split(split: &proto::FileSplit) -> Result<(SchemaRef, Vec<RecordBatch>)> {
+    use parquet::arrow::arrow_reader::{
+        ArrowReaderOptions, ParquetRecordBatchReaderBuilder, RowSelection, RowSelector,
+    };
+    use parquet::arrow::ProjectionMask;
+    use parquet::file::metadata::PageIndexPolicy;
+    let failed = |e: parquet::errors::ParquetError| {
+        Error::Cluster(format!("cannot read Parquet file {}: {e}", split.path))
+    };
+    let file = std::fs::File::open(&split.path).map_err(|e| Error::io(&split.path, e))?;
+    // The offset index (where each page starts) lets the selection skip whole pages; files
+    // without one are still read, decoding the skipped rows.
+    let options = ArrowReaderOptions::new().with_offset_index_policy(PageIndexPolicy::Optional);
+    let builder =
+        ParquetRecordBatchReaderBuilder::try_new_with_options(file, options).map_err(failed)?;
+    let meta = builder.metadata().clone();
+    let rg = split.row_group as usize;
+    if rg >= meta.num_row_groups() {
+        return Err(Error::invalid(format!(
+            "{} has {} row groups, not {}",
+            split.path,
+            meta.num_row_groups(),
+            rg + 1
+        )));
+    }
+    let group_rows = meta.row_group(rg).num_rows().max(0) as u64;
+    let end = split.start.saturating_add(split.rows);
+    if end > group_rows {
+        return Err(Error::invalid(format!(
+            "rows {}..{end} are outside row group {rg} of {} ({group_rows} rows)",
+            split.start, split.path
+        )));
+    }
+    let mask = if split.columns.is_empty() {
+        ProjectionMask::all()
+    } else {
+        let fields = builder.schema().fields();
+        let roots = split
+            .columns
+            .iter()
+            .map(|c| {
+                fields
+                    .iter()
+                    .position(|f| f.name() == c)
+                    .ok_or_else(|| Error::invalid(format!("{} has no column {c:?}", split.path)))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        ProjectionMask::roots(builder.parquet_schema(), roots)
+    };
+    let mut builder = builder
+        .with_row_groups(vec![rg])
+        .with_projection(mask)
+        .with_batch_size(64 * 1024);
+    if split.rows < group_rows {
+        builder = builder.with_row_selection(RowSelection::from(vec![
+            RowSelector::skip(split.start as usize),
+            RowSelector::select(split.rows as usize),
+        ]));
+    }
+    let reader = builder.build().map_err(failed)?;
+    let schema = reader.schema();
+    let batches = reader.collect::<std::result::Result<Vec<_>, _>>()?;
+    Ok((schema, batches))
+}
+
+/// Logs (debug) where a python map task spent its time when it ends.
+struct Timing {
+    start: std::time::Instant,
+    read: std::time::Duration,
+}
+
+impl Drop for Timing {
+    fn drop(&mut self) {
+        tracing::debug!(
+            read_ms = self.read.as_millis() as u64,
+            total_ms = self.start.elapsed().as_millis() as u64,
+            "python map task"
+        );
+    }
+}
+
 /// Map tasks computed by `flightshuffle._exec.run_map(body, input, schema)`.
 pub struct PythonSource;
 
@@ -68,14 +152,19 @@ impl BatchSource for PythonSource {
                 Some(p) => Some(read_input(p).await?),
                 None => None,
             };
-            let body = task.body;
+            let (body, split) = (task.body, task.split);
             let out = tokio::task::spawn_blocking(move || {
+                let start = std::time::Instant::now();
+                let (in_schema, in_batches) = match (input, split) {
+                    (Some(input), _) => input,
+                    (None, Some(split)) => read_split(&split)?,
+                    (None, None) => return Err(Error::invalid("a python map task needs an input")),
+                };
+                let read = start.elapsed();
+                let _timing = Timing { start, read };
                 Python::attach(|py| {
                     let call = || -> PyResult<Vec<RecordBatch>> {
-                        let input = match input {
-                            Some((s, b)) => PyTable::try_new(b, s)?.into_pyarrow(py)?,
-                            None => py.None().into_bound(py),
-                        };
+                        let input = PyTable::try_new(in_batches, in_schema)?.into_pyarrow(py)?;
                         let expected = PySchema::new(schema.clone()).into_pyarrow(py)?;
                         let module = py.import(EXEC_MODULE)?;
                         let result = module

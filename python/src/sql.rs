@@ -1,13 +1,11 @@
-//! Distributed SQL from Python: tables from Parquet paths or Arrow objects (written to Parquet
-//! in the cluster's scratch directory so every worker can scan them), queries run by
+//! Distributed SQL from Python: tables registered from Parquet paths (Arrow objects are written
+//! to Parquet by the Python layer first), queries run by
 //! `exchange_datafusion::DistributedContext`.
 
 use crate::{to_py, to_py_ref, ShuffleError};
-use arrow::array::RecordBatchReader;
 use exchange_datafusion::{DistributedContext, QueryResult};
-use parquet::arrow::ArrowWriter;
 use pyo3::prelude::*;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 pub fn df_err(e: exchange_datafusion::Error) -> PyErr {
     match e {
@@ -29,29 +27,6 @@ pub fn df_err(e: exchange_datafusion::Error) -> PyErr {
             }
         }
     }
-}
-
-/// Write an Arrow stream to `dir/<name>.parquet`; returns the file path.
-pub fn write_parquet(
-    reader: Box<dyn RecordBatchReader + Send>,
-    dir: &Path,
-    name: &str,
-) -> Result<PathBuf, String> {
-    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-        return Err(format!(
-            "table name {name:?} must be letters, digits and underscores"
-        ));
-    }
-    let path = dir.join(format!("{name}.parquet"));
-    let file = std::fs::File::create(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let mut w = ArrowWriter::try_new(file, reader.schema(), None).map_err(|e| e.to_string())?;
-    for b in reader {
-        w.write(&b.map_err(|e| e.to_string())?)
-            .map_err(|e| e.to_string())?;
-    }
-    w.close().map_err(|e| e.to_string())?;
-    Ok(path)
 }
 
 pub fn metrics_json(r: &QueryResult) -> String {

@@ -21,11 +21,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc;
 
-/// One map task of a stage: the Python task description and, optionally, the earlier stage
-/// and partition it reads.
+/// One map task of a stage: the Python task description and its input, the partition of an
+/// earlier stage or a file split.
 pub struct StageTask {
     pub body: Vec<u8>,
     pub input: Option<(u64, u32)>,
+    pub split: Option<proto::FileSplit>,
 }
 
 /// Output shuffles of the stages run so far: schema and partition count.
@@ -77,9 +78,15 @@ fn inputs(driver: &Driver, stages: &Stages, tasks: Vec<StageTask>) -> Result<Vec
                     })
                 }
             };
+            if partition.is_none() && t.split.is_none() {
+                return Err(Error::invalid(
+                    "a python map task needs an input: a stage partition or a file split",
+                ));
+            }
             let payload = proto::SourceInput {
                 partition,
                 body: t.body,
+                split: t.split,
             };
             Ok(MapInput::Source(proto::TaskSource {
                 kind: PYTHON_KIND.to_string(),
