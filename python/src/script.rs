@@ -43,19 +43,22 @@ fn arrow_from_py(obj: &Bound<'_, PyAny>) -> PyResult<(SchemaRef, Vec<RecordBatch
     Ok((schema, batches))
 }
 
-/// Read every block of one partition of an earlier shuffle from all its workers.
+/// Read every block of one partition of an earlier shuffle from all its workers at once.
 async fn read_input(input: proto::PartitionInput) -> Result<(SchemaRef, Vec<RecordBatch>)> {
     let schema = decode_schema(&input.schema_ipc)?;
     let token = std::env::var(exchange::worker::TOKEN_ENV).unwrap_or_default();
-    let mut batches = Vec::new();
-    for (i, peer) in input.peers.iter().enumerate() {
-        let client = WorkerClient::new(i, peer, &token, READ_TIMEOUT)?;
-        let stream = client
-            .read_partition(input.shuffle_id, input.partition, true)
-            .await?;
-        batches.extend(stream.try_collect::<Vec<_>>().await?);
-    }
-    Ok((schema, batches))
+    let reads = input.peers.iter().enumerate().map(|(i, peer)| {
+        let token = &token;
+        async move {
+            let client = WorkerClient::new(i, peer, token, READ_TIMEOUT)?;
+            let stream = client
+                .read_partition(input.shuffle_id, input.partition, true)
+                .await?;
+            stream.try_collect::<Vec<_>>().await
+        }
+    });
+    let parts = futures::future::try_join_all(reads).await?;
+    Ok((schema, parts.into_iter().flatten().collect()))
 }
 
 /// Read a Parquet split: only the wanted columns, and with the page index only the pages that
