@@ -130,3 +130,46 @@ def test_a_stage_whose_worker_dies_fails_within_bounded_time(data):
     finally:
         c.close()
     assert not any(alive(p) for p in pids)
+
+
+def test_tables_given_again_replace_the_earlier_registration(data, reference):
+    """A loop that passes its tables on every call (the natural use of ``tables=``) works,
+    and a name given a new source reads the new one."""
+    import polars as pl
+
+    paths = tpch.table_paths(data)
+    with fs.Cluster(workers=2) as c:
+        for q in (6, 14):
+            sql, ordered = tpch.query(q, SF)
+            for _ in range(2):
+                got = c.sql(sql, tables=paths)
+                assert tpch.compare(reference[q], got, ordered) is None
+        c.sql("SELECT 1", tables={"t": pl.DataFrame({"x": [1, 2, 3]})})
+        again = c.sql("SELECT sum(x) AS s FROM t", tables={"t": pl.DataFrame({"x": [10, 20]})})
+        assert again.column("s").to_pylist() == [30]
+        # The single-process baseline sees the replacement too.
+        single, _ = c.sql_single_process("SELECT sum(x) AS s FROM t")
+        assert single.column("s").to_pylist() == [30]
+
+
+def test_metrics_show_pipelined_stage_times_and_call_counts(data):
+    """Per stage: start, first committed output and end, in seconds since the query started;
+    a consumer stage starts before its producer ends (pipelined); and the Flight calls made."""
+    with fs.Cluster(workers=2) as c:
+        c.register_parquet("lineitem", os.path.join(data, "lineitem"))
+        c.register_parquet("orders", os.path.join(data, "orders"))
+        c.sql(
+            "SELECT o_orderpriority, count(*) FROM orders JOIN lineitem ON l_orderkey = o_orderkey "
+            "GROUP BY o_orderpriority"
+        )
+        m = c.last_metrics
+        stages = m["stages"]
+        assert len(stages) >= 3
+        for s in stages:
+            assert 0 <= s["start_s"] <= s["first_commit_s"] <= s["end_s"] <= m["seconds"] + 0.5
+        last = max(stages, key=lambda s: s["stage"])
+        first_end = min(s["end_s"] for s in stages if s["stage"] != last["stage"])
+        assert last["start_s"] < first_end, "stages ran one after another"
+        assert m["rpcs"] > 0
+        text = c.explain("SELECT count(*) FROM lineitem", analyze=True)
+        assert "Flight calls" in text and "first output" in text

@@ -1,7 +1,10 @@
 //! `shuffle-bench`: generate lineitem-like rows on the workers, pull-shuffle them by
-//! `l_orderkey` into R partitions reduced on the workers, check the output multiset against
-//! the input (rows and content checksum), and compare throughput with the in-process Arrow
-//! IPC encode+decode ceiling measured in the same run.
+//! `l_orderkey` into R partitions reduced on the workers — reducers start with the maps and
+//! stream each committed map output — check the output multiset against the input (rows and
+//! content checksum), and compare with two references measured in the same run: the
+//! in-process Arrow IPC encode+decode ceiling, and the same-pipeline bound (every step the
+//! rows go through — generate, checksum, hash-partition, encode, decode, checksum again — on
+//! one thread, divided by the cores this machine has).
 
 use crate::block::{decode_block, encode_block, Compression, ShuffleId};
 use crate::checksum::Checksum;
@@ -66,11 +69,23 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
         })
     });
     let opts = StrategyOptions::default();
+    // Every reducer runs from the start, following its partition as map outputs commit.
+    let reduce_opts = StrategyOptions {
+        reduces_per_worker: (cfg.partitions as usize).div_ceil(workers.max(1)),
+        ..opts
+    };
     let start = Instant::now();
-    let mapped = pull::map_side(&driver, &spec, futures::stream::iter(inputs), opts).await?;
-    let map_seconds = start.elapsed().as_secs_f64();
-    let reduced = pull::reduce_on_workers(&driver, &spec, "checksum", opts).await?;
-    let seconds = start.elapsed().as_secs_f64();
+    let map_side = async {
+        let m = pull::map_side(&driver, &spec, futures::stream::iter(inputs), opts).await?;
+        Ok::<_, Error>((m, start.elapsed().as_secs_f64()))
+    };
+    let reduce_side = async {
+        let r = pull::reduce_on_workers(&driver, &spec, "checksum", reduce_opts).await?;
+        Ok::<_, Error>((r, start.elapsed().as_secs_f64()))
+    };
+    let ((mapped, map_seconds), (reduced, seconds)) =
+        futures::future::try_join(map_side, reduce_side).await?;
+    let reduce_times: Vec<f64> = reduced.iter().map(|r| r.seconds).collect();
     let mut output = Checksum::default();
     for r in &reduced {
         output.add(Checksum {
@@ -88,6 +103,14 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
         )));
     }
     let bytes = mapped.input_bytes;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let sample_rows = ceiling["rows"].as_f64().unwrap_or(1.0).max(1.0);
+    let step = |k: &str| ceiling["one_thread_seconds"][k].as_f64().unwrap_or(0.0);
+    let one_thread = step("generate")
+        + 2.0 * step("checksum")
+        + step("hash_partition")
+        + step("ipc_encode_decode");
+    let bound = one_thread * cfg.rows as f64 / sample_rows / cores;
     let gbps = bytes as f64 / seconds / 1e9;
     let blocks: usize = mapped.maps.iter().map(|m| m.blocks.len()).sum();
     Ok(json!({
@@ -100,7 +123,10 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
         "memory_budget_per_worker": cfg.cluster.memory_budget,
         "seconds": seconds,
         "map_seconds": map_seconds,
-        "reduce_seconds": seconds - map_seconds,
+        "reduce_tail_seconds": seconds - map_seconds,
+        "reduce_task_seconds_max": reduce_times.iter().cloned().fold(0.0, f64::max),
+        "same_pipeline_bound_seconds": bound,
+        "ratio_to_same_pipeline_bound": seconds / bound,
         "throughput_gb_s": gbps,
         "rows_per_s": cfg.rows as f64 / seconds,
         "checked": {"rows": output.rows, "checksum": format!("{:#018x}", output.sum), "equal": true},
@@ -158,6 +184,12 @@ fn ipc_ceiling(rows: u64, batch_rows: usize, seed: u64) -> Result<serde_json::Va
             "generate": gbps(generate),
             "checksum": gbps(checksum),
             "hash_partition_16": gbps(partition),
+        },
+        "one_thread_seconds": {
+            "ipc_encode_decode": seconds,
+            "generate": generate,
+            "checksum": checksum,
+            "hash_partition": partition,
         },
     }))
 }

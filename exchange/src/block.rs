@@ -185,7 +185,17 @@ pub fn decode_schema(bytes: &[u8]) -> Result<SchemaRef> {
     Ok(reader.schema())
 }
 
-/// Copy the live bytes of top-level view arrays (Utf8View/BinaryView) into fresh buffers.
+/// Whether a view array's data buffers hold more than twice the bytes its views use.
+fn wasteful<T: arrow::datatypes::ByteViewType + ?Sized>(
+    a: &arrow::array::GenericByteViewArray<T>,
+) -> bool {
+    let held: usize = a.data_buffers().iter().map(|b| b.len()).sum();
+    held > 2 * a.total_buffer_bytes_used()
+}
+
+/// Copy the live bytes of top-level view arrays (Utf8View/BinaryView) into fresh buffers,
+/// when their buffers are mostly unused (slices of larger arrays); compact arrays are kept
+/// as they are, so compacting twice costs nothing the second time.
 pub fn compact_views(batch: &RecordBatch) -> Result<RecordBatch> {
     let needs = batch
         .schema()
@@ -202,11 +212,13 @@ pub fn compact_views(batch: &RecordBatch) -> Result<RecordBatch> {
             DataType::Utf8View => c
                 .as_any()
                 .downcast_ref::<StringViewArray>()
+                .filter(|a| wasteful(*a))
                 .map(|a| Arc::new(a.gc()) as ArrayRef)
                 .unwrap_or_else(|| c.clone()),
             DataType::BinaryView => c
                 .as_any()
                 .downcast_ref::<BinaryViewArray>()
+                .filter(|a| wasteful(*a))
                 .map(|a| Arc::new(a.gc()) as ArrayRef)
                 .unwrap_or_else(|| c.clone()),
             _ => c.clone(),

@@ -74,14 +74,18 @@ pub enum MapInput {
     Stream(BatchStream),
 }
 
-/// A finished map task.
+/// A finished and committed map attempt.
 #[derive(Debug, Clone)]
 pub struct MapDone {
     pub map: u32,
+    pub attempt: u32,
     pub worker: usize,
     pub blocks: Vec<BlockRef>,
     pub input: Checksum,
     pub input_bytes: u64,
+    pub spilled_bytes: u64,
+    /// When the driver committed it.
+    pub committed_at: std::time::Instant,
 }
 
 pub struct Driver {
@@ -92,6 +96,10 @@ pub struct Driver {
     blocks: Mutex<HashMap<ShuffleId, Vec<BlockRef>>>,
     schemas: Mutex<HashMap<ShuffleId, (SchemaRef, bool)>>,
     lineage: Mutex<HashMap<(ShuffleId, u32), (usize, Lineage)>>,
+    /// Pooled reader over the same connections (for engines reading on the driver).
+    reader: Arc<crate::transport::peers::PeerReader>,
+    /// Next attempt number of each (shuffle, map).
+    attempts: Mutex<HashMap<(ShuffleId, u32), u32>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -108,7 +116,13 @@ impl Driver {
             .enumerate()
             .map(|(i, a)| WorkerClient::new(i, a, token, cfg.rpc_timeout))
             .collect::<Result<Vec<_>>>()?;
+        let reader = Arc::new(crate::transport::peers::PeerReader::with_clients(
+            token,
+            cfg.rpc_timeout,
+            &workers,
+        ));
         Ok(Arc::new(Driver {
+            reader,
             token: token.to_string(),
             alive: workers.iter().map(|_| AtomicBool::new(true)).collect(),
             workers,
@@ -116,6 +130,7 @@ impl Driver {
             blocks: Mutex::new(HashMap::new()),
             schemas: Mutex::new(HashMap::new()),
             lineage: Mutex::new(HashMap::new()),
+            attempts: Mutex::new(HashMap::new()),
         }))
     }
 
@@ -126,6 +141,11 @@ impl Driver {
     /// The cluster token (engines hand it to in-process readers).
     pub fn token(&self) -> &str {
         &self.token
+    }
+
+    /// Reads shuffle output on the driver over the driver's own connections.
+    pub fn reader(&self) -> Arc<crate::transport::peers::PeerReader> {
+        self.reader.clone()
     }
 
     pub fn num_workers(&self) -> usize {
@@ -188,6 +208,7 @@ impl Driver {
                         | tonic::Code::DataLoss
                         | tonic::Code::Unauthenticated
                         | tonic::Code::ResourceExhausted
+                        | tonic::Code::FailedPrecondition
                 ) =>
             {
                 *worker
@@ -277,7 +298,18 @@ impl Driver {
         .await
     }
 
-    /// Start a map task on `worker`; returns at once with its handle.
+    /// A new attempt number for `map` of `shuffle` (0, 1, 2, ...).
+    pub fn next_attempt(&self, shuffle: ShuffleId, map: u32) -> u32 {
+        let mut attempts = lock(&self.attempts);
+        let next = attempts.entry((shuffle, map)).or_insert(0);
+        let attempt = *next;
+        *next += 1;
+        attempt
+    }
+
+    /// Start an attempt of a map task on `worker`; returns at once with its handle. The
+    /// handle resolves once the attempt ran and the driver committed it on the worker (its
+    /// blocks are then visible to readers). A failed attempt's blocks are removed by the worker.
     pub fn submit_map(
         self: &Arc<Self>,
         shuffle: ShuffleId,
@@ -287,10 +319,11 @@ impl Driver {
     ) -> tokio::task::JoinHandle<Result<MapDone>> {
         let me = self.clone();
         let checksum = lock(&self.schemas).get(&shuffle).is_none_or(|(_, c)| *c);
+        let attempt = self.next_attempt(shuffle, map);
         let task = proto::MapTask {
             shuffle_id: shuffle.0,
             map_id: map,
-            attempt: 0,
+            attempt,
             source: None,
             skip_checksum: !checksum,
         };
@@ -323,6 +356,15 @@ impl Driver {
                 Ok(r) => r,
                 Err(e) => return Err(me.classify(e).await),
             };
+            let commit = proto::CommitTask {
+                shuffle_id: shuffle.0,
+                map_id: map,
+                attempt,
+                blocks: result.blocks.len() as u32,
+            };
+            if let Err(e) = client.commit(&commit).await {
+                return Err(me.classify(e).await);
+            }
             let blocks = result
                 .blocks
                 .iter()
@@ -339,6 +381,7 @@ impl Driver {
                 .extend(blocks.iter().copied());
             Ok(MapDone {
                 map,
+                attempt,
                 worker,
                 blocks,
                 input: Checksum {
@@ -346,6 +389,8 @@ impl Driver {
                     sum: result.input_checksum,
                 },
                 input_bytes: result.input_bytes,
+                spilled_bytes: result.spilled_bytes,
+                committed_at: std::time::Instant::now(),
             })
         })
     }
@@ -436,6 +481,7 @@ impl Driver {
         lock(&self.blocks).remove(&shuffle);
         lock(&self.schemas).remove(&shuffle);
         lock(&self.lineage).retain(|(s, _), _| *s != shuffle);
+        lock(&self.attempts).retain(|(s, _), _| *s != shuffle);
         let calls = self
             .workers
             .iter()

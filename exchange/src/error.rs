@@ -69,6 +69,10 @@ pub enum Error {
 
     #[error("task cancelled: {0}")]
     Cancelled(String),
+
+    /// The request conflicts with the shuffle's state (sealed, already committed).
+    #[error("refused: {0}")]
+    Precondition(String),
 }
 
 impl Error {
@@ -94,6 +98,7 @@ impl Error {
             Error::Checksum { .. } => tonic::Status::data_loss(msg),
             Error::Timeout { .. } => tonic::Status::deadline_exceeded(msg),
             Error::Cancelled(_) => tonic::Status::cancelled(msg),
+            Error::Precondition(_) => tonic::Status::failed_precondition(msg),
             Error::Io { source, .. } if source.raw_os_error() == Some(28) => {
                 tonic::Status::resource_exhausted(msg)
             }

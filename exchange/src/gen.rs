@@ -176,7 +176,12 @@ impl LineitemSlice {
 pub struct LineitemSource;
 
 impl BatchSource for LineitemSource {
-    fn open(&self, payload: &[u8], _schema: SchemaRef) -> Result<BatchStream> {
+    fn open(
+        &self,
+        _ctx: &crate::task::TaskContext,
+        payload: &[u8],
+        _schema: SchemaRef,
+    ) -> Result<BatchStream> {
         let slice: LineitemSlice = serde_json::from_slice(payload)
             .map_err(|e| Error::invalid(format!("bad lineitem source payload: {e}")))?;
         Ok(Box::pin(futures::stream::iter(slice.batches())))

@@ -12,6 +12,7 @@ pub mod driver;
 pub mod error;
 pub mod gen;
 pub mod partitioner;
+pub mod scheduler;
 pub mod store;
 pub mod strategy;
 pub mod task;

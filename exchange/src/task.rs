@@ -2,7 +2,9 @@
 //! `BatchSource` trait through which engines feed map tasks, and the `Reducer` trait through
 //! which engines fold blocks into a running reduce state (streaming strategy).
 
-use crate::block::{encode_block, same_columns, schema_summary, BlockId, BlockMeta, Compression};
+use crate::block::{
+    encode_block, same_columns, schema_summary, BlockId, BlockMeta, Compression, ShuffleId,
+};
 use crate::checksum::Checksum;
 use crate::error::{Error, Result};
 use crate::partitioner::Partitioner;
@@ -18,10 +20,30 @@ use std::time::Instant;
 
 pub type BatchStream = Pin<Box<dyn Stream<Item = Result<RecordBatch>> + Send>>;
 
+/// Reads committed shuffle output: one reduce partition from every worker in `peers` (blocks
+/// in commit order, following new commits until the shuffle is sealed), or the output of one
+/// map. Implemented by [`crate::transport::peers::PeerReader`] for workers and the driver.
+pub trait ShuffleReader: Send + Sync {
+    fn read_partition(&self, peers: &[String], shuffle: ShuffleId, partition: u32) -> BatchStream;
+    fn read_map_output(&self, peers: &[String], shuffle: ShuffleId, map: u32) -> BatchStream;
+}
+
+/// What a map task gets from the worker that runs it: which attempt it is, and the worker's
+/// pooled reader (cluster token, timeouts, its own store for local blocks).
+#[derive(Clone)]
+pub struct TaskContext {
+    pub shuffle: ShuffleId,
+    pub map: u32,
+    pub attempt: u32,
+    pub reader: Arc<dyn ShuffleReader>,
+}
+
 /// Something a worker can turn into the batches of a map task: a generator, a query stage,
 /// a Python callable. `payload` is the source-specific description the driver sent.
 pub trait BatchSource: Send + Sync {
-    fn open(&self, payload: &[u8], schema: SchemaRef) -> Result<BatchStream>;
+    fn open(&self, ctx: &TaskContext, payload: &[u8], schema: SchemaRef) -> Result<BatchStream>;
+    /// The shuffle was dropped: forget anything cached for tasks writing it.
+    fn shuffle_dropped(&self, _shuffle: ShuffleId) {}
 }
 
 /// A reducer's running state for one partition, opaque to the data plane.
@@ -124,13 +146,26 @@ impl SourceRegistry {
         self.sources.insert(kind.to_string(), source);
     }
 
-    pub fn open(&self, kind: &str, payload: &[u8], schema: SchemaRef) -> Result<BatchStream> {
+    /// Tell every source that `shuffle` was dropped.
+    pub fn shuffle_dropped(&self, shuffle: ShuffleId) {
+        for s in self.sources.values() {
+            s.shuffle_dropped(shuffle);
+        }
+    }
+
+    pub fn open(
+        &self,
+        kind: &str,
+        ctx: &TaskContext,
+        payload: &[u8],
+        schema: SchemaRef,
+    ) -> Result<BatchStream> {
         let src = self.sources.get(kind).ok_or_else(|| {
             let mut known: Vec<&str> = self.sources.keys().map(|s| s.as_str()).collect();
             known.sort();
             Error::invalid(format!("unknown task source {kind:?} (known: {known:?})"))
         })?;
-        src.open(payload, schema)
+        src.open(ctx, payload, schema)
     }
 }
 
@@ -143,15 +178,19 @@ pub struct MapConfig {
     pub compression: Compression,
     /// Checksum the input rows (order-independent multiset checksum) for verification.
     pub checksum: bool,
+    /// Small per-partition pieces are coalesced into batches of up to this many rows before
+    /// a block is encoded (fewer IPC messages, full-size batches for the reader).
+    pub batch_rows: usize,
 }
 
 impl Default for MapConfig {
     fn default() -> Self {
         MapConfig {
-            block_bytes: 8 << 20,
-            buffer_bytes: 128 << 20,
+            block_bytes: 4 << 20,
+            buffer_bytes: 32 << 20,
             compression: Compression::None,
             checksum: true,
+            batch_rows: 8192,
         }
     }
 }
@@ -162,6 +201,7 @@ pub struct MapOutput {
     pub blocks: Vec<BlockMeta>,
     pub input: Checksum,
     pub input_bytes: u64,
+    pub spilled_bytes: u64,
     pub seconds: f64,
 }
 
@@ -199,7 +239,8 @@ pub async fn run_map(
         if buf.batches.is_empty() {
             return Ok(0);
         }
-        let data = encode_block(&info.schema, &buf.batches, cfg.compression)?;
+        let batches = coalesce(&info.schema, &buf.batches, cfg.batch_rows)?;
+        let data = encode_block(&info.schema, &batches, cfg.compression)?;
         let id = BlockId {
             shuffle: info.id,
             map,
@@ -207,7 +248,11 @@ pub async fn run_map(
             attempt,
             seq: buf.seq,
         };
-        out.blocks.push(store.put(id, buf.rows, data)?);
+        let (meta, spilled) = store.put_where(id, buf.rows, data)?;
+        if spilled {
+            out.spilled_bytes += meta.bytes;
+        }
+        out.blocks.push(meta);
         let freed = buf.bytes;
         buf.batches.clear();
         buf.bytes = 0;
@@ -257,6 +302,39 @@ pub async fn run_map(
     Ok(out)
 }
 
+/// Concatenate consecutive small batches into batches of at most `target` rows (a batch
+/// that is large already is kept as it is, without a copy).
+fn coalesce(
+    schema: &SchemaRef,
+    batches: &[RecordBatch],
+    target: usize,
+) -> Result<Vec<RecordBatch>> {
+    let mut out = Vec::new();
+    let mut group: Vec<RecordBatch> = Vec::new();
+    let mut rows = 0usize;
+    let mut emit = |group: &mut Vec<RecordBatch>| -> Result<()> {
+        match group.len() {
+            0 => {}
+            1 => out.append(group),
+            _ => {
+                out.push(arrow::compute::concat_batches(schema, group.iter())?);
+                group.clear();
+            }
+        }
+        Ok(())
+    };
+    for b in batches {
+        if rows + b.num_rows() > target && !group.is_empty() {
+            emit(&mut group)?;
+            rows = 0;
+        }
+        rows += b.num_rows();
+        group.push(b.clone());
+    }
+    emit(&mut group)?;
+    Ok(out)
+}
+
 /// Check a batch against the shuffle's schema; equal columns with other field metadata or
 /// nullability are relabelled with the shuffle's schema.
 fn conform(info: &ShuffleInfo, batch: RecordBatch) -> Result<RecordBatch> {
@@ -277,4 +355,34 @@ fn conform(info: &ShuffleInfo, batch: RecordBatch) -> Result<RecordBatch> {
             found: format!("{} ({e})", schema_summary(&batch.schema())),
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::Int64Array;
+    use arrow::datatypes::{DataType, Field, Schema};
+
+    #[test]
+    fn small_pieces_are_coalesced_and_large_ones_kept() {
+        let schema: SchemaRef =
+            Arc::new(Schema::new(vec![Field::new("a", DataType::Int64, false)]));
+        let piece = |n: i64| {
+            RecordBatch::try_new(
+                schema.clone(),
+                vec![Arc::new(Int64Array::from_iter_values(0..n))],
+            )
+            .unwrap()
+        };
+        let mut input: Vec<RecordBatch> = (0..30).map(|_| piece(100)).collect();
+        input.push(piece(10_000));
+        input.extend((0..3).map(|_| piece(7)));
+        let out = coalesce(&schema, &input, 1000).unwrap();
+        let sizes: Vec<usize> = out.iter().map(|b| b.num_rows()).collect();
+        assert_eq!(sizes, vec![1000, 1000, 1000, 10_000, 21]);
+        let total = |b: &[RecordBatch]| {
+            Checksum::of_batch(&arrow::compute::concat_batches(&schema, b).unwrap()).unwrap()
+        };
+        assert_eq!(total(&out), total(&input));
+    }
 }

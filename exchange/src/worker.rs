@@ -9,7 +9,8 @@ use crate::partitioner::Partitioner;
 use crate::proto;
 use crate::store::{BlockStore, ShuffleInfo, StoreConfig, DEFAULT_SEGMENT_BYTES};
 use crate::task::{run_map, BatchStream, MapConfig, ReduceState, SourceRegistry};
-use crate::transport::client::WorkerClient;
+use crate::task::{ShuffleReader, TaskContext};
+use crate::transport::peers::PeerReader;
 use crate::transport::server::WorkerService;
 use crate::transport::{bearer, CONNECTION_WINDOW, MAX_MESSAGE_BYTES, STREAM_WINDOW, TOKEN_HEADER};
 use arrow_flight::flight_service_server::FlightServiceServer;
@@ -65,12 +66,18 @@ pub struct WorkerArgs {
 /// Everything a worker's Flight service shares.
 pub struct WorkerState {
     pub id: String,
-    pub store: BlockStore,
+    pub store: Arc<BlockStore>,
+    /// The address this worker advertises (its peers' name for it).
+    pub addr: String,
+    /// Pooled clients to peers; reads of this worker's own blocks go to its store.
+    pub reader: Arc<PeerReader>,
     pub sources: SourceRegistry,
     pub map_cfg: MapConfig,
     pub read_timeout: Duration,
-    token: String,
-    tasks: Mutex<HashMap<(ShuffleId, u32), AbortHandle>>,
+    /// Flight calls served (counted when their token is checked).
+    pub rpcs: std::sync::atomic::AtomicU64,
+    /// Running map attempts by (shuffle, map, attempt).
+    tasks: Mutex<HashMap<(ShuffleId, u32, u32), AbortHandle>>,
     /// Running reduce states of the streaming strategy, per (shuffle, partition). `None` marks
     /// a state that is being folded or was lost by a failed fold: the next fold fails loudly
     /// instead of silently starting over.
@@ -78,6 +85,16 @@ pub struct WorkerState {
 }
 
 impl WorkerState {
+    /// The context a map task of `task` runs with.
+    pub fn task_context(&self, task: &proto::MapTask) -> TaskContext {
+        TaskContext {
+            shuffle: ShuffleId(task.shuffle_id),
+            map: task.map_id,
+            attempt: task.attempt,
+            reader: self.reader.clone(),
+        }
+    }
+
     pub fn create_shuffle(&self, m: proto::CreateShuffle) -> Result<()> {
         let schema = decode_schema(&m.schema_ipc)?;
         let partitioner = m
@@ -93,51 +110,62 @@ impl WorkerState {
         })
     }
 
-    /// Run a map task as an abortable task; a failed or cancelled attempt leaves no blocks.
+    /// Run a map attempt as an abortable task. Its blocks stay pending until the driver
+    /// commits the attempt. A failed attempt, or one whose caller went away (the RPC was
+    /// cancelled or its connection dropped), is aborted and its blocks removed.
     pub async fn run_map(
         self: &Arc<Self>,
         task: proto::MapTask,
         input: BatchStream,
     ) -> Result<proto::TaskResult> {
         let shuffle = ShuffleId(task.shuffle_id);
+        let key = (shuffle, task.map_id, task.attempt);
         let info = self.store.shuffle_info(shuffle)?;
+        let cfg = MapConfig {
+            checksum: !task.skip_checksum,
+            ..self.map_cfg
+        };
         let me = self.clone();
         let handle = tokio::spawn(async move {
-            run_map(
-                &me.store,
-                &info,
-                task.map_id,
-                task.attempt,
-                input,
-                me.map_cfg,
-            )
-            .await
+            run_map(&me.store, &info, task.map_id, task.attempt, input, cfg).await
         });
-        lock(&self.tasks).insert((shuffle, task.map_id), handle.abort_handle());
+        {
+            let mut tasks = lock(&self.tasks);
+            if tasks.contains_key(&key) {
+                handle.abort();
+                return Err(Error::invalid(format!(
+                    "map {} attempt {} of shuffle {shuffle} is already running",
+                    task.map_id, task.attempt
+                )));
+            }
+            tasks.insert(key, handle.abort_handle());
+        }
+        // Dropped with this future unless disarmed: aborts the task and removes its blocks.
+        let mut guard = AttemptGuard {
+            state: self.clone(),
+            key,
+            armed: true,
+        };
         let joined = handle.await;
-        lock(&self.tasks).remove(&(shuffle, task.map_id));
+        lock(&self.tasks).remove(&key);
         let result = match joined {
             Ok(r) => r,
             Err(e) if e.is_cancelled() => Err(Error::Cancelled(format!(
-                "map {} of shuffle {shuffle}",
-                task.map_id
+                "map {} attempt {} of shuffle {shuffle}",
+                task.map_id, task.attempt
             ))),
             Err(e) => Err(Error::Cluster(format!("map task panicked: {e}"))),
         };
-        match result {
-            Ok(out) => Ok(proto::TaskResult {
-                blocks: out.blocks.iter().map(Into::into).collect(),
-                input_rows: out.input.rows,
-                input_checksum: out.input.sum,
-                input_bytes: out.input_bytes,
-                seconds: out.seconds,
-            }),
-            Err(e) => {
-                self.store
-                    .remove_map_output(shuffle, task.map_id, task.attempt);
-                Err(e)
-            }
-        }
+        let out = result?;
+        guard.armed = false;
+        Ok(proto::TaskResult {
+            blocks: out.blocks.iter().map(Into::into).collect(),
+            input_rows: out.input.rows,
+            input_checksum: out.input.sum,
+            input_bytes: out.input_bytes,
+            seconds: out.seconds,
+            spilled_bytes: out.spilled_bytes,
+        })
     }
 
     /// Fold task (streaming strategy): read the listed blocks of one partition from their
@@ -215,7 +243,6 @@ impl WorkerState {
         partition: u32,
         blocks: &[proto::BlockLocation],
     ) -> Result<Vec<arrow::array::RecordBatch>> {
-        let mut clients: HashMap<&str, WorkerClient> = HashMap::new();
         let mut reads = Vec::with_capacity(blocks.len());
         for loc in blocks {
             let id: crate::block::BlockId = loc
@@ -230,13 +257,8 @@ impl WorkerState {
             }
             let client = if self.store.meta(&id).is_ok() {
                 None
-            } else if let Some(c) = clients.get(loc.peer.as_str()) {
-                Some(c.clone())
             } else {
-                let c =
-                    WorkerClient::new(clients.len(), &loc.peer, &self.token, self.read_timeout)?;
-                clients.insert(&loc.peer, c.clone());
-                Some(c)
+                Some(self.reader.client(0, &loc.peer)?)
             };
             reads.push(async move {
                 match client {
@@ -271,26 +293,13 @@ impl WorkerState {
         let start = Instant::now();
         let mut total = Checksum::default();
         let mut bytes = 0u64;
-        let reads = m.peers.iter().enumerate().map(|(i, addr)| {
-            let client = WorkerClient::new(i, addr, &self.token, self.read_timeout);
-            async move {
-                let mut stream = client?
-                    .read_partition(m.shuffle_id, m.partition, true)
-                    .await?;
-                let mut sum = Checksum::default();
-                let mut bytes = 0u64;
-                while let Some(batch) = stream.next().await {
-                    let batch = batch?;
-                    bytes += batch.get_array_memory_size() as u64;
-                    sum.add(tokio::task::block_in_place(|| Checksum::of_batch(&batch))?);
-                }
-                Ok::<_, Error>((sum, bytes))
-            }
-        });
-        for r in futures::future::join_all(reads).await {
-            let (sum, b) = r?;
-            total.add(sum);
-            bytes += b;
+        let mut stream = self
+            .reader
+            .read_partition(&m.peers, ShuffleId(m.shuffle_id), m.partition);
+        while let Some(batch) = stream.next().await {
+            let batch = batch?;
+            bytes += batch.get_array_memory_size() as u64;
+            total.add(tokio::task::block_in_place(|| Checksum::of_batch(&batch))?);
         }
         Ok(proto::TaskResult {
             blocks: vec![],
@@ -298,18 +307,21 @@ impl WorkerState {
             input_checksum: total.sum,
             input_bytes: bytes,
             seconds: start.elapsed().as_secs_f64(),
+            spilled_bytes: 0,
         })
     }
 
-    pub fn cancel(&self, shuffle: ShuffleId, map: u32) {
-        if let Some(h) = lock(&self.tasks).remove(&(shuffle, map)) {
+    /// Abort one map attempt: stop it if it runs and remove its uncommitted blocks.
+    pub fn cancel(&self, shuffle: ShuffleId, map: u32, attempt: u32) {
+        if let Some(h) = lock(&self.tasks).remove(&(shuffle, map, attempt)) {
             h.abort();
         }
+        self.store.abort(shuffle, map, attempt);
     }
 
     pub fn cancel_shuffle(&self, shuffle: ShuffleId) {
         let mut tasks = lock(&self.tasks);
-        tasks.retain(|(s, _), h| {
+        tasks.retain(|(s, _, _), h| {
             if *s == shuffle {
                 h.abort();
             }
@@ -330,6 +342,24 @@ impl WorkerState {
             shuffles: m.shuffles,
             spilled_blocks: m.spilled_blocks,
             restored_blocks: m.restored_blocks,
+            rpcs: self.rpcs.load(std::sync::atomic::Ordering::Relaxed),
+        }
+    }
+}
+
+/// Aborts a map attempt and removes its pending blocks when dropped armed (the attempt failed,
+/// or the call that runs it was dropped).
+struct AttemptGuard {
+    state: Arc<WorkerState>,
+    key: (ShuffleId, u32, u32),
+    armed: bool,
+}
+
+impl Drop for AttemptGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            let (shuffle, map, attempt) = self.key;
+            self.state.cancel(shuffle, map, attempt);
         }
     }
 }
@@ -338,28 +368,37 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Build the worker state from its arguments and the token.
+/// Build the worker state from its arguments, the token and the address it advertises.
 pub fn build_state(
     args: &WorkerArgs,
     token: String,
     sources: SourceRegistry,
+    addr: String,
 ) -> Result<WorkerState> {
     let compression: Compression = args.compression.parse()?;
-    let store = BlockStore::new(StoreConfig {
+    let store = Arc::new(BlockStore::new(StoreConfig {
         memory_budget: args.memory_budget,
         spill_dir: args.spill_dir.clone(),
         segment_bytes: args.segment_bytes.max(1),
-    })?;
+    })?);
+    let timeout = Duration::from_secs(args.timeout_secs.max(1));
+    let reader = Arc::new(PeerReader::new(
+        &token,
+        timeout,
+        Some((addr.clone(), store.clone())),
+    ));
     Ok(WorkerState {
         id: args.id.clone(),
         store,
+        addr,
+        reader,
         sources,
         map_cfg: MapConfig {
             compression,
             ..MapConfig::default()
         },
         read_timeout: Duration::from_secs(args.timeout_secs.max(1)),
-        token,
+        rpcs: std::sync::atomic::AtomicU64::new(0),
         tasks: Mutex::new(HashMap::new()),
         fold_states: Mutex::new(HashMap::new()),
     })
@@ -377,15 +416,24 @@ pub async fn serve(
             "the worker needs a token in ${TOKEN_ENV}"
         )));
     }
-    let state = Arc::new(build_state(&args, token.clone(), sources)?);
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| Error::Cluster(format!("cannot listen on {}: {e}", args.listen)))?;
     let addr = listener
         .local_addr()
         .map_err(|e| Error::Cluster(format!("no local address: {e}")))?;
+    let state = Arc::new(build_state(
+        &args,
+        token.clone(),
+        sources,
+        addr.to_string(),
+    )?);
     let expected = bearer(&token);
+    let counted = state.clone();
     let check = move |req: tonic::Request<()>| -> Result<tonic::Request<()>, tonic::Status> {
+        counted
+            .rpcs
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         match req
             .metadata()
             .get(TOKEN_HEADER)
@@ -401,14 +449,16 @@ pub async fn serve(
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let service = tonic::service::interceptor::InterceptedService::new(flight, check);
     ready(addr);
+    // tonic applies `Server::tcp_nodelay` only when it binds the socket itself; with our own
+    // listener the incoming stream must set it, or every small reply waits for a delayed ACK.
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     tonic::transport::Server::builder()
-        .tcp_nodelay(true)
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .http2_keepalive_interval(Some(crate::transport::KEEPALIVE))
         .http2_keepalive_timeout(Some(crate::transport::KEEPALIVE * 2))
         .add_service(service)
-        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+        .serve_with_incoming(incoming)
         .await
         .map_err(|e| Error::Cluster(format!("worker server failed: {e}")))
 }

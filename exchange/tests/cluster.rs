@@ -394,3 +394,149 @@ fn checksum_rows(batches: &[RecordBatch]) -> Checksum {
     }
     c
 }
+
+fn lineitem_task(rows: u64) -> proto::TaskSource {
+    let slice = exchange::gen::LineitemSlice {
+        first: 0,
+        rows,
+        seed: 7,
+        batch_rows: 4096,
+    };
+    proto::TaskSource {
+        kind: exchange::gen::LINEITEM_SOURCE.into(),
+        payload: serde_json::to_vec(&slice).unwrap(),
+    }
+}
+
+fn lineitem_spec(checksum_inputs: bool) -> ShuffleSpec {
+    ShuffleSpec {
+        id: ShuffleId::random(),
+        schema: exchange::gen::lineitem_schema(),
+        partitions: 3,
+        partitioner: partitioner::hash(&["l_orderkey"]),
+        checksum_inputs,
+    }
+}
+
+/// Small replies are not held back by Nagle + delayed ACK (≈40 ms each on Linux): two
+/// concurrent actions on one connection come back in well under a millisecond typically;
+/// the bound leaves room for a loaded CI machine yet fails with delayed ACKs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_small_calls_on_one_connection_are_not_delayed() {
+    let cluster = LocalCluster::start(config(1, 1 << 20)).await.unwrap();
+    let w = cluster.driver.worker(0).clone();
+    let t = Duration::from_secs(5);
+    w.health(t).await.unwrap();
+    let mut pairs = Vec::new();
+    for _ in 0..60 {
+        let start = Instant::now();
+        let (a, b) = futures::join!(w.health(t), w.stats());
+        a.unwrap();
+        b.unwrap();
+        pairs.push(start.elapsed());
+    }
+    pairs.sort();
+    let p50 = pairs[pairs.len() / 2];
+    assert!(
+        p50 < Duration::from_millis(15),
+        "p50 of two concurrent calls: {p50:?}"
+    );
+}
+
+/// `skip_checksum` reaches the worker: a map of a shuffle that does not checksum its inputs
+/// reports the rows but no checksum; one that does reports both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn map_tasks_checksum_only_when_the_shuffle_asks() {
+    let cluster = LocalCluster::start(config(1, 1 << 30)).await.unwrap();
+    let driver = cluster.driver.clone();
+    let mut seen = Vec::new();
+    for checksum in [true, false] {
+        let spec = lineitem_spec(checksum);
+        driver.create_shuffle(&spec).await.unwrap();
+        let done = driver
+            .submit_map(spec.id, 0, 0, MapInput::Source(lineitem_task(5000)))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(done.input.rows, 5000);
+        seen.push(done.input.sum);
+        driver.drop_shuffle(spec.id).await.unwrap();
+    }
+    assert_ne!(seen[0], 0, "a checksummed map reports its checksum");
+    assert_eq!(seen[1], 0, "a map told to skip the checksum computes none");
+}
+
+async fn rows_visible(w: &exchange::transport::client::WorkerClient, spec: &ShuffleSpec) -> usize {
+    let mut rows = 0;
+    for p in 0..spec.partitions {
+        let s = w.read_partition(spec.id.0, p, false).await.unwrap();
+        let batches: Vec<RecordBatch> = s.try_collect().await.unwrap();
+        rows += batches.iter().map(|b| b.num_rows()).sum::<usize>();
+    }
+    rows
+}
+
+/// The commit protocol over real Flight: a finished attempt is invisible until committed, a
+/// second attempt of a committed map is refused and leaves nothing, and an attempt whose call
+/// is dropped mid-way is aborted with its blocks removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempts_are_visible_only_once_committed() {
+    let cluster = LocalCluster::start(config(1, 1 << 30)).await.unwrap();
+    let w = cluster.driver.worker(0).clone();
+    let spec = lineitem_spec(false);
+    cluster.driver.create_shuffle(&spec).await.unwrap();
+    let task = |map_id, attempt, rows| proto::MapTask {
+        shuffle_id: spec.id.0,
+        map_id,
+        attempt,
+        source: Some(lineitem_task(rows)),
+        skip_checksum: true,
+    };
+    let done = w.run_map(&task(0, 0, 3000)).await.unwrap();
+    assert!(!done.blocks.is_empty());
+    assert_eq!(
+        rows_visible(&w, &spec).await,
+        0,
+        "pending blocks are invisible"
+    );
+    let commit = |map_id, attempt, blocks| proto::CommitTask {
+        shuffle_id: spec.id.0,
+        map_id,
+        attempt,
+        blocks,
+    };
+    let wrong = w.commit(&commit(0, 0, 99)).await.unwrap_err();
+    assert!(wrong.to_string().contains("reported 99 blocks"), "{wrong}");
+    w.commit(&commit(0, 0, done.blocks.len() as u32))
+        .await
+        .unwrap();
+    assert_eq!(rows_visible(&w, &spec).await, 3000);
+    let blocks_before = w.stats().await.unwrap().blocks;
+    // A duplicate attempt of the committed map: refused, nothing left behind.
+    let err = w.run_map(&task(0, 1, 3000)).await.unwrap_err();
+    assert!(err.to_string().contains("already committed"), "{err}");
+    assert_eq!(w.stats().await.unwrap().blocks, blocks_before);
+    // An attempt whose caller goes away mid-way: aborted, its blocks removed.
+    let slow_task = task(1, 0, 4_000_000);
+    let slow = w.run_map(&slow_task);
+    assert!(tokio::time::timeout(Duration::from_millis(300), slow)
+        .await
+        .is_err());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let blocks = w.stats().await.unwrap().blocks;
+        if blocks == blocks_before {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{blocks} blocks left by a dropped attempt"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(rows_visible(&w, &spec).await, 3000);
+    // Seal: no more commits or puts.
+    w.shuffle_action("seal_shuffle", spec.id.0).await.unwrap();
+    let late = w.run_map(&task(2, 0, 10)).await.unwrap_err();
+    assert!(late.to_string().contains("sealed"), "{late}");
+}

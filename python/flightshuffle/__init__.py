@@ -349,7 +349,7 @@ class Cluster:
         """
         for name, source in (tables or {}).items():
             if isinstance(source, (str, os.PathLike)):
-                self._native.register_parquet(name, os.fspath(source))
+                self.register_parquet(name, os.fspath(source))
             elif _exports_arrow(source):
                 self.register_parquet(name, self._write_arrow(source, name))
             else:

@@ -306,6 +306,9 @@ impl NativeCluster {
             self.rt.block_on(async {
                 sql::register(&ctx, &name, &path).await?;
                 self.local
+                    .deregister_table(name.as_str())
+                    .map_err(|e| sql::df_err(e.into()))?;
+                self.local
                     .register_parquet(&name, &path, Default::default())
                     .await
                     .map_err(|e| sql::df_err(e.into()))

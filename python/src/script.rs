@@ -8,21 +8,19 @@
 use arrow::array::{RecordBatch, RecordBatchReader};
 use arrow::datatypes::SchemaRef;
 use exchange::block::decode_schema;
-use exchange::task::{BatchSource, BatchStream, ReduceState, Reducer};
-use exchange::transport::client::{decode, WorkerClient};
-use exchange::{proto, Error, Result};
+use exchange::task::{BatchSource, BatchStream, ReduceState, Reducer, ShuffleReader, TaskContext};
+use exchange::transport::client::decode;
+use exchange::{proto, Error, Result, ShuffleId};
 use futures::{StreamExt, TryStreamExt};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use pyo3_arrow::input::AnyRecordBatch;
 use pyo3_arrow::{PySchema, PyTable};
-use std::time::Duration;
+use std::sync::Arc;
 
 /// Task source and reducer kind of Python work.
 pub const PYTHON_KIND: &str = "python";
 const EXEC_MODULE: &str = "flightshuffle._exec";
-/// Longest wait for one block of an input partition.
-const READ_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// A Python exception as an exchange error, with its traceback.
 fn py_failed(what: &str, py: Python<'_>, e: PyErr) -> Error {
@@ -43,22 +41,18 @@ fn arrow_from_py(obj: &Bound<'_, PyAny>) -> PyResult<(SchemaRef, Vec<RecordBatch
     Ok((schema, batches))
 }
 
-/// Read every block of one partition of an earlier shuffle from all its workers at once.
-async fn read_input(input: proto::PartitionInput) -> Result<(SchemaRef, Vec<RecordBatch>)> {
+/// Read every block of one partition of an earlier shuffle from all its workers at once
+/// (blocks this worker holds from its own store), through the worker's pooled reader.
+async fn read_input(
+    reader: Arc<dyn ShuffleReader>,
+    input: proto::PartitionInput,
+) -> Result<(SchemaRef, Vec<RecordBatch>)> {
     let schema = decode_schema(&input.schema_ipc)?;
-    let token = std::env::var(exchange::worker::TOKEN_ENV).unwrap_or_default();
-    let reads = input.peers.iter().enumerate().map(|(i, peer)| {
-        let token = &token;
-        async move {
-            let client = WorkerClient::new(i, peer, token, READ_TIMEOUT)?;
-            let stream = client
-                .read_partition(input.shuffle_id, input.partition, true)
-                .await?;
-            stream.try_collect::<Vec<_>>().await
-        }
-    });
-    let parts = futures::future::try_join_all(reads).await?;
-    Ok((schema, parts.into_iter().flatten().collect()))
+    let batches = reader
+        .read_partition(&input.peers, ShuffleId(input.shuffle_id), input.partition)
+        .try_collect::<Vec<_>>()
+        .await?;
+    Ok((schema, batches))
 }
 
 /// Read a Parquet split: only the wanted columns, and with the page index only the pages that
@@ -148,11 +142,12 @@ impl Drop for Timing {
 pub struct PythonSource;
 
 impl BatchSource for PythonSource {
-    fn open(&self, payload: &[u8], schema: SchemaRef) -> Result<BatchStream> {
+    fn open(&self, ctx: &TaskContext, payload: &[u8], schema: SchemaRef) -> Result<BatchStream> {
         let task: proto::SourceInput = decode(payload)?;
+        let reader = ctx.reader.clone();
         let fut = async move {
             let input = match task.partition {
-                Some(p) => Some(read_input(p).await?),
+                Some(p) => Some(read_input(reader, p).await?),
                 None => None,
             };
             let (body, split) = (task.body, task.split);

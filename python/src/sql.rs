@@ -33,10 +33,12 @@ pub fn metrics_json(r: &QueryResult) -> String {
     serde_json::json!({
         "seconds": r.seconds,
         "stages": r.stages,
+        "rpcs": r.rpcs,
     })
     .to_string()
 }
 
+/// Register (or re-register: a name given again replaces the earlier table) a Parquet table.
 pub async fn register(ctx: &DistributedContext, name: &str, path: &str) -> Result<(), PyErr> {
     if !Path::new(path).exists() {
         return Err(pyo3::exceptions::PyFileNotFoundError::new_err(format!(

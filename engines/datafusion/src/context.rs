@@ -1,7 +1,8 @@
 //! `DistributedContext`: a DataFusion session whose queries run on a flightshuffle cluster.
-//! `sql()` plans with DataFusion, cuts the plan into stages, runs every producing stage as map
-//! tasks on the workers (pull strategy), then runs the final single-partition step on the
-//! driver, reading the last exchange. `EXPLAIN` / `EXPLAIN ANALYZE` print the stages.
+//! `sql()` plans with DataFusion, cuts the plan into stages and runs them all at once on the
+//! workers, pipelined (a consumer stage reads each committed map output of its producers as it
+//! arrives; see `exchange::scheduler`), together with the final single-partition step on the
+//! driver, which reads the last exchange. `EXPLAIN` / `EXPLAIN ANALYZE` print the stages.
 
 use crate::codec::ExchangeCodec;
 use crate::planner::{plan_stages, StagedPlan};
@@ -15,7 +16,8 @@ use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
 use datafusion_proto::bytes::physical_plan_to_bytes_with_extension_codec;
 use exchange::driver::{Driver, MapInput, ShuffleSpec};
 use exchange::proto;
-use exchange::strategy::{pull, Strategy, StrategyOptions};
+use exchange::scheduler::{run_pipelined, StageRun};
+use exchange::strategy::StrategyOptions;
 use prost::Message;
 use std::sync::Arc;
 use std::time::Instant;
@@ -30,7 +32,13 @@ pub struct StageMetrics {
     pub bytes: u64,
     pub blocks: usize,
     pub spilled_bytes: u64,
+    /// `end_s - start_s`.
     pub seconds: f64,
+    /// Seconds since the query started: first task submitted, first map output committed,
+    /// last map output committed (sealed). Overlapping intervals are stages that pipelined.
+    pub start_s: f64,
+    pub first_commit_s: f64,
+    pub end_s: f64,
 }
 
 /// A query's rows and how its exchanges went.
@@ -40,11 +48,14 @@ pub struct QueryResult {
     pub batches: Vec<RecordBatch>,
     pub stages: Vec<StageMetrics>,
     pub seconds: f64,
+    /// Flight calls the query made (driver to workers and between workers).
+    pub rpcs: u64,
 }
 
 pub struct DistributedContext {
     ctx: SessionContext,
     driver: Arc<Driver>,
+    last_rpcs: std::sync::Mutex<u64>,
 }
 
 impl DistributedContext {
@@ -62,14 +73,14 @@ impl DistributedContext {
     }
 
     pub fn new(driver: Arc<Driver>, config: SessionConfig) -> Result<Self> {
-        let ectx = ExchangeContext::new(
-            driver.addresses(),
-            driver.token(),
-            driver.config().rpc_timeout,
-        )?;
+        let ectx = ExchangeContext::new(driver.addresses(), driver.reader());
         let config = crate::distributed_options(config).with_extension(Arc::new(ectx));
         let ctx = SessionContext::new_with_config(config);
-        Ok(DistributedContext { ctx, driver })
+        Ok(DistributedContext {
+            ctx,
+            driver,
+            last_rpcs: std::sync::Mutex::new(0),
+        })
     }
 
     /// The DataFusion session (register tables and functions here).
@@ -81,9 +92,11 @@ impl DistributedContext {
         &self.driver
     }
 
-    /// Register a Parquet file or directory as a table. Workers read the same path, so it must
-    /// be visible to them (always true on a local cluster).
+    /// Register a Parquet file or directory as a table; a table of the same name is replaced.
+    /// Workers read the same path, so it must be visible to them (always true on a local
+    /// cluster).
     pub async fn register_parquet(&self, name: &str, path: &str) -> Result<()> {
+        self.ctx.deregister_table(name)?;
         self.ctx
             .register_parquet(name, path, ParquetReadOptions::default())
             .await?;
@@ -116,6 +129,7 @@ impl DistributedContext {
             batches,
             stages,
             seconds: start.elapsed().as_secs_f64(),
+            rpcs: self.last_rpcs(),
         })
     }
 
@@ -130,14 +144,25 @@ impl DistributedContext {
             out.push_str("\nExchanges:\n");
             for s in &stages {
                 out.push_str(&format!(
-                    "  stage {}: {} — {} tasks, {} rows, {} bytes, {} blocks, {} bytes spilled, {:.3} s\n",
-                    s.stage, s.exchange, s.tasks, s.rows, s.bytes, s.blocks, s.spilled_bytes, s.seconds
+                    "  stage {}: {} — {} tasks, {} rows, {} bytes, {} blocks, {} bytes spilled, \
+                     {:.3}-{:.3} s (first output {:.3} s)\n",
+                    s.stage,
+                    s.exchange,
+                    s.tasks,
+                    s.rows,
+                    s.bytes,
+                    s.blocks,
+                    s.spilled_bytes,
+                    s.start_s,
+                    s.end_s,
+                    s.first_commit_s
                 ));
             }
             let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
             out.push_str(&format!(
-                "Result: {rows} rows in {:.3} s\n",
-                start.elapsed().as_secs_f64()
+                "Result: {rows} rows in {:.3} s, {} Flight calls\n",
+                start.elapsed().as_secs_f64(),
+                self.last_rpcs()
             ));
         }
         Ok(out)
@@ -147,34 +172,77 @@ impl DistributedContext {
         self.ctx.task_ctx()
     }
 
-    /// Run every stage in dependency order, then the driver's part; frees every shuffle.
+    /// Run every stage and the driver's part at once (pipelined, see
+    /// [`exchange::scheduler`]); frees every shuffle, whatever the outcome.
     pub async fn execute(
         &self,
         staged: &StagedPlan,
     ) -> Result<(Vec<RecordBatch>, Vec<StageMetrics>)> {
-        let result = async {
-            let mut metrics = Vec::new();
-            for stage in &staged.stages {
-                metrics.push(self.run_stage(stage).await?);
-            }
-            let batches = self
-                .driver
-                .watch(async {
-                    collect(staged.root.clone(), self.task_ctx())
-                        .await
-                        .map_err(|e| exchange::Error::Task(e.to_string()))
-                })
-                .await?;
-            Ok::<_, crate::Error>((batches, metrics))
-        }
+        let started = Instant::now();
+        let rpcs_before = self.rpcs().await;
+        let runs = staged
+            .stages
+            .iter()
+            .map(|s| self.stage_run(s))
+            .collect::<Result<Vec<_>>>()?;
+        let root = async {
+            collect(staged.root.clone(), self.task_ctx())
+                .await
+                .map_err(|e| exchange::Error::Task(e.to_string()))
+        };
+        let result = run_pipelined(
+            &self.driver,
+            runs,
+            root,
+            started,
+            StrategyOptions::default(),
+        )
         .await;
-        for stage in &staged.stages {
-            let _ = self.driver.drop_shuffle(stage.writer.shuffle).await;
-        }
-        result
+        let drops = staged
+            .stages
+            .iter()
+            .map(|s| self.driver.drop_shuffle(s.writer.shuffle));
+        let _ = futures::future::join_all(drops).await;
+        let (batches, reports) = result?;
+        let rpcs = match (rpcs_before, self.rpcs().await) {
+            (Some(a), Some(b)) => b.saturating_sub(a + self.driver.num_workers() as u64),
+            _ => 0,
+        };
+        *self.last_rpcs.lock().unwrap_or_else(|p| p.into_inner()) = rpcs;
+        let metrics = staged
+            .stages
+            .iter()
+            .zip(reports)
+            .map(|(s, r)| StageMetrics {
+                stage: s.writer.stage,
+                exchange: s.writer.describe(),
+                tasks: r.tasks,
+                rows: r.rows,
+                bytes: r.bytes,
+                blocks: r.blocks,
+                spilled_bytes: r.spilled_bytes,
+                seconds: r.end_s - r.start_s,
+                start_s: r.start_s,
+                first_commit_s: r.first_commit_s,
+                end_s: r.end_s,
+            })
+            .collect();
+        Ok((batches, metrics))
     }
 
-    async fn run_stage(&self, stage: &crate::planner::Stage) -> Result<StageMetrics> {
+    /// Flight calls the workers served so far (None if stats are unavailable).
+    async fn rpcs(&self) -> Option<u64> {
+        let stats = self.driver.stats().await.ok()?;
+        Some(stats.iter().map(|s| s.rpcs).sum())
+    }
+
+    /// Flight calls the last query made (driver to workers and between workers).
+    pub fn last_rpcs(&self) -> u64 {
+        *self.last_rpcs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// One stage as the scheduler runs it: its shuffle and one map task per partition.
+    fn stage_run(&self, stage: &crate::planner::Stage) -> Result<StageRun> {
         let writer = &stage.writer;
         let spec = ShuffleSpec {
             id: writer.shuffle,
@@ -183,7 +251,6 @@ impl DistributedContext {
             partitioner: writer.partitioner(),
             checksum_inputs: false,
         };
-        self.driver.create_shuffle(&spec).await?;
         let plan = physical_plan_to_bytes_with_extension_codec(
             writer.clone() as Arc<dyn ExecutionPlan>,
             &ExchangeCodec,
@@ -192,60 +259,22 @@ impl DistributedContext {
         let workers = self.driver.addresses();
         let timeout_secs = self.driver.config().rpc_timeout.as_secs();
         let batch_size = self.ctx.copied_config().batch_size() as u32;
-        let inputs = (0..writer.tasks()).map(move |p| {
-            let task = StageTask {
-                plan: plan.clone(),
-                partition: p as u32,
-                workers: workers.clone(),
-                timeout_secs,
-                batch_size,
-            };
-            MapInput::Source(proto::TaskSource {
-                kind: STAGE_SOURCE.into(),
-                payload: task.encode_to_vec(),
+        let inputs = (0..writer.tasks())
+            .map(|p| {
+                let task = StageTask {
+                    plan: plan.clone(),
+                    partition: p as u32,
+                    workers: workers.clone(),
+                    timeout_secs,
+                    batch_size,
+                };
+                MapInput::Source(proto::TaskSource {
+                    kind: STAGE_SOURCE.into(),
+                    payload: task.encode_to_vec(),
+                })
             })
-        });
-        tracing::info!(stage = writer.stage, tasks = writer.tasks(), exchange = %writer.describe(), "stage starts");
-        let spilled_before = self.spilled().await?;
-        let start = Instant::now();
-        let inputs = futures::stream::iter(inputs);
-        let mapped = match writer.strategy {
-            Strategy::Pull => {
-                pull::map_side(&self.driver, &spec, inputs, StrategyOptions::default()).await?
-            }
-        };
-        let seconds = start.elapsed().as_secs_f64();
-        tracing::info!(
-            stage = writer.stage,
-            seconds,
-            rows = mapped.input.rows,
-            "stage done"
-        );
-        Ok(StageMetrics {
-            stage: writer.stage,
-            exchange: writer.describe(),
-            tasks: mapped.maps.len(),
-            rows: mapped.input.rows,
-            bytes: mapped
-                .maps
-                .iter()
-                .flat_map(|m| &m.blocks)
-                .map(|b| b.meta.bytes)
-                .sum(),
-            blocks: mapped.maps.iter().map(|m| m.blocks.len()).sum(),
-            spilled_bytes: self.spilled().await?.saturating_sub(spilled_before),
-            seconds,
-        })
-    }
-
-    async fn spilled(&self) -> Result<u64> {
-        Ok(self
-            .driver
-            .stats()
-            .await?
-            .iter()
-            .map(|s| s.spilled_bytes)
-            .sum())
+            .collect();
+        Ok(StageRun { spec, inputs })
     }
 }
 
@@ -258,5 +287,6 @@ fn text_result(text: &str, seconds: f64) -> QueryResult {
         batches: batch.into_iter().collect(),
         stages: vec![],
         seconds,
+        rpcs: 0,
     }
 }

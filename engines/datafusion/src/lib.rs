@@ -16,10 +16,8 @@ pub mod source;
 pub mod writer;
 
 use datafusion::prelude::SessionConfig;
-use exchange::task::SourceRegistry;
-use exchange::transport::client::WorkerClient;
+use exchange::task::{ShuffleReader, SourceRegistry};
 use std::sync::Arc;
-use std::time::Duration;
 
 pub use context::{DistributedContext, QueryResult, StageMetrics};
 
@@ -57,29 +55,21 @@ pub fn distributed_options(mut config: SessionConfig) -> SessionConfig {
 /// A worker's task sources: the exchange's built-ins plus DataFusion stages.
 pub fn worker_sources() -> SourceRegistry {
     let mut r = SourceRegistry::with_builtin();
-    r.register(STAGE_SOURCE, Arc::new(source::StageSource));
+    r.register(STAGE_SOURCE, Arc::new(source::StageSource::default()));
     r
 }
 
 /// What a shuffle reader needs at execution time (a DataFusion session-config extension):
-/// the workers to read from and the cluster token.
+/// the workers to read from and the process's pooled reader (on a worker, blocks it holds
+/// itself are read from its store).
 pub struct ExchangeContext {
     pub workers: Vec<String>,
-    clients: Vec<WorkerClient>,
+    pub reader: Arc<dyn ShuffleReader>,
 }
 
 impl ExchangeContext {
-    pub fn new(workers: Vec<String>, token: &str, timeout: Duration) -> exchange::Result<Self> {
-        let clients = workers
-            .iter()
-            .enumerate()
-            .map(|(i, a)| WorkerClient::new(i, a, token, timeout))
-            .collect::<exchange::Result<Vec<_>>>()?;
-        Ok(ExchangeContext { workers, clients })
-    }
-
-    pub fn clients(&self) -> &[WorkerClient] {
-        &self.clients
+    pub fn new(workers: Vec<String>, reader: Arc<dyn ShuffleReader>) -> Self {
+        ExchangeContext { workers, reader }
     }
 }
 

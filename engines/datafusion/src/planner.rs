@@ -20,6 +20,13 @@
 //!   `Partitioned` (both sides hash-exchanged on the join keys, same partition count); such
 //!   nested-loop joins get their probe side gathered and their output dealt back out.
 //!
+//! * A gather of a *small* subtree that reads no exchange (nation, region, a filtered
+//!   dimension table: DataFusion's statistics say at most [`SMALL_GATHER_ROWS`] rows) is not
+//!   cut: every consumer computes it itself from the files, which costs less than a stage, its
+//!   calls and a network hop (a worker decodes a stage plan once, so a `CollectLeft` build side
+//!   built this way is built once per worker). A query over small tables only runs whole on
+//!   the driver.
+//!
 //! Parquet scans need no boundary: their file groups are the stage's partitions, so map tasks
 //! split the scan across workers. A plan whose root has several partitions gets a final gather
 //! so that only the last, single-partition step runs on the driver.
@@ -199,6 +206,9 @@ impl Planner {
         }
         let gather = plan.downcast_ref::<CoalescePartitionsExec>().is_some();
         let merge = plan.downcast_ref::<SortPreservingMergeExec>().is_some();
+        if gather && deps.is_empty() && is_small(&children[0]) {
+            return Ok((replace_children_if_necessary(plan, children)?, deps));
+        }
         if (gather || merge) && children[0].output_partitioning().partition_count() > 1 {
             let child = children.swap_remove(0);
             let runs = child.output_partitioning().partition_count();
@@ -221,6 +231,34 @@ impl Planner {
         }
         Ok((replace_children_if_necessary(plan, children)?, deps))
     }
+}
+
+/// Row count at or under which a gather of a subtree without exchanges is computed by its
+/// consumers instead of being cut into a stage (DataFusion's own `CollectLeft` threshold for a
+/// build side is 128 Ki rows).
+pub const SMALL_GATHER_ROWS: usize = 128 * 1024;
+
+/// DataFusion's estimates say every node of `plan` — its scans included, so a small aggregate
+/// over a large table does not count — produces at most [`SMALL_GATHER_ROWS`] rows.
+fn is_small(plan: &Arc<dyn ExecutionPlan>) -> bool {
+    use datafusion::physical_plan::statistics::{StatisticsArgs, StatisticsContext};
+    let stats = StatisticsContext::new();
+    let args = StatisticsArgs::new();
+    let small = |p: &Arc<dyn ExecutionPlan>| {
+        stats
+            .compute(p.as_ref(), &args)
+            .ok()
+            .and_then(|s| s.num_rows.get_value().copied())
+            .is_some_and(|n| n <= SMALL_GATHER_ROWS)
+    };
+    let mut todo = vec![plan.clone()];
+    while let Some(p) = todo.pop() {
+        if !small(&p) {
+            return false;
+        }
+        todo.extend(p.children().into_iter().cloned());
+    }
+    true
 }
 
 /// Join types whose build-side rows are emitted after the whole probe side was seen.

@@ -14,7 +14,7 @@ use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties};
 use exchange::ShuffleId;
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 use std::fmt;
 use std::sync::Arc;
 
@@ -135,23 +135,14 @@ impl ExecutionPlan for ShuffleReaderExec {
                         .into(),
                 )
             })?;
-        let (shuffle, mode) = (self.shuffle.0, self.mode);
         let p = u32::try_from(partition)
             .map_err(|_| DataFusionError::Execution(format!("partition {partition} too large")))?;
-        let open = async move {
-            let opens = ectx.clients().iter().map(|c| async move {
-                match mode {
-                    ReadMode::Partition => c.read_partition(shuffle, p, true).await,
-                    ReadMode::MapOutput => c.read_map_output(shuffle, p).await,
-                }
-            });
-            let streams = futures::future::try_join_all(opens).await.map_err(df_err)?;
-            Ok::<_, DataFusionError>(futures::stream::select_all(streams).map_err(df_err))
+        let stream = match self.mode {
+            ReadMode::Partition => ectx.reader.read_partition(&ectx.workers, self.shuffle, p),
+            ReadMode::MapOutput => ectx.reader.read_map_output(&ectx.workers, self.shuffle, p),
         };
         let schema = self.schema.clone();
-        let batches = futures::stream::once(open)
-            .try_flatten()
-            .map(move |b| b.and_then(|b| conform(b, &schema)));
+        let batches = stream.map(move |b| b.map_err(df_err).and_then(|b| conform(b, &schema)));
         Ok(Box::pin(RecordBatchStreamAdapter::new(
             self.schema.clone(),
             batches,

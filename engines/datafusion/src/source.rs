@@ -1,17 +1,25 @@
 //! `StageSource`: how a worker runs one partition of a stage plan as a map task's input.
+//!
+//! A worker keeps one DataFusion session (per peer list and batch size) and decodes a stage
+//! plan once: every task of that stage on this worker executes its partition of the *same*
+//! plan instance, as single-process DataFusion does. So a `CollectLeft` join's build side is
+//! built once per worker and shared by the worker's probe partitions. This is safe because the
+//! planner already removed the operators whose partitions coordinate through one instance
+//! (joins that emit build-side rows at the end, dynamic filters; see [`crate::planner`]); the
+//! rest only share read-only state. The cached plan is forgotten when its shuffle is dropped.
 
 use crate::codec::ExchangeCodec;
 use crate::ExchangeContext;
 use arrow::datatypes::SchemaRef;
+use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use datafusion_proto::bytes::physical_plan_from_bytes_with_extension_codec;
-use exchange::task::{BatchSource, BatchStream};
-use exchange::worker::TOKEN_ENV;
-use exchange::Error;
+use exchange::task::{BatchSource, BatchStream, TaskContext};
+use exchange::{Error, ShuffleId};
 use futures::TryStreamExt;
 use prost::Message;
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 /// The payload of a stage map task.
 #[derive(Clone, PartialEq, prost::Message)]
@@ -30,35 +38,84 @@ pub struct StageTask {
     pub batch_size: u32,
 }
 
-pub struct StageSource;
+/// Runs stage partitions; caches sessions and decoded plans (see the module doc).
+#[derive(Default)]
+pub struct StageSource {
+    sessions: Mutex<HashMap<(Vec<String>, u32), SessionContext>>,
+    plans: Mutex<HashMap<ShuffleId, StagePlan>>,
+}
+
+/// A decoded stage plan and the session it runs in.
+type StagePlan = (Arc<dyn ExecutionPlan>, SessionContext);
 
 fn task_err(e: impl std::fmt::Display) -> Error {
     Error::Task(e.to_string())
 }
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl StageSource {
+    fn session(&self, ctx: &TaskContext, task: &StageTask) -> SessionContext {
+        let key = (task.workers.clone(), task.batch_size);
+        lock(&self.sessions)
+            .entry(key)
+            .or_insert_with(|| {
+                let ectx = ExchangeContext::new(task.workers.clone(), ctx.reader.clone());
+                let mut config =
+                    crate::distributed_options(SessionConfig::new()).with_extension(Arc::new(ectx));
+                if task.batch_size > 0 {
+                    config = config.with_batch_size(task.batch_size as usize);
+                }
+                SessionContext::new_with_config(config)
+            })
+            .clone()
+    }
+
+    /// The stage's plan instance on this worker, decoded by its first task.
+    fn plan(&self, ctx: &TaskContext, task: &StageTask) -> exchange::Result<StagePlan> {
+        // Held while decoding so concurrent first tasks of one stage share one instance.
+        let mut plans = lock(&self.plans);
+        if let Some(p) = plans.get(&ctx.shuffle) {
+            return Ok(p.clone());
+        }
+        let session = self.session(ctx, task);
+        let plan = physical_plan_from_bytes_with_extension_codec(
+            &task.plan,
+            &session.task_ctx(),
+            &ExchangeCodec,
+        )
+        .map_err(|e| Error::invalid(format!("cannot decode stage plan: {e}")))?;
+        plans.insert(ctx.shuffle, (plan.clone(), session.clone()));
+        Ok((plan, session))
+    }
+}
+
 impl BatchSource for StageSource {
-    fn open(&self, payload: &[u8], _schema: SchemaRef) -> exchange::Result<BatchStream> {
+    fn open(
+        &self,
+        ctx: &TaskContext,
+        payload: &[u8],
+        _schema: SchemaRef,
+    ) -> exchange::Result<BatchStream> {
         let task = StageTask::decode(payload)
             .map_err(|e| Error::invalid(format!("malformed stage task: {e}")))?;
-        let token = std::env::var(TOKEN_ENV).unwrap_or_default();
-        let ectx = ExchangeContext::new(
-            task.workers.clone(),
-            &token,
-            Duration::from_secs(task.timeout_secs.max(1)),
-        )?;
-        let mut config =
-            crate::distributed_options(SessionConfig::new()).with_extension(Arc::new(ectx));
-        if task.batch_size > 0 {
-            config = config.with_batch_size(task.batch_size as usize);
+        let (plan, session) = self.plan(ctx, &task)?;
+        let partitions = plan.properties().partitioning.partition_count();
+        if task.partition as usize >= partitions {
+            return Err(Error::invalid(format!(
+                "stage task for partition {} of a plan with {partitions}",
+                task.partition
+            )));
         }
-        let ctx = SessionContext::new_with_config(config);
-        let task_ctx = ctx.task_ctx();
-        let plan =
-            physical_plan_from_bytes_with_extension_codec(&task.plan, &task_ctx, &ExchangeCodec)
-                .map_err(|e| Error::invalid(format!("cannot decode stage plan: {e}")))?;
         let stream = plan
-            .execute(task.partition as usize, task_ctx)
+            .execute(task.partition as usize, session.task_ctx())
             .map_err(task_err)?;
         Ok(Box::pin(stream.map_err(task_err)))
+    }
+
+    fn shuffle_dropped(&self, shuffle: ShuffleId) {
+        lock(&self.plans).remove(&shuffle);
     }
 }

@@ -3,6 +3,12 @@
 //! file (sequential appends, rolled over at `segment_bytes`). Reads check the CRC32C of every
 //! block, wherever it lives; spilled blocks are read straight from disk. Partition streams
 //! follow blocks in arrival order and wait for new ones until the shuffle is sealed.
+//!
+//! Attempts and commits (DESIGN "Attempts and commits"): a map attempt's blocks are *pending*
+//! until the driver commits that (map, attempt); only then are they appended to their
+//! partitions' lists, which readers follow. Lists are append-only, so aborting or discarding an
+//! attempt never shifts what a waiting reader has still to read. A map commits at most one
+//! attempt; a sealed shuffle takes no more puts or commits and discards what is still pending.
 
 pub mod segment;
 
@@ -12,7 +18,7 @@ use crate::proto;
 use arrow::datatypes::SchemaRef;
 use bytes::Bytes;
 use segment::{Segment, SegmentWriter};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -51,9 +57,14 @@ struct Entry {
 
 struct ShuffleState {
     info: ShuffleInfo,
+    /// Every stored block, pending or committed.
     blocks: HashMap<BlockId, Entry>,
-    /// Blocks of each partition in arrival order.
+    /// Committed blocks of each partition in commit order (append-only).
     by_partition: Vec<Vec<BlockId>>,
+    /// Blocks of attempts not committed yet, by (map, attempt), in put order.
+    pending: HashMap<(u32, u32), Vec<BlockId>>,
+    /// The committed attempt of each map, and its blocks.
+    committed: HashMap<u32, (u32, Vec<BlockId>)>,
     sealed: bool,
     segments: Vec<Arc<Segment>>,
     version: watch::Sender<u64>,
@@ -133,6 +144,8 @@ impl BlockStore {
                 by_partition: vec![Vec::new(); info.partitions as usize],
                 info,
                 blocks: HashMap::new(),
+                pending: HashMap::new(),
+                committed: HashMap::new(),
                 sealed: false,
                 segments: Vec::new(),
                 version,
@@ -148,8 +161,14 @@ impl BlockStore {
             .ok_or(Error::UnknownShuffle(id))
     }
 
-    /// Store one encoded block, in memory if the budget allows, else in a spill segment.
+    /// Store one encoded block (pending until its attempt commits), in memory if the budget
+    /// allows, else in a spill segment.
     pub fn put(&self, id: BlockId, rows: u64, data: Bytes) -> Result<BlockMeta> {
+        self.put_where(id, rows, data).map(|(m, _)| m)
+    }
+
+    /// [`BlockStore::put`], also telling whether the block was spilled.
+    pub fn put_where(&self, id: BlockId, rows: u64, data: Bytes) -> Result<(BlockMeta, bool)> {
         let meta = BlockMeta {
             id,
             rows,
@@ -161,12 +180,7 @@ impl BlockStore {
             let sh = st
                 .get(&id.shuffle)
                 .ok_or(Error::UnknownShuffle(id.shuffle))?;
-            if id.partition >= sh.info.partitions {
-                return Err(Error::invalid(format!(
-                    "block {id}: partition out of range (shuffle has {})",
-                    sh.info.partitions
-                )));
-            }
+            check_put(sh, &id)?;
         }
         let fits = self
             .memory_bytes
@@ -180,24 +194,93 @@ impl BlockStore {
             self.spill(meta, &data)?
         };
         let mut st = lock(&self.state);
-        let Some(sh) = st.get_mut(&id.shuffle) else {
-            // Dropped while we were writing: forget the block.
-            if fits {
-                self.memory_bytes.fetch_sub(meta.bytes, Ordering::SeqCst);
+        // Checked again: the shuffle may have been dropped, sealed or the map committed by
+        // another attempt while the block was written.
+        let sh = match st.get_mut(&id.shuffle) {
+            Some(sh) => match check_put(sh, &id) {
+                Ok(()) => sh,
+                Err(e) => {
+                    self.forget(fits, meta.bytes);
+                    return Err(e);
+                }
+            },
+            None => {
+                self.forget(fits, meta.bytes);
+                return Err(Error::UnknownShuffle(id.shuffle));
             }
-            return Err(Error::UnknownShuffle(id.shuffle));
         };
-        if let Some(old) = sh.blocks.insert(id, Entry { meta, location }) {
-            // A retried attempt replaced the block: release the old copy's memory.
-            if matches!(old.location, Location::Memory(_)) {
-                self.memory_bytes
-                    .fetch_sub(old.meta.bytes, Ordering::SeqCst);
-            }
-        } else {
-            sh.by_partition[id.partition as usize].push(id);
+        sh.blocks.insert(id, Entry { meta, location });
+        sh.pending.entry((id.map, id.attempt)).or_default().push(id);
+        Ok((meta, !fits))
+    }
+
+    /// Release the memory a block that was refused after its write had reserved.
+    fn forget(&self, in_memory: bool, bytes: u64) {
+        if in_memory {
+            self.memory_bytes.fetch_sub(bytes, Ordering::SeqCst);
         }
+    }
+
+    /// Make the blocks of one map attempt visible to readers, appended to their partitions in
+    /// the order they were put. `expected` (when known) is the number of blocks the attempt
+    /// reported; a different count is an error and nothing is committed. Committing the
+    /// committed attempt again is a no-op; committing another attempt of a committed map is
+    /// refused (the first commit wins).
+    pub fn commit(
+        &self,
+        shuffle: ShuffleId,
+        map: u32,
+        attempt: u32,
+        expected: Option<usize>,
+    ) -> Result<Vec<BlockMeta>> {
+        let mut st = lock(&self.state);
+        let sh = st.get_mut(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
+        if let Some((won, ids)) = sh.committed.get(&map) {
+            if *won == attempt {
+                return Ok(ids
+                    .iter()
+                    .filter_map(|i| sh.blocks.get(i))
+                    .map(|e| e.meta)
+                    .collect());
+            }
+            return Err(Error::Precondition(format!(
+                "map {map} of shuffle {shuffle} already committed attempt {won}; attempt \
+                 {attempt} is refused"
+            )));
+        }
+        if sh.sealed {
+            return Err(Error::Precondition(format!(
+                "shuffle {shuffle} is sealed: map {map} attempt {attempt} cannot commit"
+            )));
+        }
+        let found = sh.pending.get(&(map, attempt)).map_or(0, |v| v.len());
+        if let Some(n) = expected {
+            if n != found {
+                return Err(Error::Precondition(format!(
+                    "map {map} attempt {attempt} of shuffle {shuffle} reported {n} blocks but \
+                     {found} are stored here"
+                )));
+            }
+        }
+        let ids = sh.pending.remove(&(map, attempt)).unwrap_or_default();
+        for id in &ids {
+            sh.by_partition[id.partition as usize].push(*id);
+        }
+        let metas = ids
+            .iter()
+            .filter_map(|i| sh.blocks.get(i))
+            .map(|e| e.meta)
+            .collect();
+        sh.committed.insert(map, (attempt, ids));
         sh.version.send_modify(|v| *v += 1);
-        Ok(meta)
+        Ok(metas)
+    }
+
+    /// The committed attempt of `map`, if any.
+    pub fn committed_attempt(&self, shuffle: ShuffleId, map: u32) -> Option<u32> {
+        lock(&self.state)
+            .get(&shuffle)
+            .and_then(|sh| sh.committed.get(&map).map(|(a, _)| *a))
     }
 
     fn spill(&self, meta: BlockMeta, data: &[u8]) -> Result<Location> {
@@ -278,38 +361,40 @@ impl BlockStore {
         Ok(data)
     }
 
-    /// Remove the blocks of one map attempt (it failed or was cancelled). Spilled bytes stay
-    /// in their segment until the shuffle is dropped.
-    pub fn remove_map_output(&self, shuffle: ShuffleId, map: u32, attempt: u32) {
+    /// Remove the pending blocks of one map attempt (it failed, was cancelled or lost the
+    /// race to commit). A committed attempt is left alone: readers may be reading it. Returns
+    /// how many blocks were removed. Spilled bytes stay in their segment until the shuffle is
+    /// dropped.
+    pub fn abort(&self, shuffle: ShuffleId, map: u32, attempt: u32) -> usize {
         let mut st = lock(&self.state);
         let Some(sh) = st.get_mut(&shuffle) else {
-            return;
+            return 0;
         };
-        let gone: Vec<BlockId> = sh
-            .blocks
-            .keys()
-            .filter(|b| b.map == map && b.attempt == attempt)
-            .copied()
-            .collect();
-        for id in &gone {
+        let gone = sh.pending.remove(&(map, attempt)).unwrap_or_default();
+        self.remove_entries(sh, &gone);
+        gone.len()
+    }
+
+    fn remove_entries(&self, sh: &mut ShuffleState, ids: &[BlockId]) {
+        for id in ids {
             if let Some(e) = sh.blocks.remove(id) {
                 if matches!(e.location, Location::Memory(_)) {
                     self.memory_bytes.fetch_sub(e.meta.bytes, Ordering::SeqCst);
                 }
             }
-            sh.by_partition[id.partition as usize].retain(|b| b != id);
         }
     }
 
+    /// Metadata of a committed block (pending blocks are not visible).
     pub fn meta(&self, id: &BlockId) -> Result<BlockMeta> {
         let st = lock(&self.state);
         let sh = st
             .get(&id.shuffle)
             .ok_or(Error::UnknownShuffle(id.shuffle))?;
-        sh.blocks
-            .get(id)
-            .map(|e| e.meta)
-            .ok_or(Error::BlockNotFound(*id))
+        match (sh.blocks.get(id), sh.committed.get(&id.map)) {
+            (Some(e), Some((a, _))) if *a == id.attempt => Ok(e.meta),
+            _ => Err(Error::BlockNotFound(*id)),
+        }
     }
 
     /// Blocks of a partition from position `from` on, whether the shuffle is sealed, and a
@@ -332,21 +417,100 @@ impl BlockStore {
         Ok((list.get(from..).unwrap_or(&[]).to_vec(), sh.sealed, rx))
     }
 
-    /// Blocks one map task wrote to a sealed shuffle, in (partition, attempt, seq) order.
-    pub fn map_output(&self, shuffle: ShuffleId, map: u32) -> Result<Vec<BlockId>> {
+    /// The committed blocks of one partition in commit order, as a stream; with `wait`, it
+    /// follows new commits until the shuffle is sealed (each wait bounded by `timeout`).
+    pub fn follow_partition(
+        self: Arc<Self>,
+        shuffle: ShuffleId,
+        partition: u32,
+        wait: bool,
+        timeout: std::time::Duration,
+    ) -> futures::stream::BoxStream<'static, Result<BlockId>> {
+        use futures::StreamExt;
+        let init = (0usize, VecDeque::<BlockId>::new(), false);
+        futures::stream::unfold(init, move |(mut pos, mut queue, mut done)| {
+            let store = self.clone();
+            async move {
+                loop {
+                    if let Some(id) = queue.pop_front() {
+                        return Some((Ok(id), (pos, queue, done)));
+                    }
+                    if done {
+                        return None;
+                    }
+                    let (ids, sealed, mut rx) = match store.partition_since(shuffle, partition, pos)
+                    {
+                        Ok(x) => x,
+                        Err(e) => return Some((Err(e), (pos, queue, true))),
+                    };
+                    pos += ids.len();
+                    queue.extend(ids);
+                    if sealed || !wait {
+                        done = true;
+                        continue;
+                    }
+                    if queue.is_empty()
+                        && tokio::time::timeout(timeout, rx.changed()).await.is_err()
+                    {
+                        let e = Error::Timeout {
+                            what: format!("shuffle {shuffle} to be sealed (partition {partition})"),
+                            seconds: timeout.as_secs_f64(),
+                        };
+                        return Some((Err(e), (pos, queue, true)));
+                    }
+                }
+            }
+        })
+        .boxed()
+    }
+
+    /// The committed blocks of one map, in (partition, seq) order, once this store knows the
+    /// answer: `Some` when the map committed here or the shuffle is sealed (then an absent map
+    /// ran elsewhere: `Some(empty)`), `None` while it may still commit here; with a receiver
+    /// that changes when either does.
+    pub fn map_output(
+        &self,
+        shuffle: ShuffleId,
+        map: u32,
+    ) -> Result<(Option<Vec<BlockId>>, watch::Receiver<u64>)> {
         let st = lock(&self.state);
         let sh = st.get(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
-        if !sh.sealed {
-            return Err(Error::invalid(format!(
-                "map output of shuffle {shuffle} is read only after the shuffle is sealed"
-            )));
+        let rx = sh.version.subscribe();
+        let ids = match sh.committed.get(&map) {
+            Some((_, ids)) => {
+                let mut ids = ids.clone();
+                ids.sort_by_key(|b| (b.partition, b.seq));
+                Some(ids)
+            }
+            None if sh.sealed => Some(Vec::new()),
+            None => None,
+        };
+        Ok((ids, rx))
+    }
+
+    /// [`BlockStore::map_output`], waiting (at most `timeout` between changes) for the answer.
+    pub async fn wait_map_output(
+        &self,
+        shuffle: ShuffleId,
+        map: u32,
+        timeout: std::time::Duration,
+    ) -> Result<Vec<BlockId>> {
+        loop {
+            let (ids, mut rx) = self.map_output(shuffle, map)?;
+            if let Some(ids) = ids {
+                return Ok(ids);
+            }
+            if tokio::time::timeout(timeout, rx.changed()).await.is_err() {
+                return Err(Error::Timeout {
+                    what: format!("map {map} of shuffle {shuffle} to commit"),
+                    seconds: timeout.as_secs_f64(),
+                });
+            }
         }
-        let mut ids: Vec<BlockId> = sh.blocks.keys().filter(|b| b.map == map).copied().collect();
-        ids.sort_by_key(|b| (b.partition, b.attempt, b.seq));
-        Ok(ids)
     }
 
     /// Mark the map side of a shuffle complete: partition streams end after their last block.
+    /// Blocks of attempts that never committed are discarded.
     pub fn seal(&self, shuffle: ShuffleId) -> Result<()> {
         if let Some(w) = lock(&self.writers).get(&shuffle) {
             if let Some(active) = lock(w).take() {
@@ -356,6 +520,8 @@ impl BlockStore {
         let mut st = lock(&self.state);
         let sh = st.get_mut(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
         sh.sealed = true;
+        let pending: Vec<BlockId> = sh.pending.drain().flat_map(|(_, ids)| ids).collect();
+        self.remove_entries(sh, &pending);
         sh.version.send_modify(|v| *v += 1);
         Ok(())
     }
@@ -405,6 +571,32 @@ impl BlockStore {
             restored_blocks: self.restored_blocks.load(Ordering::SeqCst),
         }
     }
+}
+
+/// Whether `id` may be put into `sh` now.
+fn check_put(sh: &ShuffleState, id: &BlockId) -> Result<()> {
+    if id.partition >= sh.info.partitions {
+        return Err(Error::invalid(format!(
+            "block {id}: partition out of range (shuffle has {})",
+            sh.info.partitions
+        )));
+    }
+    if sh.sealed {
+        return Err(Error::Precondition(format!(
+            "block {id}: shuffle {} is sealed and takes no more blocks",
+            sh.info.id
+        )));
+    }
+    if let Some((won, _)) = sh.committed.get(&id.map) {
+        return Err(Error::Precondition(format!(
+            "block {id}: map {} already committed attempt {won}",
+            id.map
+        )));
+    }
+    if sh.blocks.contains_key(id) {
+        return Err(Error::invalid(format!("block {id} is already stored")));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

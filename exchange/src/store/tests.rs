@@ -45,6 +45,7 @@ proptest! {
             let data: Vec<u8> = (0..*n).map(|j| (i * 31 + j) as u8).collect();
             let id = bid(1, i as u32, (i % 4) as u32);
             s.put(id, 1, Bytes::from(data.clone())).unwrap();
+            s.commit(ShuffleId(1), i as u32, 0, Some(1)).unwrap();
             expect.push((id, data));
             prop_assert!(s.metrics().memory_bytes <= budget);
         }
@@ -94,6 +95,7 @@ fn segments_are_fused_and_indexed() {
     for m in 0..25 {
         s.put(bid(9, m, 0), 1, Bytes::from(vec![m as u8; 1000]))
             .unwrap();
+        s.commit(ShuffleId(9), m, 0, None).unwrap();
     }
     s.seal(ShuffleId(9)).unwrap();
     let files = s.spill_files();
@@ -137,4 +139,239 @@ fn full_disk_is_a_clear_error() {
     let err = full.append(meta, b"abc").unwrap_err();
     assert!(err.to_string().contains("No space left"), "{err}");
     assert_eq!(err.to_status().code(), tonic::Code::ResourceExhausted);
+}
+
+// ---- attempts and commits ----
+
+fn aid(shuffle: u64, map: u32, partition: u32, attempt: u32, seq: u32) -> BlockId {
+    BlockId {
+        shuffle: ShuffleId(shuffle),
+        map,
+        partition,
+        attempt,
+        seq,
+    }
+}
+
+fn visible(s: &BlockStore, shuffle: u64, partitions: u32) -> Vec<BlockId> {
+    (0..partitions)
+        .flat_map(|p| s.partition_since(ShuffleId(shuffle), p, 0).unwrap().0)
+        .collect()
+}
+
+#[test]
+fn pending_blocks_are_invisible_until_committed() {
+    let (_dir, s) = store(1 << 20, 1 << 20);
+    s.create_shuffle(info(1, 2)).unwrap();
+    let a = aid(1, 0, 1, 0, 0);
+    s.put(a, 1, Bytes::from_static(b"a")).unwrap();
+    assert!(visible(&s, 1, 2).is_empty());
+    assert!(matches!(s.meta(&a), Err(Error::BlockNotFound(_))));
+    assert_eq!(s.map_output(ShuffleId(1), 0).unwrap().0, None);
+    let metas = s.commit(ShuffleId(1), 0, 0, Some(1)).unwrap();
+    assert_eq!(metas.len(), 1);
+    assert_eq!(visible(&s, 1, 2), vec![a]);
+    assert!(s.meta(&a).is_ok());
+    assert_eq!(s.map_output(ShuffleId(1), 0).unwrap().0, Some(vec![a]));
+}
+
+#[test]
+fn first_commit_wins_and_a_duplicate_attempt_never_shows() {
+    let (_dir, s) = store(1 << 20, 1 << 20);
+    s.create_shuffle(info(1, 2)).unwrap();
+    let (a0, a1) = (aid(1, 0, 0, 0, 0), aid(1, 0, 0, 1, 0));
+    s.put(a0, 1, Bytes::from_static(b"x")).unwrap();
+    s.put(a1, 1, Bytes::from_static(b"y")).unwrap();
+    s.commit(ShuffleId(1), 0, 1, Some(1)).unwrap();
+    // Committing the winner again is a no-op; the loser is refused.
+    s.commit(ShuffleId(1), 0, 1, Some(1)).unwrap();
+    let err = s.commit(ShuffleId(1), 0, 0, Some(1)).unwrap_err();
+    assert_eq!(
+        err.to_status().code(),
+        tonic::Code::FailedPrecondition,
+        "{err}"
+    );
+    // A late put of the losing or of a new attempt is refused too.
+    assert!(s
+        .put(aid(1, 0, 1, 2, 0), 1, Bytes::from_static(b"z"))
+        .is_err());
+    assert_eq!(s.abort(ShuffleId(1), 0, 0), 1);
+    assert_eq!(visible(&s, 1, 2), vec![a1]);
+    assert_eq!(s.get(&a1).unwrap().as_ref(), b"y");
+    assert_eq!(
+        s.metrics().memory_bytes,
+        1,
+        "the loser's memory is released"
+    );
+}
+
+#[test]
+fn aborting_removes_pending_output_but_never_committed_output() {
+    let (_dir, s) = store(1 << 20, 1 << 20);
+    s.create_shuffle(info(1, 1)).unwrap();
+    for seq in 0..3 {
+        s.put(aid(1, 4, 0, 0, seq), 1, Bytes::from(vec![1u8; 10]))
+            .unwrap();
+    }
+    assert_eq!(s.metrics().memory_bytes, 30);
+    assert_eq!(s.abort(ShuffleId(1), 4, 0), 3);
+    assert_eq!(s.metrics().memory_bytes, 0);
+    assert!(matches!(
+        s.get(&aid(1, 4, 0, 0, 0)),
+        Err(Error::BlockNotFound(_))
+    ));
+    s.put(aid(1, 4, 0, 1, 0), 1, Bytes::from(vec![2u8; 10]))
+        .unwrap();
+    s.commit(ShuffleId(1), 4, 1, Some(1)).unwrap();
+    assert_eq!(s.abort(ShuffleId(1), 4, 1), 0, "committed output stays");
+    assert_eq!(visible(&s, 1, 1).len(), 1);
+}
+
+#[test]
+fn a_wrong_block_count_commits_nothing() {
+    let (_dir, s) = store(1 << 20, 1 << 20);
+    s.create_shuffle(info(1, 1)).unwrap();
+    s.put(aid(1, 0, 0, 0, 0), 1, Bytes::from_static(b"a"))
+        .unwrap();
+    assert!(s.commit(ShuffleId(1), 0, 0, Some(2)).is_err());
+    assert!(visible(&s, 1, 1).is_empty());
+    s.commit(ShuffleId(1), 0, 0, Some(1)).unwrap();
+    assert_eq!(visible(&s, 1, 1).len(), 1);
+}
+
+#[test]
+fn a_sealed_shuffle_takes_no_puts_or_commits_and_drops_pending_blocks() {
+    let (_dir, s) = store(1 << 20, 1 << 20);
+    s.create_shuffle(info(1, 1)).unwrap();
+    s.put(aid(1, 0, 0, 0, 0), 1, Bytes::from_static(b"a"))
+        .unwrap();
+    s.commit(ShuffleId(1), 0, 0, None).unwrap();
+    s.put(aid(1, 1, 0, 0, 0), 1, Bytes::from_static(b"b"))
+        .unwrap();
+    s.seal(ShuffleId(1)).unwrap();
+    assert_eq!(
+        s.metrics().memory_bytes,
+        1,
+        "the uncommitted block is discarded"
+    );
+    let err = s
+        .put(aid(1, 2, 0, 0, 0), 1, Bytes::from_static(b"c"))
+        .unwrap_err();
+    assert_eq!(
+        err.to_status().code(),
+        tonic::Code::FailedPrecondition,
+        "{err}"
+    );
+    assert!(s.commit(ShuffleId(1), 1, 0, None).is_err());
+    assert_eq!(visible(&s, 1, 1).len(), 1);
+    assert_eq!(s.map_output(ShuffleId(1), 7).unwrap().0, Some(vec![]));
+}
+
+#[test]
+fn removing_an_attempt_never_shifts_what_a_reader_has_left() {
+    let (_dir, s) = store(1 << 20, 1 << 20);
+    s.create_shuffle(info(1, 1)).unwrap();
+    // A reader has consumed the first committed block (position 1).
+    s.put(aid(1, 0, 0, 0, 0), 1, Bytes::from_static(b"a"))
+        .unwrap();
+    s.commit(ShuffleId(1), 0, 0, None).unwrap();
+    let (seen, _, _) = s.partition_since(ShuffleId(1), 0, 0).unwrap();
+    assert_eq!(seen.len(), 1);
+    // Two attempts write; one is aborted, the other committed.
+    s.put(aid(1, 1, 0, 0, 0), 1, Bytes::from_static(b"b"))
+        .unwrap();
+    s.put(aid(1, 2, 0, 0, 0), 1, Bytes::from_static(b"c"))
+        .unwrap();
+    s.abort(ShuffleId(1), 1, 0);
+    s.commit(ShuffleId(1), 2, 0, None).unwrap();
+    let (rest, _, _) = s.partition_since(ShuffleId(1), 0, 1).unwrap();
+    assert_eq!(rest, vec![aid(1, 2, 0, 0, 0)]);
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Put {
+        map: u32,
+        attempt: u32,
+        partition: u32,
+        size: usize,
+    },
+    Commit {
+        map: u32,
+        attempt: u32,
+    },
+    Abort {
+        map: u32,
+        attempt: u32,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (0u32..4, 0u32..3, 0u32..3, 1usize..300)
+            .prop_map(|(map, attempt, partition, size)| Op::Put { map, attempt, partition, size }),
+        1 => (0u32..4, 0u32..3).prop_map(|(map, attempt)| Op::Commit { map, attempt }),
+        1 => (0u32..4, 0u32..3).prop_map(|(map, attempt)| Op::Abort { map, attempt }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// Whatever the interleaving of puts, commits and aborts (and spilling), readers see exactly
+    /// the blocks of the one committed attempt of each map, in commit order, and after the seal
+    /// only committed blocks hold memory.
+    #[test]
+    fn readers_see_exactly_the_committed_attempts(ops in prop::collection::vec(op(), 1..60),
+                                                 budget in 0u64..2_000) {
+        let (_dir, s) = store(budget, 4_000);
+        s.create_shuffle(info(1, 3)).unwrap();
+        let mut next_seq = std::collections::HashMap::<(u32, u32, u32), u32>::new();
+        let mut written = std::collections::HashMap::<(u32, u32), Vec<(BlockId, usize)>>::new();
+        let mut committed = std::collections::BTreeMap::<u32, u32>::new();
+        let mut expect: Vec<BlockId> = Vec::new();
+        for op in ops {
+            match op {
+                Op::Put { map, attempt, partition, size } => {
+                    let seq = next_seq.entry((map, attempt, partition)).or_insert(0);
+                    let id = aid(1, map, partition, attempt, *seq);
+                    let ok = s.put(id, 1, Bytes::from(vec![map as u8; size])).is_ok();
+                    prop_assert_eq!(ok, !committed.contains_key(&map));
+                    if ok {
+                        *seq += 1;
+                        written.entry((map, attempt)).or_default().push((id, size));
+                    }
+                }
+                Op::Commit { map, attempt } => {
+                    let r = s.commit(ShuffleId(1), map, attempt, None);
+                    match committed.get(&map) {
+                        Some(&a) => prop_assert_eq!(r.is_ok(), a == attempt),
+                        None => {
+                            prop_assert!(r.is_ok());
+                            committed.insert(map, attempt);
+                            expect.extend(written.remove(&(map, attempt)).unwrap_or_default().iter().map(|(id, _)| *id));
+                        }
+                    }
+                }
+                Op::Abort { map, attempt } => {
+                    s.abort(ShuffleId(1), map, attempt);
+                    if committed.get(&map) != Some(&attempt) {
+                        written.remove(&(map, attempt));
+                    }
+                }
+            }
+            let mut seen = visible(&s, 1, 3);
+            let mut want = expect.clone();
+            seen.sort();
+            want.sort();
+            prop_assert_eq!(seen, want);
+        }
+        s.seal(ShuffleId(1)).unwrap();
+        for id in visible(&s, 1, 3) {
+            prop_assert_eq!(s.get(&id).unwrap()[0], id.map as u8);
+        }
+        let m = s.metrics();
+        prop_assert!(m.memory_bytes <= budget);
+        s.drop_shuffle(ShuffleId(1)).unwrap();
+        prop_assert_eq!(s.metrics().memory_bytes, 0);
+    }
 }

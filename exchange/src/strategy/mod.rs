@@ -50,6 +50,8 @@ pub struct StrategyOptions {
     pub maps_per_worker: usize,
     /// Reduce tasks running at once on one worker.
     pub reduces_per_worker: usize,
+    /// Check worker health while waiting (off when the caller watches already).
+    pub watch: bool,
 }
 
 impl Default for StrategyOptions {
@@ -57,6 +59,7 @@ impl Default for StrategyOptions {
         StrategyOptions {
             maps_per_worker: 2,
             reduces_per_worker: 2,
+            watch: true,
         }
     }
 }

@@ -17,6 +17,8 @@ pub struct Mapped {
     pub maps: Vec<MapDone>,
     pub input: Checksum,
     pub input_bytes: u64,
+    /// When the first map output was committed.
+    pub first_commit: Option<std::time::Instant>,
 }
 
 /// Run map tasks for every input (spread over the least-loaded workers, at most
@@ -50,45 +52,50 @@ pub async fn run_maps(
         maps: Vec::new(),
         input: Checksum::default(),
         input_bytes: 0,
+        first_commit: None,
     };
     let mut inputs_done = false;
     // Map tasks still running when this returns (a map failed) are aborted.
     let mut guard = AbortOnDrop(Vec::new());
-    driver
-        .watch(async {
-            loop {
-                tokio::select! {
-                    input = inputs.next(), if !inputs_done && running.len() < limit => {
-                        let Some(input) = input else {
-                            inputs_done = true;
-                            continue;
-                        };
-                        let worker = (0..n)
-                            .filter(|&w| driver.is_alive(w))
-                            .min_by_key(|&w| (load[w], (w + n - next_map as usize % n) % n))
-                            .unwrap_or(0);
-                        load[worker] += 1;
-                        let handle = driver.submit_map(spec.id, next_map, worker, input);
-                        guard.0.push(handle.abort_handle());
-                        running.push(handle);
-                        next_map += 1;
-                    }
-                    done = running.next(), if !running.is_empty() => {
-                        let done = done.expect("running is not empty").map_err(|e| {
-                            crate::Error::Cluster(format!("map task failed to run: {e}"))
-                        })??;
-                        load[done.worker] -= 1;
-                        tracing::debug!(shuffle = %spec.id, map = done.map, worker = done.worker, rows = done.input.rows, "map done");
-                        out.input.add(done.input);
-                        out.input_bytes += done.input_bytes;
-                        out.maps.push(done);
-                    }
-                    else => break,
+    let work = async {
+        loop {
+            tokio::select! {
+                input = inputs.next(), if !inputs_done && running.len() < limit => {
+                    let Some(input) = input else {
+                        inputs_done = true;
+                        continue;
+                    };
+                    let worker = (0..n)
+                        .filter(|&w| driver.is_alive(w))
+                        .min_by_key(|&w| (load[w], (w + n - next_map as usize % n) % n))
+                        .unwrap_or(0);
+                    load[worker] += 1;
+                    let handle = driver.submit_map(spec.id, next_map, worker, input);
+                    guard.0.push(handle.abort_handle());
+                    running.push(handle);
+                    next_map += 1;
                 }
+                done = running.next(), if !running.is_empty() => {
+                    let done = done.expect("running is not empty").map_err(|e| {
+                        crate::Error::Cluster(format!("map task failed to run: {e}"))
+                    })??;
+                    load[done.worker] -= 1;
+                    tracing::debug!(shuffle = %spec.id, map = done.map, worker = done.worker, rows = done.input.rows, "map done");
+                    out.input.add(done.input);
+                    out.input_bytes += done.input_bytes;
+                    out.first_commit.get_or_insert(done.committed_at);
+                    out.maps.push(done);
+                }
+                else => break,
             }
-            Ok(())
-        })
-        .await?;
+        }
+        Ok(())
+    };
+    if opts.watch {
+        driver.watch(work).await?;
+    } else {
+        work.await?;
+    }
     out.maps.sort_by_key(|m| m.map);
     Ok(out)
 }

@@ -149,6 +149,20 @@ impl WorkerClient {
         decode(&body)
     }
 
+    /// Commit one map attempt (its blocks become visible to readers).
+    pub async fn commit(&self, m: &proto::CommitTask) -> Result<()> {
+        self.action(actions::COMMIT, m.encode_to_vec(), self.timeout)
+            .await
+            .map(|_| ())
+    }
+
+    /// Abort one map attempt: stop it if it runs and remove its uncommitted blocks.
+    pub async fn cancel(&self, m: &proto::CommitTask) -> Result<()> {
+        self.action(actions::CANCEL, m.encode_to_vec(), self.timeout)
+            .await
+            .map(|_| ())
+    }
+
     pub async fn shuffle_action(&self, kind: &str, shuffle: u64) -> Result<()> {
         let m = proto::ShuffleRef {
             shuffle_id: shuffle,

@@ -3,6 +3,7 @@
 //! a stored block (an IPC stream) into Flight messages.
 
 pub mod client;
+pub mod peers;
 pub mod server;
 
 use crate::error::{Error, Result};
@@ -33,6 +34,7 @@ pub mod actions {
     pub const SEAL_SHUFFLE: &str = "seal_shuffle";
     pub const DROP_SHUFFLE: &str = "drop_shuffle";
     pub const CANCEL: &str = "cancel";
+    pub const COMMIT: &str = "commit";
     pub const STATS: &str = "stats";
     pub const HEALTH: &str = "health";
     pub const ALL: &[&str] = &[
@@ -43,6 +45,7 @@ pub mod actions {
         SEAL_SHUFFLE,
         DROP_SHUFFLE,
         CANCEL,
+        COMMIT,
         STATS,
         HEALTH,
     ];

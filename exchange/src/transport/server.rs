@@ -17,7 +17,6 @@ use arrow_flight::{
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 use prost::Message;
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 use tonic::{Request, Response, Status, Streaming};
@@ -38,52 +37,6 @@ fn one<T: Send + 'static>(item: T) -> BoxStream<'static, Result<T, Status>> {
 }
 
 impl WorkerService {
-    /// Blocks of one partition in arrival order; waits for new ones until sealed.
-    fn partition_ids(
-        &self,
-        shuffle: ShuffleId,
-        partition: u32,
-        wait: bool,
-        timeout: Duration,
-    ) -> BoxStream<'static, Result<BlockId>> {
-        let state = self.state.clone();
-        let init = (0usize, VecDeque::<BlockId>::new(), false);
-        futures::stream::unfold(init, move |(mut pos, mut queue, mut done)| {
-            let state = state.clone();
-            async move {
-                loop {
-                    if let Some(id) = queue.pop_front() {
-                        return Some((Ok(id), (pos, queue, done)));
-                    }
-                    if done {
-                        return None;
-                    }
-                    let (ids, sealed, mut rx) =
-                        match state.store.partition_since(shuffle, partition, pos) {
-                            Ok(x) => x,
-                            Err(e) => return Some((Err(e), (pos, queue, true))),
-                        };
-                    pos += ids.len();
-                    queue.extend(ids);
-                    if sealed || !wait {
-                        done = true;
-                        continue;
-                    }
-                    if queue.is_empty()
-                        && tokio::time::timeout(timeout, rx.changed()).await.is_err()
-                    {
-                        let e = Error::Timeout {
-                            what: format!("shuffle {shuffle} to be sealed (partition {partition})"),
-                            seconds: timeout.as_secs_f64(),
-                        };
-                        return Some((Err(e), (pos, queue, true)));
-                    }
-                }
-            }
-        })
-        .boxed()
-    }
-
     fn serve_blocks(
         &self,
         shuffle: ShuffleId,
@@ -213,12 +166,21 @@ impl FlightService for WorkerService {
                     0 => self.state.read_timeout,
                     ms => Duration::from_millis(ms),
                 };
-                let ids = self.partition_ids(shuffle, p.partition, p.wait_sealed, timeout);
+                let ids = self.state.store.clone().follow_partition(
+                    shuffle,
+                    p.partition,
+                    p.wait_sealed,
+                    timeout,
+                );
                 self.serve_blocks(shuffle, ids)?
             }
             Some(proto::ticket::Kind::MapOutput(m)) => {
                 let shuffle = ShuffleId(m.shuffle_id);
-                let ids = self.state.store.map_output(shuffle, m.map_id)?;
+                let ids = self
+                    .state
+                    .store
+                    .wait_map_output(shuffle, m.map_id, self.state.read_timeout)
+                    .await?;
                 let ids = futures::stream::iter(ids.into_iter().map(Ok)).boxed();
                 self.serve_blocks(shuffle, ids)?
             }
@@ -277,7 +239,10 @@ impl FlightService for WorkerService {
                     .clone()
                     .ok_or_else(|| bad("run_map needs a task source"))?;
                 let info = s.store.shuffle_info(ShuffleId(task.shuffle_id))?;
-                let input = s.sources.open(&source.kind, &source.payload, info.schema)?;
+                let ctx = s.task_context(&task);
+                let input = s
+                    .sources
+                    .open(&source.kind, &ctx, &source.payload, info.schema)?;
                 s.run_map(task, input).await?.encode_to_vec()
             }
             actions::RUN_REDUCE => s.run_reduce(decode(&body)?).await?.encode_to_vec(),
@@ -291,12 +256,23 @@ impl FlightService for WorkerService {
                 let m: proto::ShuffleRef = decode(&body)?;
                 s.cancel_shuffle(ShuffleId(m.shuffle_id));
                 s.drop_fold_states(ShuffleId(m.shuffle_id));
+                s.sources.shuffle_dropped(ShuffleId(m.shuffle_id));
                 s.store.drop_shuffle(ShuffleId(m.shuffle_id))?;
                 vec![]
             }
             actions::CANCEL => {
-                let m: proto::MapTask = decode(&body)?;
-                s.cancel(ShuffleId(m.shuffle_id), m.map_id);
+                let m: proto::CommitTask = decode(&body)?;
+                s.cancel(ShuffleId(m.shuffle_id), m.map_id, m.attempt);
+                vec![]
+            }
+            actions::COMMIT => {
+                let m: proto::CommitTask = decode(&body)?;
+                s.store.commit(
+                    ShuffleId(m.shuffle_id),
+                    m.map_id,
+                    m.attempt,
+                    Some(m.blocks as usize),
+                )?;
                 vec![]
             }
             actions::STATS => s.stats().encode_to_vec(),

@@ -1,6 +1,8 @@
 //! Partitioners: assign each row of a batch to one of R reduce partitions.
 //!
-//! * hash: `arrow-row` normalized key bytes hashed with xxh3 — deterministic across processes;
+//! * hash: key columns hashed natively, column by column ([`hashing`]); key types without a
+//!   native path use `arrow-row` normalized key bytes hashed with xxh3. Both are deterministic
+//!   across processes (the choice depends only on the schema, so every map task agrees);
 //! * range: binary search of the normalized key among R-1 sampled, sorted boundaries;
 //! * round-robin: rows dealt in turn, starting at an offset chosen per map task.
 
@@ -15,6 +17,8 @@ use arrow::row::{OwnedRow, RowConverter, SortField};
 use std::sync::Arc;
 use xxhash_rust::xxh3::xxh3_64;
 
+pub mod hashing;
+
 /// A partitioner bound to a schema and a partition count.
 pub struct Partitioner {
     kind: Kind,
@@ -25,6 +29,8 @@ enum Kind {
     Hash {
         keys: Vec<usize>,
         converter: RowConverter,
+        /// Every key type has a native hashing path.
+        native: bool,
     },
     Range {
         keys: Vec<usize>,
@@ -82,7 +88,14 @@ impl Partitioner {
             Some(proto::partitioner::Kind::Hash(h)) => {
                 let keys = key_indices(schema, &h.keys)?;
                 let converter = RowConverter::new(sort_fields(schema, &keys, &[]))?;
-                Kind::Hash { keys, converter }
+                let native = keys
+                    .iter()
+                    .all(|&k| hashing::supported(schema.field(k).data_type()));
+                Kind::Hash {
+                    keys,
+                    converter,
+                    native,
+                }
             }
             Some(proto::partitioner::Kind::Range(r)) => {
                 let keys = key_indices(schema, &r.keys)?;
@@ -132,8 +145,17 @@ impl Partitioner {
         let n = batch.num_rows();
         let r = self.partitions as u64;
         Ok(match &mut self.kind {
-            Kind::Hash { keys, converter } => {
+            Kind::Hash {
+                keys,
+                converter,
+                native,
+            } => {
                 let cols: Vec<ArrayRef> = keys.iter().map(|&k| batch.column(k).clone()).collect();
+                if *native {
+                    if let Some(h) = hashing::hash_rows(&cols, n) {
+                        return Ok(h.into_iter().map(|x| (x % r) as u32).collect());
+                    }
+                }
                 let rows = converter.convert_columns(&cols)?;
                 rows.iter()
                     .map(|row| (xxh3_64(row.as_ref()) % r) as u32)

@@ -1,0 +1,86 @@
+//! The pipelined stage scheduler: runs a DAG of stages (shuffles with their map inputs) and the
+//! consumer that reads the last of them, all at once.
+//!
+//! Every shuffle is registered first, then every stage's map tasks start together with the
+//! consumer. A stage that reads an earlier stage does not wait for it to finish: its readers
+//! follow the producer's partitions and receive each map output as soon as the driver commits
+//! it; a stage is sealed when all its maps are committed, which ends its readers' streams.
+//! Blocks still land in the block store (spilling and re-reading work as for one stage).
+//!
+//! No deadlock: every stage has its own task allowance (`maps_per_worker` per stage), so a
+//! consumer's tasks that wait for a producer never hold a slot that producer needs, and a
+//! waiting reader is an idle future on the worker, not a blocked thread. The price is that
+//! up to (stages × `maps_per_worker`) tasks share a worker's cores at once.
+
+use crate::driver::{Driver, MapInput, ShuffleSpec};
+use crate::error::Result;
+use crate::strategy::{pull, StrategyOptions};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// One stage to run: the shuffle it writes and one input per map task.
+pub struct StageRun {
+    pub spec: ShuffleSpec,
+    pub inputs: Vec<MapInput>,
+}
+
+/// How a stage went, with times in seconds since the query started.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct StageReport {
+    pub tasks: usize,
+    pub rows: u64,
+    pub bytes: u64,
+    pub blocks: usize,
+    pub spilled_bytes: u64,
+    /// When its first map task was submitted.
+    pub start_s: f64,
+    /// When its first map output was committed (readers could start on it).
+    pub first_commit_s: f64,
+    /// When its last map output was committed and the shuffle sealed.
+    pub end_s: f64,
+}
+
+/// Run `stages` and `consumer` concurrently under one health watch; returns the consumer's
+/// output and a report per stage (in the order given). The caller drops the shuffles.
+pub async fn run_pipelined<T>(
+    driver: &Arc<Driver>,
+    stages: Vec<StageRun>,
+    consumer: impl Future<Output = Result<T>>,
+    started: Instant,
+    opts: StrategyOptions,
+) -> Result<(T, Vec<StageReport>)> {
+    let creates = stages.iter().map(|s| driver.create_shuffle(&s.spec));
+    futures::future::try_join_all(creates).await?;
+    let opts = StrategyOptions {
+        watch: false,
+        ..opts
+    };
+    let runs = stages.into_iter().map(|s| async move {
+        let start_s = started.elapsed().as_secs_f64();
+        let inputs = futures::stream::iter(s.inputs);
+        let mapped = pull::map_side(driver, &s.spec, inputs, opts).await?;
+        let secs = |t: Option<Instant>| t.map_or(0.0, |t| t.duration_since(started).as_secs_f64());
+        Ok::<_, crate::Error>(StageReport {
+            tasks: mapped.maps.len(),
+            rows: mapped.input.rows,
+            bytes: mapped
+                .maps
+                .iter()
+                .flat_map(|m| &m.blocks)
+                .map(|b| b.meta.bytes)
+                .sum(),
+            blocks: mapped.maps.iter().map(|m| m.blocks.len()).sum(),
+            spilled_bytes: mapped.maps.iter().map(|m| m.spilled_bytes).sum(),
+            start_s,
+            first_commit_s: secs(mapped.first_commit),
+            end_s: started.elapsed().as_secs_f64(),
+        })
+    });
+    driver
+        .watch(futures::future::try_join(
+            consumer,
+            futures::future::try_join_all(runs),
+        ))
+        .await
+}
