@@ -261,6 +261,8 @@ pub async fn run_map(
         Ok(freed)
     };
     while let Some(batch) = input.next().await {
+        // A source that is always ready never yields; yield here so an abort takes effect.
+        tokio::task::yield_now().await;
         let batch = batch?;
         if batch.num_rows() == 0 {
             continue;

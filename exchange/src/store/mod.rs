@@ -65,6 +65,8 @@ struct ShuffleState {
     pending: HashMap<(u32, u32), Vec<BlockId>>,
     /// The committed attempt of each map, and its blocks.
     committed: HashMap<u32, (u32, Vec<BlockId>)>,
+    /// Attempts aborted here: a task that keeps running after its abort cannot add blocks.
+    aborted: std::collections::HashSet<(u32, u32)>,
     sealed: bool,
     segments: Vec<Arc<Segment>>,
     version: watch::Sender<u64>,
@@ -146,6 +148,7 @@ impl BlockStore {
                 blocks: HashMap::new(),
                 pending: HashMap::new(),
                 committed: HashMap::new(),
+                aborted: Default::default(),
                 sealed: false,
                 segments: Vec::new(),
                 version,
@@ -251,6 +254,11 @@ impl BlockStore {
         if sh.sealed {
             return Err(Error::Precondition(format!(
                 "shuffle {shuffle} is sealed: map {map} attempt {attempt} cannot commit"
+            )));
+        }
+        if sh.aborted.contains(&(map, attempt)) {
+            return Err(Error::Precondition(format!(
+                "map {map} attempt {attempt} of shuffle {shuffle} was aborted"
             )));
         }
         let found = sh.pending.get(&(map, attempt)).map_or(0, |v| v.len());
@@ -370,6 +378,10 @@ impl BlockStore {
         let Some(sh) = st.get_mut(&shuffle) else {
             return 0;
         };
+        if sh.committed.get(&map).is_some_and(|(a, _)| *a == attempt) {
+            return 0;
+        }
+        sh.aborted.insert((map, attempt));
         let gone = sh.pending.remove(&(map, attempt)).unwrap_or_default();
         self.remove_entries(sh, &gone);
         gone.len()
@@ -591,6 +603,11 @@ fn check_put(sh: &ShuffleState, id: &BlockId) -> Result<()> {
         return Err(Error::Precondition(format!(
             "block {id}: map {} already committed attempt {won}",
             id.map
+        )));
+    }
+    if sh.aborted.contains(&(id.map, id.attempt)) {
+        return Err(Error::Cancelled(format!(
+            "block {id}: its attempt was aborted"
         )));
     }
     if sh.blocks.contains_key(id) {

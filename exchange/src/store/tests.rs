@@ -224,6 +224,15 @@ fn aborting_removes_pending_output_but_never_committed_output() {
         .unwrap();
     s.commit(ShuffleId(1), 4, 1, Some(1)).unwrap();
     assert_eq!(s.abort(ShuffleId(1), 4, 1), 0, "committed output stays");
+    // An aborted attempt that is still running can neither add blocks nor commit.
+    s.create_shuffle(info(2, 1)).unwrap();
+    s.abort(ShuffleId(2), 0, 0);
+    let late = s
+        .put(aid(2, 0, 0, 0, 0), 1, Bytes::from_static(b"x"))
+        .unwrap_err();
+    assert!(late.to_string().contains("aborted"), "{late}");
+    assert!(s.commit(ShuffleId(2), 0, 0, None).is_err());
+    assert_eq!(s.metrics().memory_bytes, 10);
     assert_eq!(visible(&s, 1, 1).len(), 1);
 }
 
@@ -328,6 +337,7 @@ proptest! {
         let mut next_seq = std::collections::HashMap::<(u32, u32, u32), u32>::new();
         let mut written = std::collections::HashMap::<(u32, u32), Vec<(BlockId, usize)>>::new();
         let mut committed = std::collections::BTreeMap::<u32, u32>::new();
+        let mut aborted = std::collections::HashSet::<(u32, u32)>::new();
         let mut expect: Vec<BlockId> = Vec::new();
         for op in ops {
             match op {
@@ -335,7 +345,7 @@ proptest! {
                     let seq = next_seq.entry((map, attempt, partition)).or_insert(0);
                     let id = aid(1, map, partition, attempt, *seq);
                     let ok = s.put(id, 1, Bytes::from(vec![map as u8; size])).is_ok();
-                    prop_assert_eq!(ok, !committed.contains_key(&map));
+                    prop_assert_eq!(ok, !committed.contains_key(&map) && !aborted.contains(&(map, attempt)));
                     if ok {
                         *seq += 1;
                         written.entry((map, attempt)).or_default().push((id, size));
@@ -345,6 +355,7 @@ proptest! {
                     let r = s.commit(ShuffleId(1), map, attempt, None);
                     match committed.get(&map) {
                         Some(&a) => prop_assert_eq!(r.is_ok(), a == attempt),
+                        None if aborted.contains(&(map, attempt)) => prop_assert!(r.is_err()),
                         None => {
                             prop_assert!(r.is_ok());
                             committed.insert(map, attempt);
@@ -356,6 +367,7 @@ proptest! {
                     s.abort(ShuffleId(1), map, attempt);
                     if committed.get(&map) != Some(&attempt) {
                         written.remove(&(map, attempt));
+                        aborted.insert((map, attempt));
                     }
                 }
             }
