@@ -540,3 +540,34 @@ async fn attempts_are_visible_only_once_committed() {
     let late = w.run_map(&task(2, 0, 10)).await.unwrap_err();
     assert!(late.to_string().contains("sealed"), "{late}");
 }
+
+/// A reducer reads the blocks its own worker holds from the store, not over Flight: reducing a
+/// partition whose blocks all live on the reducer's worker costs that worker exactly the one
+/// call that runs the reduce (a loopback read would add a `do_get`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reducer_reads_its_own_workers_blocks_without_a_call() {
+    let cluster = LocalCluster::start(config(1, 1 << 30)).await.unwrap();
+    let driver = cluster.driver.clone();
+    let spec = lineitem_spec(true);
+    driver.create_shuffle(&spec).await.unwrap();
+    let done = driver
+        .submit_map(spec.id, 0, 0, MapInput::Source(lineitem_task(20_000)))
+        .await
+        .unwrap()
+        .unwrap();
+    driver.seal(spec.id).await.unwrap();
+    let w = driver.worker(0).clone();
+    let mut rows = 0;
+    for p in 0..spec.partitions {
+        let before = w.stats().await.unwrap().rpcs;
+        let r = driver.run_reduce(spec.id, p, 0, "checksum").await.unwrap();
+        let after = w.stats().await.unwrap().rpcs;
+        assert_eq!(
+            after - before,
+            2,
+            "the reduce call and this stats call, nothing else"
+        );
+        rows += r.input_rows;
+    }
+    assert_eq!(rows, done.input.rows);
+}

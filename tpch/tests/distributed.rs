@@ -21,6 +21,8 @@ fn data() -> &'static Path {
     })
 }
 
+/// A cluster and a context that cuts every gather into a stage (at SF 0.01 every table is
+/// under the default small-gather threshold, and these tests are about the exchange).
 async fn cluster(workers: usize) -> (LocalCluster, DistributedContext) {
     let cfg = LocalClusterConfig::new(
         workers,
@@ -31,7 +33,8 @@ async fn cluster(workers: usize) -> (LocalCluster, DistributedContext) {
         cluster.driver.clone(),
         DistributedContext::default_config(workers),
     )
-    .unwrap();
+    .unwrap()
+    .with_small_gather_rows(0);
     tpch::register(ctx.session(), data()).await.unwrap();
     (cluster, ctx)
 }
@@ -50,15 +53,28 @@ async fn all_queries_match_single_process_datafusion() {
                 if let Err(e) = tpch::check::compare(&expected, &got.batches, tpch::is_ordered(q)) {
                     wrong.push(format!("q{q}: {e}"));
                 }
-                // At SF 0.01 every table is under the planner's small-gather threshold, so a
-                // query over small tables alone may run whole on the driver (by design); the
-                // SF 0.1 pytest suite checks that every query runs exchanges.
-                let _ = got.stages.len();
+                assert!(!got.stages.is_empty(), "q{q} ran no exchange");
             }
             Err(e) => wrong.push(format!("q{q} failed: {e}")),
         }
     }
     assert!(wrong.is_empty(), "{wrong:#?}");
+}
+
+/// With the default threshold, a query over small tables runs whole on the driver, and one
+/// that scans a large table keeps its stages (the check reads every node, scans included).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_exchange_free_gathers_are_not_cut() {
+    let (_cluster, ctx) = cluster(2).await;
+    let ctx = ctx.with_small_gather_rows(exchange_datafusion::planner::SMALL_GATHER_ROWS);
+    let small = ctx
+        .plan("SELECT n_name, r_name FROM nation JOIN region ON n_regionkey = r_regionkey")
+        .await
+        .unwrap();
+    assert!(small.stages.is_empty(), "{}", small.display());
+    let sql = tpch::query(6, SF).unwrap();
+    let tiny = ctx.with_small_gather_rows(10);
+    assert!(!tiny.plan(&sql).await.unwrap().stages.is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,7 +5,7 @@
 //! driver, which reads the last exchange. `EXPLAIN` / `EXPLAIN ANALYZE` print the stages.
 
 use crate::codec::ExchangeCodec;
-use crate::planner::{plan_stages, StagedPlan};
+use crate::planner::{plan_stages_with, StagedPlan, SMALL_GATHER_ROWS};
 use crate::source::StageTask;
 use crate::{ExchangeContext, Result, STAGE_SOURCE};
 use arrow::array::{RecordBatch, StringArray};
@@ -56,6 +56,7 @@ pub struct DistributedContext {
     ctx: SessionContext,
     driver: Arc<Driver>,
     last_rpcs: std::sync::Mutex<u64>,
+    small_gather_rows: usize,
 }
 
 impl DistributedContext {
@@ -80,7 +81,16 @@ impl DistributedContext {
             ctx,
             driver,
             last_rpcs: std::sync::Mutex::new(0),
+            small_gather_rows: SMALL_GATHER_ROWS,
         })
+    }
+
+    /// Gathers of exchange-free subtrees whose every node has at most `rows` rows (DataFusion's
+    /// estimate) run inside their consumers instead of as a stage; 0 cuts every gather.
+    /// Default [`SMALL_GATHER_ROWS`].
+    pub fn with_small_gather_rows(mut self, rows: usize) -> Self {
+        self.small_gather_rows = rows;
+        self
     }
 
     /// The DataFusion session (register tables and functions here).
@@ -107,7 +117,7 @@ impl DistributedContext {
     pub async fn plan(&self, sql: &str) -> Result<StagedPlan> {
         let df = self.ctx.sql(sql).await?;
         let plan = df.create_physical_plan().await?;
-        Ok(plan_stages(plan)?)
+        Ok(plan_stages_with(plan, self.small_gather_rows)?)
     }
 
     /// Run `sql` on the cluster. `EXPLAIN [ANALYZE] <query>` returns the staged plan as text.

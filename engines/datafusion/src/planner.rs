@@ -115,20 +115,33 @@ fn indent(s: &str) -> String {
     s.lines().map(|l| format!("  {l}\n")).collect()
 }
 
-#[derive(Default)]
 struct Planner {
     stages: Vec<Stage>,
+    /// Gathers of exchange-free subtrees this small (in rows) are not cut.
+    small_gather_rows: usize,
 }
 
-/// Cut `plan` into stages.
+/// Cut `plan` into stages, with the default small-gather threshold ([`SMALL_GATHER_ROWS`]).
 pub fn plan_stages(plan: Arc<dyn ExecutionPlan>) -> Result<StagedPlan> {
+    plan_stages_with(plan, SMALL_GATHER_ROWS)
+}
+
+/// Cut `plan` into stages; a gather of an exchange-free subtree whose every node has at most
+/// `small_gather_rows` rows is left to its consumers (0: every gather is cut).
+pub fn plan_stages_with(
+    plan: Arc<dyn ExecutionPlan>,
+    small_gather_rows: usize,
+) -> Result<StagedPlan> {
     let plan = if plan.output_partitioning().partition_count() > 1 {
         Arc::new(CoalescePartitionsExec::new(plan)) as Arc<dyn ExecutionPlan>
     } else {
         plan
     };
     let plan = independent_joins(plan)?;
-    let mut planner = Planner::default();
+    let mut planner = Planner {
+        stages: Vec::new(),
+        small_gather_rows,
+    };
     let (root, root_inputs) = planner.cut(plan)?;
     Ok(StagedPlan {
         stages: planner.stages,
@@ -206,7 +219,11 @@ impl Planner {
         }
         let gather = plan.downcast_ref::<CoalescePartitionsExec>().is_some();
         let merge = plan.downcast_ref::<SortPreservingMergeExec>().is_some();
-        if gather && deps.is_empty() && is_small(&children[0]) {
+        if gather
+            && deps.is_empty()
+            && self.small_gather_rows > 0
+            && is_small(&children[0], self.small_gather_rows)
+        {
             return Ok((replace_children_if_necessary(plan, children)?, deps));
         }
         if (gather || merge) && children[0].output_partitioning().partition_count() > 1 {
@@ -239,8 +256,8 @@ impl Planner {
 pub const SMALL_GATHER_ROWS: usize = 128 * 1024;
 
 /// DataFusion's estimates say every node of `plan` — its scans included, so a small aggregate
-/// over a large table does not count — produces at most [`SMALL_GATHER_ROWS`] rows.
-fn is_small(plan: &Arc<dyn ExecutionPlan>) -> bool {
+/// over a large table does not count — produces at most `limit` rows.
+fn is_small(plan: &Arc<dyn ExecutionPlan>, limit: usize) -> bool {
     use datafusion::physical_plan::statistics::{StatisticsArgs, StatisticsContext};
     let stats = StatisticsContext::new();
     let args = StatisticsArgs::new();
@@ -249,7 +266,7 @@ fn is_small(plan: &Arc<dyn ExecutionPlan>) -> bool {
             .compute(p.as_ref(), &args)
             .ok()
             .and_then(|s| s.num_rows.get_value().copied())
-            .is_some_and(|n| n <= SMALL_GATHER_ROWS)
+            .is_some_and(|n| n <= limit)
     };
     let mut todo = vec![plan.clone()];
     while let Some(p) = todo.pop() {

@@ -135,30 +135,29 @@ fn primitive<T: ArrowPrimitiveType>(a: &dyn Array, f: impl Fn(T::Native) -> u64)
     out
 }
 
-fn bytes<T: ByteArrayType>(a: &GenericByteArray<T>) -> Vec<u64> {
-    (0..a.len())
+/// xxh3 of every value's bytes (nulls hash to a constant).
+fn hash_bytes<'a>(
+    len: usize,
+    is_null: impl Fn(usize) -> bool,
+    value: impl Fn(usize) -> &'a [u8],
+) -> Vec<u64> {
+    (0..len)
         .map(|i| {
-            if a.is_null(i) {
+            if is_null(i) {
                 NULL_HASH
             } else {
-                let v: &[u8] = a.value(i).as_ref();
-                xxh3_64(v)
+                xxh3_64(value(i))
             }
         })
         .collect()
 }
 
+fn bytes<T: ByteArrayType>(a: &GenericByteArray<T>) -> Vec<u64> {
+    hash_bytes(a.len(), |i| a.is_null(i), |i| a.value(i).as_ref())
+}
+
 fn views<T: ByteViewType + ?Sized>(a: &GenericByteViewArray<T>) -> Vec<u64> {
-    (0..a.len())
-        .map(|i| {
-            if a.is_null(i) {
-                NULL_HASH
-            } else {
-                let v: &[u8] = a.value(i).as_ref();
-                xxh3_64(v)
-            }
-        })
-        .collect()
+    hash_bytes(a.len(), |i| a.is_null(i), |i| a.value(i).as_ref())
 }
 
 fn dictionary<K: ArrowDictionaryKeyType>(a: &dyn Array) -> Option<Vec<u64>> {
