@@ -26,6 +26,8 @@ pub struct BenchConfig {
     pub batch_rows: usize,
     pub seed: u64,
     pub cluster: LocalClusterConfig,
+    /// Start the reducers only once the map side is sealed (the pre-pipelining behaviour).
+    pub sequential: bool,
 }
 
 /// Rows of the IPC ceiling sample (enough to be stable, small enough to be quick).
@@ -83,8 +85,12 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
         let r = pull::reduce_on_workers(&driver, &spec, "checksum", reduce_opts).await?;
         Ok::<_, Error>((r, start.elapsed().as_secs_f64()))
     };
-    let ((mapped, map_seconds), (reduced, seconds)) =
-        futures::future::try_join(map_side, reduce_side).await?;
+    let ((mapped, map_seconds), (reduced, seconds)) = if cfg.sequential {
+        let m = map_side.await?;
+        (m, reduce_side.await?)
+    } else {
+        futures::future::try_join(map_side, reduce_side).await?
+    };
     let reduce_times: Vec<f64> = reduced.iter().map(|r| r.seconds).collect();
     let mut output = Checksum::default();
     for r in &reduced {
@@ -118,6 +124,7 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
         "bytes": bytes,
         "workers": workers,
         "partitions": cfg.partitions,
+        "reducers_start": if cfg.sequential { "after the map side is sealed" } else { "with the maps" },
         "maps": maps,
         "blocks": blocks,
         "memory_budget_per_worker": cfg.cluster.memory_budget,

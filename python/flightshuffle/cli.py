@@ -23,6 +23,7 @@ def _bench(args: argparse.Namespace) -> int:
         args.seed,
         args.compression,
         worker_command(),
+        args.sequential,
     )
     print(report)
     return 0
@@ -311,6 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--batch-rows", type=int, default=65_536)
     b.add_argument("--seed", type=int, default=42)
     b.add_argument("--compression", default="auto", choices=["auto", "none", "lz4", "zstd"])
+    b.add_argument(
+        "--sequential",
+        action="store_true",
+        help="start the reducers only after the map side is sealed (no overlap), for comparison",
+    )
     b.set_defaults(run=_bench)
 
     q = sub.add_parser("sql", help="run one SQL query on a local cluster")

@@ -478,7 +478,7 @@ fn query_runtime() -> datafusion::error::Result<&'static tokio::runtime::Runtime
 
 /// `shuffle-bench`: returns the JSON report.
 #[pyfunction]
-#[pyo3(signature = (rows, workers, partitions, memory_budget, maps, batch_rows, seed, compression, worker_command))]
+#[pyo3(signature = (rows, workers, partitions, memory_budget, maps, batch_rows, seed, compression, worker_command, sequential=false))]
 #[allow(clippy::too_many_arguments)]
 fn shuffle_bench(
     py: Python<'_>,
@@ -491,6 +491,7 @@ fn shuffle_bench(
     seed: u64,
     compression: String,
     worker_command: Vec<String>,
+    sequential: bool,
 ) -> PyResult<String> {
     let rt = runtime()?;
     let cluster = cluster_config(
@@ -508,6 +509,7 @@ fn shuffle_bench(
         batch_rows,
         seed,
         cluster,
+        sequential,
     };
     let report = py.detach(|| rt.block_on(run_bench(cfg))).map_err(to_py)?;
     Ok(serde_json::to_string_pretty(&report).unwrap_or_default())
