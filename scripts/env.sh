@@ -13,7 +13,15 @@ fi
 if ! "$VENV/bin/python" -c 'import sys, importlib.metadata as m; sys.exit(int(m.version("pip").split(".")[0]) < 25)' 2>/dev/null; then
   "$VENV/bin/python" -m pip install -q --upgrade "pip>=25.1"
 fi
-"$VENV/bin/python" -m pip install -q --group dev
+# pip prints "Requirement already satisfied" for dependency groups even with -q: keep its output
+# only when the install fails.
+pip_log="$(mktemp)"
+if ! "$VENV/bin/python" -m pip install -q --group dev >"$pip_log" 2>&1; then
+  cat "$pip_log" >&2
+  rm -f "$pip_log"
+  exit 1
+fi
+rm -f "$pip_log"
 export PATH="$VENV/bin:$PATH"
 export VIRTUAL_ENV="$VENV"
 # Build the extension against this interpreter both under cargo and maturin (no rebuild flip-flop).
