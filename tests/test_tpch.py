@@ -171,5 +171,7 @@ def test_metrics_show_pipelined_stage_times_and_call_counts(data):
         first_end = min(s["end_s"] for s in stages if s["stage"] != last["stage"])
         assert last["start_s"] < first_end, "stages ran one after another"
         assert m["rpcs"] > 0
-        text = c.explain("SELECT count(*) FROM lineitem", analyze=True)
+        text = c.explain(
+            "SELECT l_returnflag, count(*) FROM lineitem GROUP BY l_returnflag", analyze=True
+        )
         assert "Flight calls" in text and "first output" in text
