@@ -77,10 +77,19 @@ pub async fn run_pipelined<T>(
             end_s: started.elapsed().as_secs_f64(),
         })
     });
-    driver
+    let outcome = driver
         .watch(futures::future::try_join(
             consumer,
             futures::future::try_join_all(runs),
         ))
-        .await
+        .await;
+    match outcome {
+        Err(e) if !matches!(e, crate::Error::WorkerLost { .. }) => {
+            // The consumer reads while stages run, so a lost worker may first show up as a
+            // broken read there; name the lost worker as the cause when there is one.
+            driver.check_health().await?;
+            Err(e)
+        }
+        other => other,
+    }
 }
