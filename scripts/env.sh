@@ -9,19 +9,23 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "== creating $VENV"
   python3 -m venv "$VENV"
 fi
+# Run a command with its output kept back unless it fails (pip prints "Requirement already
+# satisfied" lines even with -q, for dependency groups and under maturin develop).
+quiet() {
+  local log
+  log="$(mktemp)"
+  if ! "$@" >"$log" 2>&1; then
+    cat "$log" >&2
+    rm -f "$log"
+    return 1
+  fi
+  rm -f "$log"
+}
 # pip >= 25.1 reads [dependency-groups] from pyproject.toml.
 if ! "$VENV/bin/python" -c 'import sys, importlib.metadata as m; sys.exit(int(m.version("pip").split(".")[0]) < 25)' 2>/dev/null; then
-  "$VENV/bin/python" -m pip install -q --upgrade "pip>=25.1"
+  quiet "$VENV/bin/python" -m pip install --upgrade "pip>=25.1"
 fi
-# pip prints "Requirement already satisfied" for dependency groups even with -q: keep its output
-# only when the install fails.
-pip_log="$(mktemp)"
-if ! "$VENV/bin/python" -m pip install -q --group dev >"$pip_log" 2>&1; then
-  cat "$pip_log" >&2
-  rm -f "$pip_log"
-  exit 1
-fi
-rm -f "$pip_log"
+quiet "$VENV/bin/python" -m pip install --group dev
 export PATH="$VENV/bin:$PATH"
 export VIRTUAL_ENV="$VENV"
 # Build the extension against this interpreter both under cargo and maturin (no rebuild flip-flop).

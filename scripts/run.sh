@@ -4,5 +4,6 @@
 # check every answer against DuckDB on the same Parquet files, print a table of times.
 # Extra arguments go to `flightshuffle tpch` (e.g. --sf 0.1, --workers 3, --queries 1,18).
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
-maturin develop -q --release
+echo "== building the release extension (output shown only on failure)"
+quiet maturin develop --release
 flightshuffle tpch --sf 1 --workers 2 "$@"

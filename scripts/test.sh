@@ -8,7 +8,8 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace
 echo "== python: build (maturin develop), ruff, pytest"
-maturin develop -q
+echo "== building the extension (maturin develop; output shown only on failure)"
+quiet maturin develop
 ruff check python tests
 ruff format --check python tests
 python -m pytest -q tests
