@@ -91,3 +91,49 @@ async fn staged_plans_snapshot() {
         insta::assert_snapshot!(format!("q{q:02}"), text);
     }
 }
+
+/// A hash exchange hashes plain key columns where they are (no copy of the key travels with
+/// each row), and hash-exchanged joins on columns and on expressions (which DataFusion
+/// evaluates into columns below the exchange) give single-process answers. Broadcasts are off
+/// here so the joins are hash-exchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hash_exchanges_hash_key_columns_in_place() {
+    let cfg = LocalClusterConfig::new(
+        2,
+        vec![env!("CARGO_BIN_EXE_tpch").to_string(), "worker".into()],
+    );
+    let cluster = LocalCluster::start(cfg).await.unwrap();
+    let mut config = DistributedContext::default_config(2);
+    config
+        .options_mut()
+        .optimizer
+        .hash_join_single_partition_threshold = 0;
+    config
+        .options_mut()
+        .optimizer
+        .hash_join_single_partition_threshold_rows = 0;
+    let ctx = DistributedContext::new(cluster.driver.clone(), config)
+        .unwrap()
+        .with_small_gather_rows(0);
+    tpch::register(ctx.session(), data()).await.unwrap();
+    let local = SessionContext::new_with_config(SessionConfig::new().with_target_partitions(2));
+    tpch::register(&local, data()).await.unwrap();
+    let select = "SELECT count(*) AS n, sum(o_totalprice) AS p, min(c_name) AS c, \
+                  max(o_comment) AS m FROM orders JOIN customer";
+    for on in ["o_custkey = c_custkey", "o_custkey + 1 = c_custkey + 1"] {
+        let sql = format!("{select} ON {on}");
+        let text = ctx.explain(&sql, false).await.unwrap();
+        assert!(text.contains("HashJoinExec: mode=Partitioned"), "{text}");
+        assert!(!text.contains("__fs_key_"), "{text}");
+        let got = ctx.sql(&sql).await.unwrap();
+        assert!(
+            got.stages
+                .iter()
+                .filter(|s| s.exchange.starts_with("hash("))
+                .count()
+                >= 2
+        );
+        let expected = local.sql(&sql).await.unwrap().collect().await.unwrap();
+        tpch::check::compare(&expected, &got.batches, false).unwrap();
+    }
+}

@@ -2,8 +2,9 @@
 //! between partitions, so that every stage partition can run as an independent map task.
 //!
 //! Boundaries and what replaces them:
-//! * `RepartitionExec` hash → a stage whose writer hashes the (appended) key columns into R
-//!   partitions; the consumer reads partition p from every worker. Round-robin likewise.
+//! * `RepartitionExec` hash → a stage whose writer hashes the key columns into R partitions
+//!   (plain columns where they are, other key expressions appended); the consumer reads
+//!   partition p from every worker. Round-robin likewise.
 //! * `CoalescePartitionsExec` over several partitions → a *gather* stage (one partition); the
 //!   consumer keeps the coalesce (and its fetch) over a one-partition reader. This is also how
 //!   `CollectLeft` hash joins (and cross / nested-loop joins) are distributed: their build side
@@ -337,12 +338,33 @@ fn independent_joins(plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPl
     Ok(plan)
 }
 
-/// Append the hash expressions as `__fs_key_<k>` columns so the exchange can hash them.
+/// The key columns the exchange hashes: a hash expression that is a plain column (with a name
+/// no other column has) is hashed where it is; any other expression is appended as a trailing
+/// `__fs_key_<k>` column (readers drop trailing columns beyond their schema). Not copying plain
+/// key columns keeps every shuffled row that much smaller.
 fn with_key_columns(
     child: Arc<dyn ExecutionPlan>,
     exprs: &[Arc<dyn PhysicalExpr>],
 ) -> Result<(Arc<dyn ExecutionPlan>, Vec<String>)> {
     let schema = child.schema();
+    let unique = |name: &str| schema.fields().iter().filter(|f| f.name() == name).count() == 1;
+    let mut appended: Vec<(Arc<dyn PhysicalExpr>, String)> = Vec::new();
+    let mut keys = Vec::with_capacity(exprs.len());
+    for (k, e) in exprs.iter().enumerate() {
+        match e.downcast_ref::<Column>() {
+            Some(c) if unique(c.name()) && schema.index_of(c.name()).ok() == Some(c.index()) => {
+                keys.push(c.name().to_string())
+            }
+            _ => {
+                let name = format!("{KEY_PREFIX}{k}");
+                appended.push((e.clone(), name.clone()));
+                keys.push(name);
+            }
+        }
+    }
+    if appended.is_empty() {
+        return Ok((child, keys));
+    }
     let mut projection: Vec<(Arc<dyn PhysicalExpr>, String)> = schema
         .fields()
         .iter()
@@ -354,9 +376,52 @@ fn with_key_columns(
             )
         })
         .collect();
-    let keys: Vec<String> = (0..exprs.len())
-        .map(|k| format!("{KEY_PREFIX}{k}"))
-        .collect();
-    projection.extend(exprs.iter().cloned().zip(keys.iter().cloned()));
+    projection.extend(appended);
     Ok((Arc::new(ProjectionExec::try_new(projection, child)?), keys))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::datatypes::{DataType, Field, Schema};
+    use datafusion::logical_expr::Operator;
+    use datafusion::physical_expr::expressions::{binary, col, lit};
+    use datafusion::physical_plan::empty::EmptyExec;
+
+    fn hash_stage(key: impl Fn(&Schema) -> Arc<dyn PhysicalExpr>) -> (Stage, Vec<String>) {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("a", DataType::Int64, false),
+            Field::new("b", DataType::Utf8, true),
+        ]));
+        let scan = Arc::new(EmptyExec::new(schema.clone()).with_partitions(2));
+        let plan = Arc::new(
+            RepartitionExec::try_new(scan, Partitioning::Hash(vec![key(&schema)], 4)).unwrap(),
+        );
+        let staged = plan_stages_with(plan, 0).unwrap();
+        let stage = staged.stages[0].clone();
+        let fields = stage
+            .writer
+            .input()
+            .schema()
+            .fields()
+            .iter()
+            .map(|f| f.name().clone())
+            .collect();
+        (stage, fields)
+    }
+
+    #[test]
+    fn plain_key_columns_are_hashed_in_place() {
+        let (stage, fields) = hash_stage(|s| col("b", s).unwrap());
+        assert_eq!(stage.writer.keys, vec!["b".to_string()]);
+        assert_eq!(fields, vec!["a", "b"]);
+    }
+
+    #[test]
+    fn key_expressions_are_appended_as_key_columns() {
+        let (stage, fields) =
+            hash_stage(|s| binary(col("a", s).unwrap(), Operator::Plus, lit(1i64), s).unwrap());
+        assert_eq!(stage.writer.keys, vec![format!("{KEY_PREFIX}0")]);
+        assert_eq!(fields, vec!["a", "b", "__fs_key_0"]);
+    }
 }

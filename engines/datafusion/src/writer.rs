@@ -1,7 +1,8 @@
 //! `ShuffleWriterExec`: the root of a producing stage. Executing partition i runs the stage's
 //! partition i; the worker's map task then partitions those rows into the stage's shuffle.
-//! For a hash exchange the input already carries the evaluated key expressions as trailing
-//! `__fs_key_<k>` columns, which the exchange hashes (and readers strip).
+//! For a hash exchange the exchange hashes the named key columns: plain columns of the input,
+//! or key expressions the planner evaluated into trailing `__fs_key_<k>` columns (which
+//! readers strip).
 
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::error::Result;
