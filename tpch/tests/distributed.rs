@@ -137,3 +137,42 @@ async fn hash_exchanges_hash_key_columns_in_place() {
         tpch::check::compare(&expected, &got.batches, false).unwrap();
     }
 }
+
+/// Over DataFusion's absolute broadcast threshold (1 byte here), a join whose build side is
+/// small next to its probe side is still broadcast (`crate::broadcast`), with the same answer;
+/// a zero threshold turns broadcasts off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn joins_with_a_relatively_small_build_side_are_broadcast() {
+    let cfg = LocalClusterConfig::new(
+        2,
+        vec![env!("CARGO_BIN_EXE_tpch").to_string(), "worker".into()],
+    );
+    let cluster = LocalCluster::start(cfg).await.unwrap();
+    let local = SessionContext::new_with_config(SessionConfig::new().with_target_partitions(2));
+    tpch::register(&local, data()).await.unwrap();
+    let sql = "SELECT count(*) AS n, sum(l_quantity) AS q, max(o_comment) AS m \
+               FROM lineitem JOIN orders ON l_orderkey = o_orderkey WHERE o_orderpriority = '1-URGENT'";
+    let expected = local.sql(sql).await.unwrap().collect().await.unwrap();
+    for (threshold, mode) in [(1, "CollectLeft"), (0, "Partitioned")] {
+        let mut config = DistributedContext::default_config(2);
+        config
+            .options_mut()
+            .optimizer
+            .hash_join_single_partition_threshold = threshold;
+        config
+            .options_mut()
+            .optimizer
+            .hash_join_single_partition_threshold_rows = threshold;
+        let ctx = DistributedContext::new(cluster.driver.clone(), config)
+            .unwrap()
+            .with_small_gather_rows(0);
+        tpch::register(ctx.session(), data()).await.unwrap();
+        let text = ctx.explain(sql, false).await.unwrap();
+        assert!(
+            text.contains(&format!("HashJoinExec: mode={mode}")),
+            "{text}"
+        );
+        let got = ctx.sql(sql).await.unwrap();
+        tpch::check::compare(&expected, &got.batches, false).unwrap();
+    }
+}

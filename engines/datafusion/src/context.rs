@@ -4,13 +4,16 @@
 //! arrives; see `exchange::scheduler`), together with the final single-partition step on the
 //! driver, which reads the last exchange. `EXPLAIN` / `EXPLAIN ANALYZE` print the stages.
 
+use crate::broadcast::BroadcastJoins;
 use crate::codec::ExchangeCodec;
 use crate::planner::{plan_stages_with, StagedPlan, SMALL_GATHER_ROWS};
 use crate::source::StageTask;
 use crate::{ExchangeContext, Result, STAGE_SOURCE};
 use arrow::array::{RecordBatch, StringArray};
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
+use datafusion::execution::session_state::SessionStateBuilder;
 use datafusion::execution::TaskContext;
+use datafusion::physical_optimizer::optimizer::PhysicalOptimizer;
 use datafusion::physical_plan::{collect, ExecutionPlan};
 use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
 use datafusion_proto::bytes::physical_plan_to_bytes_with_extension_codec;
@@ -28,9 +31,10 @@ use std::time::Instant;
 /// copy; here the alternative moves the probe side over the network, so a broadcast pays off
 /// for far larger build sides (Spark's `autoBroadcastJoinThreshold` is 10 MB). Measured on
 /// TPC-H SF1, 2 workers: 1 MiB 1.38x single-process, 8 MiB 1.31x on the join-heavy queries,
-/// 32 MiB 1.17x (q03, q05, q07 shuffle 3-26 MB instead of 130-300 MB). Set
+/// 32 MiB 1.17x (q03, q05, q07 shuffle 3-26 MB instead of 130-300 MB). Larger build sides are
+/// still broadcast when they are small next to the probe side ([`crate::broadcast`]). Set
 /// `datafusion.optimizer.hash_join_single_partition_threshold` in the session config passed to
-/// [`DistributedContext::new`] to choose otherwise.
+/// [`DistributedContext::new`] to choose otherwise (0: no broadcasts at all).
 pub const BROADCAST_JOIN_BYTES: usize = 32 << 20;
 /// Row threshold for a broadcast when a build side has no byte estimate.
 pub const BROADCAST_JOIN_ROWS: usize = 1 << 20;
@@ -90,7 +94,18 @@ impl DistributedContext {
     pub fn new(driver: Arc<Driver>, config: SessionConfig) -> Result<Self> {
         let ectx = ExchangeContext::new(driver.addresses(), driver.reader());
         let config = crate::distributed_options(config).with_extension(Arc::new(ectx));
-        let ctx = SessionContext::new_with_config(config);
+        // Relative broadcasts are decided right after DataFusion's own join selection, before
+        // it plans the exchanges (see `crate::broadcast`).
+        let mut rules = PhysicalOptimizer::new().rules;
+        if let Some(i) = rules.iter().position(|r| r.name() == "join_selection") {
+            rules.insert(i + 1, Arc::new(BroadcastJoins::new(driver.num_workers())));
+        }
+        let state = SessionStateBuilder::new()
+            .with_config(config)
+            .with_default_features()
+            .with_physical_optimizer_rules(rules)
+            .build();
+        let ctx = SessionContext::new_with_state(state);
         Ok(DistributedContext {
             ctx,
             driver,

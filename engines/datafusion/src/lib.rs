@@ -8,6 +8,7 @@
 //! exchange's `BatchSource` ([`source::StageSource`]). [`context::DistributedContext`] is the
 //! entry point: `sql()` runs distributed, `explain()` shows the stages.
 
+pub mod broadcast;
 pub mod codec;
 pub mod context;
 pub mod planner;
