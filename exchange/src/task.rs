@@ -195,6 +195,23 @@ impl Default for MapConfig {
     }
 }
 
+impl MapConfig {
+    /// Buffers sized to a worker's block-store budget: a task buffers at most 1/8 of it
+    /// (4-32 MiB) and flushes blocks of a quarter of that (1-4 MiB), so the few map tasks a
+    /// worker runs at once hold a fraction of the budget beside it, not a fixed 32 MiB each.
+    /// Shuffle bench, 4 workers, 89 MiB budget: peak RSS per worker 420-460 MiB with 32 MiB
+    /// buffers (see `docs/bench/pipelined-scheduler.md` for the figure with this sizing).
+    pub fn for_budget(budget: u64) -> Self {
+        let budget = usize::try_from(budget).unwrap_or(usize::MAX);
+        let buffer_bytes = (budget / 8).clamp(4 << 20, 32 << 20);
+        MapConfig {
+            buffer_bytes,
+            block_bytes: (buffer_bytes / 4).clamp(1 << 20, 4 << 20),
+            ..MapConfig::default()
+        }
+    }
+}
+
 /// What a map task reports: its blocks and a checksum of the rows it read.
 #[derive(Debug, Clone, Default)]
 pub struct MapOutput {
@@ -386,5 +403,16 @@ mod tests {
             Checksum::of_batch(&arrow::compute::concat_batches(&schema, b).unwrap()).unwrap()
         };
         assert_eq!(total(&out), total(&input));
+    }
+
+    #[test]
+    fn map_buffers_follow_the_budget() {
+        let small = MapConfig::for_budget(89 << 20);
+        assert_eq!(small.buffer_bytes, (89 << 20) / 8);
+        assert_eq!(small.block_bytes, small.buffer_bytes / 4);
+        let tiny = MapConfig::for_budget(1 << 20);
+        assert_eq!((tiny.buffer_bytes, tiny.block_bytes), (4 << 20, 1 << 20));
+        let large = MapConfig::for_budget(u64::MAX);
+        assert_eq!((large.buffer_bytes, large.block_bytes), (32 << 20, 4 << 20));
     }
 }

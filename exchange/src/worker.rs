@@ -395,7 +395,7 @@ pub fn build_state(
         sources,
         map_cfg: MapConfig {
             compression,
-            ..MapConfig::default()
+            ..MapConfig::for_budget(args.memory_budget)
         },
         read_timeout: Duration::from_secs(args.timeout_secs.max(1)),
         rpcs: std::sync::atomic::AtomicU64::new(0),
