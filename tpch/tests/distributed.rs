@@ -24,17 +24,28 @@ fn data() -> &'static Path {
 /// A cluster and a context that cuts every gather into a stage (at SF 0.01 every table is
 /// under the default small-gather threshold, and these tests are about the exchange).
 async fn cluster(workers: usize) -> (LocalCluster, DistributedContext) {
+    cluster_with_broadcasts(workers, None).await
+}
+
+/// As [`cluster`], with DataFusion's broadcast threshold (bytes and rows) set to `threshold`.
+async fn cluster_with_broadcasts(
+    workers: usize,
+    threshold: Option<usize>,
+) -> (LocalCluster, DistributedContext) {
     let cfg = LocalClusterConfig::new(
         workers,
         vec![env!("CARGO_BIN_EXE_tpch").to_string(), "worker".into()],
     );
     let cluster = LocalCluster::start(cfg).await.unwrap();
-    let ctx = DistributedContext::new(
-        cluster.driver.clone(),
-        DistributedContext::default_config(workers),
-    )
-    .unwrap()
-    .with_small_gather_rows(0);
+    let mut config = DistributedContext::default_config(workers);
+    if let Some(t) = threshold {
+        let opts = &mut config.options_mut().optimizer;
+        opts.hash_join_single_partition_threshold = t;
+        opts.hash_join_single_partition_threshold_rows = t;
+    }
+    let ctx = DistributedContext::new(cluster.driver.clone(), config)
+        .unwrap()
+        .with_small_gather_rows(0);
     tpch::register(ctx.session(), data()).await.unwrap();
     (cluster, ctx)
 }
@@ -98,24 +109,7 @@ async fn staged_plans_snapshot() {
 /// here so the joins are hash-exchanged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hash_exchanges_hash_key_columns_in_place() {
-    let cfg = LocalClusterConfig::new(
-        2,
-        vec![env!("CARGO_BIN_EXE_tpch").to_string(), "worker".into()],
-    );
-    let cluster = LocalCluster::start(cfg).await.unwrap();
-    let mut config = DistributedContext::default_config(2);
-    config
-        .options_mut()
-        .optimizer
-        .hash_join_single_partition_threshold = 0;
-    config
-        .options_mut()
-        .optimizer
-        .hash_join_single_partition_threshold_rows = 0;
-    let ctx = DistributedContext::new(cluster.driver.clone(), config)
-        .unwrap()
-        .with_small_gather_rows(0);
-    tpch::register(ctx.session(), data()).await.unwrap();
+    let (_cluster, ctx) = cluster_with_broadcasts(2, Some(0)).await;
     let local = SessionContext::new_with_config(SessionConfig::new().with_target_partitions(2));
     tpch::register(&local, data()).await.unwrap();
     let select = "SELECT count(*) AS n, sum(o_totalprice) AS p, min(c_name) AS c, \
@@ -143,30 +137,13 @@ async fn hash_exchanges_hash_key_columns_in_place() {
 /// a zero threshold turns broadcasts off.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn joins_with_a_relatively_small_build_side_are_broadcast() {
-    let cfg = LocalClusterConfig::new(
-        2,
-        vec![env!("CARGO_BIN_EXE_tpch").to_string(), "worker".into()],
-    );
-    let cluster = LocalCluster::start(cfg).await.unwrap();
     let local = SessionContext::new_with_config(SessionConfig::new().with_target_partitions(2));
     tpch::register(&local, data()).await.unwrap();
     let sql = "SELECT count(*) AS n, sum(l_quantity) AS q, max(o_comment) AS m \
                FROM lineitem JOIN orders ON l_orderkey = o_orderkey WHERE o_orderpriority = '1-URGENT'";
     let expected = local.sql(sql).await.unwrap().collect().await.unwrap();
     for (threshold, mode) in [(1, "CollectLeft"), (0, "Partitioned")] {
-        let mut config = DistributedContext::default_config(2);
-        config
-            .options_mut()
-            .optimizer
-            .hash_join_single_partition_threshold = threshold;
-        config
-            .options_mut()
-            .optimizer
-            .hash_join_single_partition_threshold_rows = threshold;
-        let ctx = DistributedContext::new(cluster.driver.clone(), config)
-            .unwrap()
-            .with_small_gather_rows(0);
-        tpch::register(ctx.session(), data()).await.unwrap();
+        let (_cluster, ctx) = cluster_with_broadcasts(2, Some(threshold)).await;
         let text = ctx.explain(sql, false).await.unwrap();
         assert!(
             text.contains(&format!("HashJoinExec: mode={mode}")),
