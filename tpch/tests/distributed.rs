@@ -65,6 +65,15 @@ async fn all_queries_match_single_process_datafusion() {
                     wrong.push(format!("q{q}: {e}"));
                 }
                 assert!(!got.stages.is_empty(), "q{q} ran no exchange");
+                // One map task per (stage, worker), except sorted runs (one per partition).
+                for s in &got.stages {
+                    assert!(
+                        s.exchange.starts_with("sorted runs") || s.tasks <= 2,
+                        "q{q} stage {} ran {} map tasks on 2 workers",
+                        s.stage,
+                        s.tasks
+                    );
+                }
             }
             Err(e) => wrong.push(format!("q{q} failed: {e}")),
         }

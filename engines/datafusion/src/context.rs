@@ -280,7 +280,8 @@ impl DistributedContext {
         *self.last_rpcs.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// One stage as the scheduler runs it: its shuffle and one map task per partition.
+    /// One stage as the scheduler runs it: its shuffle and its map tasks, one per worker
+    /// ([`crate::writer::ShuffleWriterExec::task_groups`]).
     fn stage_run(&self, stage: &crate::planner::Stage) -> Result<StageRun> {
         let writer = &stage.writer;
         let spec = ShuffleSpec {
@@ -298,11 +299,13 @@ impl DistributedContext {
         let workers = self.driver.addresses();
         let timeout_secs = self.driver.config().rpc_timeout.as_secs();
         let batch_size = self.ctx.copied_config().batch_size() as u32;
-        let inputs = (0..writer.tasks())
-            .map(|p| {
+        let inputs = writer
+            .task_groups(workers.len())
+            .into_iter()
+            .map(|partitions| {
                 let task = StageTask {
                     plan: plan.clone(),
-                    partition: p as u32,
+                    partitions,
                     workers: workers.clone(),
                     timeout_secs,
                     batch_size,

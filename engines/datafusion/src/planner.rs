@@ -94,7 +94,7 @@ impl StagedPlan {
                 format!(", reads stages {:?}", s.inputs)
             };
             out.push_str(&format!(
-                "Stage {} — {} map tasks, exchange: {} (strategy {}){reads}\n",
+                "Stage {} — {} partitions, exchange: {} (strategy {}){reads}\n",
                 s.id(),
                 s.writer.tasks(),
                 s.writer.describe(),

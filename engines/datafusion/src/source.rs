@@ -1,4 +1,9 @@
-//! `StageSource`: how a worker runs one partition of a stage plan as a map task's input.
+//! `StageSource`: how a worker runs its partitions of a stage plan as one map task's input.
+//!
+//! A stage task carries the partitions one worker runs (see
+//! [`crate::writer::ShuffleWriterExec::task_groups`]): they execute concurrently, each on its
+//! own tokio task, and their batches feed the one map task, so a stage costs one task call and
+//! one commit per worker instead of one per partition.
 //!
 //! A worker keeps one DataFusion session (per peer list and batch size) and decodes a stage
 //! plan once: every task of that stage on this worker executes its partition of the *same*
@@ -16,7 +21,7 @@ use datafusion::prelude::{SessionConfig, SessionContext};
 use datafusion_proto::bytes::physical_plan_from_bytes_with_extension_codec;
 use exchange::task::{BatchSource, BatchStream, TaskContext};
 use exchange::{Error, ShuffleId};
-use futures::TryStreamExt;
+use futures::{StreamExt, TryStreamExt};
 use prost::Message;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -27,8 +32,9 @@ pub struct StageTask {
     /// The stage plan (rooted at its ShuffleWriterExec), `datafusion-proto` bytes.
     #[prost(bytes = "vec", tag = "1")]
     pub plan: Vec<u8>,
-    #[prost(uint32, tag = "2")]
-    pub partition: u32,
+    /// The stage partitions this task runs (all into one map output).
+    #[prost(uint32, repeated, tag = "2")]
+    pub partitions: Vec<u32>,
     /// Every worker's address, for the stage's shuffle readers.
     #[prost(string, repeated, tag = "3")]
     pub workers: Vec<String>,
@@ -102,20 +108,71 @@ impl BatchSource for StageSource {
         let task = StageTask::decode(payload)
             .map_err(|e| Error::invalid(format!("malformed stage task: {e}")))?;
         let (plan, session) = self.plan(ctx, &task)?;
-        let partitions = plan.properties().partitioning.partition_count();
-        if task.partition as usize >= partitions {
-            return Err(Error::invalid(format!(
-                "stage task for partition {} of a plan with {partitions}",
-                task.partition
-            )));
+        let count = plan.properties().partitioning.partition_count();
+        let mut seen = std::collections::HashSet::new();
+        if task.partitions.is_empty() {
+            return Err(Error::invalid("a stage task needs at least one partition"));
         }
-        let stream = plan
-            .execute(task.partition as usize, session.task_ctx())
-            .map_err(task_err)?;
-        Ok(Box::pin(stream.map_err(task_err)))
+        for &p in &task.partitions {
+            if p as usize >= count || !seen.insert(p) {
+                return Err(Error::invalid(format!(
+                    "stage task for partitions {:?} of a plan with {count}",
+                    task.partitions
+                )));
+            }
+        }
+        let mut streams = task
+            .partitions
+            .iter()
+            .map(|&p| {
+                plan.execute(p as usize, session.task_ctx())
+                    .map_err(task_err)
+            })
+            .collect::<exchange::Result<Vec<_>>>()?;
+        if streams.len() == 1 {
+            let only = streams.pop().ok_or_else(|| task_err("no stream"))?;
+            return Ok(Box::pin(only.map_err(task_err)));
+        }
+        Ok(concurrently(streams))
     }
 
     fn shuffle_dropped(&self, shuffle: ShuffleId) {
         lock(&self.plans).remove(&shuffle);
+    }
+}
+
+/// Drive each stream on its own tokio task (so the partitions use the worker's cores as
+/// separate map tasks would) and interleave their batches; dropping the result stops them.
+fn concurrently(streams: Vec<datafusion::execution::SendableRecordBatchStream>) -> BatchStream {
+    let (tx, rx) = tokio::sync::mpsc::channel(2 * streams.len());
+    let handles: Vec<_> = streams
+        .into_iter()
+        .map(|mut stream| {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                while let Some(item) = stream.next().await {
+                    let failed = item.is_err();
+                    if tx.send(item.map_err(task_err)).await.is_err() || failed {
+                        return;
+                    }
+                }
+            })
+        })
+        .collect();
+    let guard = AbortOnDrop(handles);
+    let rx = futures::stream::unfold((rx, guard), |(mut rx, guard)| async move {
+        rx.recv().await.map(|item| (item, (rx, guard)))
+    });
+    Box::pin(rx)
+}
+
+/// Aborts the partition tasks when the map task's stream is dropped (done, failed, aborted).
+struct AbortOnDrop(Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        for h in &self.0 {
+            h.abort();
+        }
     }
 }

@@ -84,9 +84,24 @@ impl ShuffleWriterExec {
         &self.input
     }
 
-    /// Map tasks of this stage: one per input partition.
+    /// Partitions of the stage plan (its input's partitions).
     pub fn tasks(&self) -> usize {
         self.input.properties().partitioning.partition_count()
+    }
+
+    /// The stage's map tasks on a cluster of `workers`: the partitions each task runs. One
+    /// task per worker (partition p in task p mod W), so a stage costs one task call and one
+    /// commit per worker; a sorted-run exchange keeps one task per partition, because its
+    /// readers merge each map output as one sorted run.
+    pub fn task_groups(&self, workers: usize) -> Vec<Vec<u32>> {
+        let partitions = self.tasks() as u32;
+        if self.kind == WriterKind::Merge {
+            return (0..partitions).map(|p| vec![p]).collect();
+        }
+        let groups = (workers.max(1) as u32).min(partitions);
+        (0..groups)
+            .map(|g| (g..partitions).step_by(groups as usize).collect())
+            .collect()
     }
 
     pub fn partitioner(&self) -> proto::Partitioner {
@@ -112,7 +127,7 @@ impl DisplayAs for ShuffleWriterExec {
     fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
         write!(
             f,
-            "ShuffleWriterExec: stage={}, {}, tasks={}, strategy={}",
+            "ShuffleWriterExec: stage={}, {}, partitions={}, strategy={}",
             self.stage,
             self.describe(),
             self.tasks(),
@@ -165,5 +180,39 @@ impl ExecutionPlan for ShuffleWriterExec {
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
         self.input.execute(partition, context)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use datafusion::physical_plan::empty::EmptyExec;
+    use datafusion::physical_plan::repartition::RepartitionExec;
+    use datafusion::physical_plan::Partitioning;
+
+    fn writer(kind: WriterKind, partitions: usize) -> ShuffleWriterExec {
+        let schema = Arc::new(arrow::datatypes::Schema::empty());
+        let input = Arc::new(
+            RepartitionExec::try_new(
+                Arc::new(EmptyExec::new(schema)),
+                Partitioning::RoundRobinBatch(partitions),
+            )
+            .unwrap(),
+        );
+        ShuffleWriterExec::new(input, 1, ShuffleId::random(), kind, 4, vec![])
+    }
+
+    #[test]
+    fn one_task_per_worker_except_sorted_runs() {
+        let w = writer(WriterKind::Hash, 4);
+        assert_eq!(w.task_groups(2), vec![vec![0, 2], vec![1, 3]]);
+        assert_eq!(w.task_groups(3), vec![vec![0, 3], vec![1], vec![2]]);
+        assert_eq!(w.task_groups(1), vec![vec![0, 1, 2, 3]]);
+        assert_eq!(w.task_groups(8).len(), 4, "no empty task on a spare worker");
+        let merge = writer(WriterKind::Merge, 4);
+        assert_eq!(
+            merge.task_groups(2),
+            vec![vec![0], vec![1], vec![2], vec![3]]
+        );
     }
 }
