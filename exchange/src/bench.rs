@@ -12,7 +12,7 @@ use crate::cluster::{LocalCluster, LocalClusterConfig};
 use crate::driver::{MapInput, ShuffleSpec};
 use crate::error::{Error, Result};
 use crate::gen::{lineitem_schema, LineitemSlice, LINEITEM_SOURCE};
-use crate::strategy::{pull, StrategyOptions};
+use crate::strategy::{self, pull, StrategyOptions};
 use crate::{partitioner, proto};
 use serde_json::json;
 use std::time::Instant;
@@ -78,7 +78,7 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
     };
     let start = Instant::now();
     let map_side = async {
-        let m = pull::map_side(&driver, &spec, futures::stream::iter(inputs), opts).await?;
+        let m = strategy::map_side(&driver, &spec, futures::stream::iter(inputs), opts).await?;
         Ok::<_, Error>((m, start.elapsed().as_secs_f64()))
     };
     let reduce_side = async {

@@ -11,6 +11,7 @@ pub mod cluster;
 pub mod driver;
 pub mod error;
 pub mod gen;
+pub mod job;
 pub mod partitioner;
 pub mod scheduler;
 pub mod store;

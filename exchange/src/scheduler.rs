@@ -14,15 +14,17 @@
 
 use crate::driver::{Driver, MapInput, ShuffleSpec};
 use crate::error::Result;
-use crate::strategy::{pull, StrategyOptions};
+use crate::strategy::{self, Strategy, StrategyOptions};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// One stage to run: the shuffle it writes and one input per map task.
+/// One stage to run: the shuffle it writes, one input per map task, and the strategy of its
+/// exchange.
 pub struct StageRun {
     pub spec: ShuffleSpec,
     pub inputs: Vec<MapInput>,
+    pub strategy: Strategy,
 }
 
 /// How a stage went, with times in seconds since the query started.
@@ -59,7 +61,11 @@ pub async fn run_pipelined<T>(
     let runs = stages.into_iter().map(|s| async move {
         let start_s = started.elapsed().as_secs_f64();
         let inputs = futures::stream::iter(s.inputs);
-        let mapped = pull::map_side(driver, &s.spec, inputs, opts).await?;
+        let opts = StrategyOptions {
+            strategy: s.strategy,
+            ..opts
+        };
+        let mapped = strategy::map_side(driver, &s.spec, inputs, opts).await?;
         let secs = |t: Option<Instant>| t.map_or(0.0, |t| t.duration_since(started).as_secs_f64());
         Ok::<_, crate::Error>(StageReport {
             tasks: mapped.maps.len(),

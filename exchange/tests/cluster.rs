@@ -571,3 +571,78 @@ async fn a_reducer_reads_its_own_workers_blocks_without_a_call() {
     }
     assert_eq!(rows, done.input.rows);
 }
+
+/// A user shuffle job (`exchange::job`, what the bindings run) keeps the multiset with every
+/// partitioner, range partitions come back ordered, and bad options are clear errors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shuffle_jobs_keep_the_multiset_with_every_partitioner() {
+    use exchange::job::{self, ShuffleJob, ShuffleOptions};
+    let cluster = LocalCluster::start(config(2, 1 << 30)).await.unwrap();
+    let input = batches(12, 500);
+    let want = checksum(&input);
+    for (name, partitions) in [("hash", 5), ("range", 4), ("round_robin", 3), ("range", 1)] {
+        let opts = ShuffleOptions {
+            by: vec!["k".into()],
+            partitions,
+            partitioner: name.parse().unwrap(),
+            map_bytes: 20_000,
+            strategy: StrategyOptions::named("pull").unwrap(),
+        };
+        let it: job::Input = Box::new(input.clone().into_iter().map(Ok));
+        let (spec, it) = job::prepare(&schema(), it, &opts).unwrap();
+        let job = ShuffleJob::start(cluster.driver.clone(), spec, it, &opts)
+            .await
+            .unwrap();
+        let mut parts = Vec::new();
+        while let Some(p) = job.next_partition().await {
+            let (i, b) = p.unwrap();
+            assert_eq!(i as usize, parts.len(), "{name}: partitions in order");
+            parts.push(b);
+        }
+        assert_eq!(parts.len(), partitions as usize);
+        let summary = job.mapped().await.unwrap();
+        assert!(summary.maps > 1, "{name}: input cut into map tasks");
+        assert_eq!(summary.rows, want.rows);
+        assert_eq!(checksum(&parts.concat()), want, "{name}");
+        if name == "hash" {
+            assert_keys_not_split(&parts);
+        }
+        if name == "range" {
+            let bounds: Vec<(i64, i64)> = parts
+                .iter()
+                .filter(|p| p.iter().any(|b| b.num_rows() > 0))
+                .map(|p| {
+                    let keys: Vec<i64> = p
+                        .iter()
+                        .flat_map(|b| {
+                            let a = b.column(0).as_any().downcast_ref::<Int64Array>().unwrap();
+                            a.values().to_vec()
+                        })
+                        .collect();
+                    (*keys.iter().min().unwrap(), *keys.iter().max().unwrap())
+                })
+                .collect();
+            assert!(bounds.windows(2).all(|w| w[0].1 <= w[1].0), "{bounds:?}");
+        }
+        job.close().await.unwrap();
+    }
+    assert!("zigzag".parse::<job::PartitionerKind>().is_err());
+    assert!(StrategyOptions::named("merged").is_err());
+    let opts = ShuffleOptions {
+        by: vec!["k".into()],
+        partitions: 0,
+        partitioner: job::PartitionerKind::Hash,
+        map_bytes: 1,
+        strategy: StrategyOptions::default(),
+    };
+    let empty: job::Input = Box::new(std::iter::empty());
+    let err = job::prepare(&schema(), empty, &opts).err().unwrap();
+    assert!(err.to_string().contains("at least 1"), "{err}");
+    let narrow = RecordBatch::try_new(
+        Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false)])),
+        vec![Arc::new(Int64Array::from(vec![1]))],
+    )
+    .unwrap();
+    let err = job::conform(narrow, &schema()).err().unwrap();
+    assert!(err.to_string().contains("columns"), "{err}");
+}

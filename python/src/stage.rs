@@ -1,5 +1,5 @@
 //! Stages of Python work on the cluster: a map stage runs Python map tasks (file splits or
-//! partitions of an earlier stage) into a new shuffle with the pull strategy; a streaming job
+//! partitions of an earlier stage) into a new shuffle ([`exchange::job::run_stage`]); a streaming job
 //! runs them in rounds with the streaming strategy and a Python reducer, handing each round's
 //! partial result to Python while later rounds run.
 
@@ -9,11 +9,11 @@ use arrow::array::RecordBatch;
 use arrow::compute::concat_batches;
 use arrow::datatypes::SchemaRef;
 use exchange::block::{encode_schema, ShuffleId};
-use exchange::driver::{Driver, MapInput, ShuffleSpec};
+use exchange::driver::{Driver, MapInput};
+use exchange::job;
 use exchange::strategy::streaming::{self, Partial, StreamingJob};
-use exchange::strategy::{pull, StrategyOptions};
-use exchange::{partitioner, proto, Error, Result};
-use futures::TryStreamExt;
+use exchange::strategy::StrategyOptions;
+use exchange::{proto, Error, Result};
 use prost::Message;
 use pyo3::prelude::*;
 use pyo3_arrow::PyTable;
@@ -34,21 +34,6 @@ pub type Stages = Mutex<HashMap<u64, (SchemaRef, u32)>>;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn spec(schema: SchemaRef, partitions: u32, keys: &[String]) -> ShuffleSpec {
-    let keys: Vec<&str> = keys.iter().map(|s| s.as_str()).collect();
-    ShuffleSpec {
-        id: ShuffleId::random(),
-        schema,
-        partitions: partitions.max(1),
-        partitioner: if keys.is_empty() {
-            partitioner::round_robin()
-        } else {
-            partitioner::hash(&keys)
-        },
-        checksum_inputs: false,
-    }
 }
 
 fn inputs(driver: &Driver, stages: &Stages, tasks: Vec<StageTask>) -> Result<Vec<MapInput>> {
@@ -105,26 +90,11 @@ pub async fn run_stage(
     keys: Vec<String>,
     tasks: Vec<StageTask>,
 ) -> Result<(u64, u64)> {
-    let spec = spec(schema.clone(), partitions, &keys);
+    let spec = job::stage_spec(schema.clone(), partitions, &keys);
     let inputs = inputs(driver, stages, tasks)?;
-    driver.create_shuffle(&spec).await?;
-    let mapped = pull::map_side(
-        driver,
-        &spec,
-        futures::stream::iter(inputs),
-        StrategyOptions::default(),
-    )
-    .await;
-    match mapped {
-        Ok(m) => {
-            lock(stages).insert(spec.id.0, (schema, spec.partitions));
-            Ok((spec.id.0, m.input.rows))
-        }
-        Err(e) => {
-            let _ = driver.drop_shuffle(spec.id).await;
-            Err(e)
-        }
-    }
+    let input = job::run_stage(driver, &spec, inputs, StrategyOptions::default()).await?;
+    lock(stages).insert(spec.id.0, (schema, spec.partitions));
+    Ok((spec.id.0, input.rows))
 }
 
 /// Read every partition of a stage back to the driver, in partition order.
@@ -137,15 +107,10 @@ pub async fn read_stage(
         .get(&shuffle)
         .cloned()
         .ok_or(Error::UnknownShuffle(ShuffleId(shuffle)))?;
-    let mut out = Vec::with_capacity(parts as usize);
-    for p in 0..parts {
-        let read = async {
-            let stream = driver.read_partition(ShuffleId(shuffle), p, true).await?;
-            stream.try_collect::<Vec<_>>().await
-        };
-        out.push(driver.watch(read).await?);
-    }
-    Ok((schema, out))
+    Ok((
+        schema,
+        job::read_all(driver, ShuffleId(shuffle), parts).await?,
+    ))
 }
 
 pub async fn drop_stage(driver: &Arc<Driver>, stages: &Stages, shuffle: u64) -> Result<()> {
@@ -179,7 +144,7 @@ pub fn start_stream(
     reducer_payload: Vec<u8>,
 ) -> Result<NativeStream> {
     let job = StreamingJob {
-        spec: spec(schema, partitions, &keys),
+        spec: job::stage_spec(schema, partitions, &keys),
         inputs: inputs(driver, stages, tasks)?,
         weights,
         rounds,

@@ -316,7 +316,11 @@ impl DistributedContext {
                 })
             })
             .collect();
-        Ok(StageRun { spec, inputs })
+        Ok(StageRun {
+            spec,
+            inputs,
+            strategy: writer.strategy,
+        })
     }
 }
 

@@ -2,6 +2,10 @@
 //! task runs where and when. `pull` serves one-shot exchanges and `streaming` serves online
 //! aggregation (it is driven through its own API, not chosen per exchange); the others are
 //! named so a user asking for them gets a clear error rather than a silent fallback.
+//!
+//! A caller chooses a strategy and its knobs with one [`StrategyOptions`] value (parsed from the
+//! user's string by [`StrategyOptions::named`]) and runs an exchange's map side through
+//! [`map_side`], the one place that dispatches on the strategy.
 
 pub mod pull;
 pub mod streaming;
@@ -43,9 +47,10 @@ impl std::str::FromStr for Strategy {
     }
 }
 
-/// Knobs shared by strategies.
+/// Which strategy runs an exchange, and the knobs strategies share.
 #[derive(Debug, Clone, Copy)]
 pub struct StrategyOptions {
+    pub strategy: Strategy,
     /// Map tasks running at once on one worker.
     pub maps_per_worker: usize,
     /// Reduce tasks running at once on one worker.
@@ -57,10 +62,35 @@ pub struct StrategyOptions {
 impl Default for StrategyOptions {
     fn default() -> Self {
         StrategyOptions {
+            strategy: Strategy::Pull,
             maps_per_worker: 2,
             reduces_per_worker: 2,
             watch: true,
         }
+    }
+}
+
+impl StrategyOptions {
+    /// The default knobs with the strategy named `name` (an unknown or unbuilt one is an
+    /// error that lists what is available).
+    pub fn named(name: &str) -> Result<Self> {
+        Ok(StrategyOptions {
+            strategy: name.parse()?,
+            ..Default::default()
+        })
+    }
+}
+
+/// Run the map side of `spec` with the strategy `opts` names: every input becomes a map task,
+/// and the shuffle is sealed once all are committed.
+pub async fn map_side(
+    driver: &std::sync::Arc<crate::driver::Driver>,
+    spec: &crate::driver::ShuffleSpec,
+    inputs: impl futures::Stream<Item = crate::driver::MapInput> + Unpin,
+    opts: StrategyOptions,
+) -> Result<pull::Mapped> {
+    match opts.strategy {
+        Strategy::Pull => pull::map_side(driver, spec, inputs, opts).await,
     }
 }
 

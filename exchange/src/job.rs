@@ -1,0 +1,441 @@
+//! Shuffle jobs over the driver API, as bindings run them: a user's batch stream shuffled into
+//! R partitions that come back in order, and stages of worker-side map tasks read back whole.
+//!
+//! Everything here used to live in the Python bindings; it is engine- and language-neutral, so
+//! it lives here and is tested from Rust. A [`ShuffleJob`] chooses the partitioner by name
+//! (sampling the input for range boundaries), cuts the input into map tasks of about
+//! `map_bytes`, runs the map side with the chosen strategy, and reads the partitions back one
+//! at a time (the next one read while the caller holds the current one).
+
+use crate::block::ShuffleId;
+use crate::checksum::Checksum;
+use crate::driver::{Driver, MapInput, ShuffleSpec};
+use crate::error::{Error, Result};
+use crate::strategy::{self, pull::Mapped, StrategyOptions};
+use crate::{partitioner, proto};
+use arrow::array::{ArrayRef, RecordBatch, UInt32Array};
+use arrow::compute::cast;
+use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
+use futures::{Stream, TryStreamExt};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use tokio::sync::{mpsc, watch};
+
+/// Rows sampled for range boundaries.
+pub const RANGE_SAMPLE_ROWS: usize = 100_000;
+
+/// How rows are spread over partitions, by name: `hash`, `range`, `round_robin`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PartitionerKind {
+    Hash,
+    Range,
+    RoundRobin,
+}
+
+impl std::str::FromStr for PartitionerKind {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "hash" => Ok(PartitionerKind::Hash),
+            "range" => Ok(PartitionerKind::Range),
+            "round_robin" | "round-robin" => Ok(PartitionerKind::RoundRobin),
+            other => Err(Error::invalid(format!(
+                "unknown partitioner {other:?}: expected hash, range or round_robin"
+            ))),
+        }
+    }
+}
+
+/// What a user shuffle does.
+#[derive(Debug, Clone)]
+pub struct ShuffleOptions {
+    /// Key columns (hash and range partitioners).
+    pub by: Vec<String>,
+    pub partitions: u32,
+    pub partitioner: PartitionerKind,
+    /// Input bytes per map task.
+    pub map_bytes: usize,
+    pub strategy: StrategyOptions,
+}
+
+/// The input of a shuffle job: batches in the order the caller produces them.
+pub type Input = Box<dyn Iterator<Item = Result<RecordBatch>> + Send>;
+/// One reduce partition read back: its index and its batches.
+pub type Partition = Result<(u32, Vec<RecordBatch>)>;
+
+/// The map side of a finished shuffle.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct MapSummary {
+    pub maps: usize,
+    pub blocks: usize,
+    pub rows: u64,
+    /// The input's content checksum, as hex.
+    pub checksum: String,
+    pub bytes: u64,
+}
+
+impl MapSummary {
+    fn of(mapped: &Mapped) -> Self {
+        MapSummary {
+            maps: mapped.maps.len(),
+            blocks: mapped.maps.iter().map(|m| m.blocks.len()).sum(),
+            rows: mapped.input.rows,
+            checksum: format!("{:#018x}", mapped.input.sum),
+            bytes: mapped.input_bytes,
+        }
+    }
+}
+
+/// The schema a shuffle of `schema` carries: dictionary columns travel as their value type
+/// (Flight hydrates them anyway).
+pub fn hydrated(schema: &Schema) -> SchemaRef {
+    let fields: Vec<Field> = schema
+        .fields()
+        .iter()
+        .map(|f| match f.data_type() {
+            DataType::Dictionary(_, v) => f.as_ref().clone().with_data_type(v.as_ref().clone()),
+            _ => f.as_ref().clone(),
+        })
+        .collect();
+    Arc::new(Schema::new_with_metadata(fields, schema.metadata().clone()))
+}
+
+/// `batch` cast to `schema` where a column's type differs (dictionaries to their values).
+pub fn conform(batch: RecordBatch, schema: &SchemaRef) -> Result<RecordBatch> {
+    if batch.schema() == *schema {
+        return Ok(batch);
+    }
+    if batch.num_columns() != schema.fields().len() {
+        return Err(Error::invalid(format!(
+            "a batch has {} columns, the shuffle's schema {}",
+            batch.num_columns(),
+            schema.fields().len()
+        )));
+    }
+    let cols = batch
+        .columns()
+        .iter()
+        .zip(schema.fields())
+        .map(|(c, f)| {
+            if c.data_type() == f.data_type() {
+                Ok(c.clone())
+            } else {
+                cast(c, f.data_type()).map_err(Error::from)
+            }
+        })
+        .collect::<Result<Vec<ArrayRef>>>()?;
+    Ok(RecordBatch::try_new(schema.clone(), cols)?)
+}
+
+/// Every `step`-th row of `batches`, about [`RANGE_SAMPLE_ROWS`] in all.
+pub fn sample(batches: &[RecordBatch]) -> Result<Vec<RecordBatch>> {
+    let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
+    let step = rows.div_ceil(RANGE_SAMPLE_ROWS).max(1);
+    batches
+        .iter()
+        .map(|b| {
+            let idx: UInt32Array = (0..b.num_rows() as u32).step_by(step).collect();
+            Ok(arrow::compute::take_record_batch(b, &idx)?)
+        })
+        .collect()
+}
+
+/// The shuffle spec of a user shuffle over `schema` (already [`hydrated`]), and the input to
+/// map. A range partitioner needs a sample of the whole input, so it reads the input first
+/// (and hands it back buffered); the others leave it as a stream. Blocking: run it off the
+/// async runtime when the input is.
+pub fn prepare(
+    schema: &SchemaRef,
+    input: Input,
+    opts: &ShuffleOptions,
+) -> Result<(ShuffleSpec, Input)> {
+    if opts.partitions == 0 {
+        return Err(Error::invalid("partitions must be at least 1"));
+    }
+    let keys: Vec<&str> = opts.by.iter().map(|s| s.as_str()).collect();
+    let conformed = {
+        let schema = schema.clone();
+        move |b: Result<RecordBatch>| conform(b?, &schema)
+    };
+    let (partitioner, input): (proto::Partitioner, Input) = match opts.partitioner {
+        PartitionerKind::Hash => (partitioner::hash(&keys), Box::new(input.map(conformed))),
+        PartitionerKind::RoundRobin => (partitioner::round_robin(), Box::new(input.map(conformed))),
+        PartitionerKind::Range => {
+            let all = input.map(conformed).collect::<Result<Vec<_>>>()?;
+            let partitioner = if all.iter().all(|b| b.num_rows() == 0) {
+                // No rows: every partition is empty whatever the boundaries.
+                partitioner::round_robin()
+            } else {
+                let spec = partitioner::range_boundaries(
+                    &sample(&all)?,
+                    schema,
+                    &opts.by,
+                    &[],
+                    opts.partitions,
+                )?;
+                proto::Partitioner {
+                    kind: Some(proto::partitioner::Kind::Range(spec)),
+                }
+            };
+            (partitioner, Box::new(all.into_iter().map(Ok)))
+        }
+    };
+    let spec = ShuffleSpec {
+        id: ShuffleId::random(),
+        schema: schema.clone(),
+        partitions: opts.partitions,
+        partitioner,
+        checksum_inputs: true,
+    };
+    Ok((spec, input))
+}
+
+/// A running user shuffle: partitions come back in order from [`ShuffleJob::next_partition`].
+/// Dropping it stops the job; [`ShuffleJob::close`] also frees its blocks on the workers.
+pub struct ShuffleJob {
+    pub id: ShuffleId,
+    pub schema: SchemaRef,
+    driver: Arc<Driver>,
+    partitions: tokio::sync::Mutex<mpsc::Receiver<Partition>>,
+    mapped: watch::Receiver<Option<std::result::Result<MapSummary, String>>>,
+    task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// The runtime the job runs on (a drop outside it still frees the shuffle there).
+    runtime: tokio::runtime::Handle,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl ShuffleJob {
+    /// Register `spec` on the workers and start mapping `input` (from [`prepare`]) and reading
+    /// the partitions back. Call it inside the tokio runtime.
+    pub async fn start(
+        driver: Arc<Driver>,
+        spec: ShuffleSpec,
+        input: Input,
+        opts: &ShuffleOptions,
+    ) -> Result<Self> {
+        driver.create_shuffle(&spec).await?;
+        let (part_tx, part_rx) = mpsc::channel::<Partition>(1);
+        let (mapped_tx, mapped_rx) = watch::channel(None);
+        let (id, schema) = (spec.id, spec.schema.clone());
+        let task = tokio::spawn(run(
+            driver.clone(),
+            spec,
+            opts.strategy,
+            split_input(input, opts.map_bytes.max(1)),
+            part_tx,
+            mapped_tx,
+        ));
+        Ok(ShuffleJob {
+            id,
+            schema,
+            driver,
+            partitions: tokio::sync::Mutex::new(part_rx),
+            mapped: mapped_rx,
+            task: Mutex::new(Some(task)),
+            runtime: tokio::runtime::Handle::current(),
+        })
+    }
+
+    /// The next partition in order, or None when all were read.
+    pub async fn next_partition(&self) -> Option<Partition> {
+        self.partitions.lock().await.recv().await
+    }
+
+    /// [`ShuffleJob::next_partition`] for a thread outside the async runtime.
+    pub fn next_partition_blocking(&self) -> Option<Partition> {
+        self.partitions.blocking_lock().blocking_recv()
+    }
+
+    /// Wait until the map side is complete.
+    pub async fn mapped(&self) -> Result<MapSummary> {
+        let mut rx = self.mapped.clone();
+        let got = rx
+            .wait_for(|v| v.is_some())
+            .await
+            .map(|v| v.clone())
+            .ok()
+            .flatten();
+        match got {
+            Some(Ok(s)) => Ok(s),
+            Some(Err(e)) => Err(Error::Cluster(e)),
+            None => Err(Error::Cluster(
+                "the shuffle stopped before its map side finished".into(),
+            )),
+        }
+    }
+
+    /// Stop the job (if it still runs); returns true if it was running.
+    fn stop(&self) -> bool {
+        match lock(&self.task).take() {
+            Some(t) => {
+                t.abort();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Stop the job and free its blocks on every worker (a shuffle already gone or a lost
+    /// worker is not an error here).
+    pub async fn close(&self) -> Result<()> {
+        if !self.stop() {
+            return Ok(());
+        }
+        match self.driver.drop_shuffle(self.id).await {
+            Err(Error::Remote {
+                code: tonic::Code::NotFound,
+                ..
+            })
+            | Err(Error::WorkerLost { .. }) => Ok(()),
+            other => other,
+        }
+    }
+}
+
+impl Drop for ShuffleJob {
+    fn drop(&mut self) {
+        if self.stop() {
+            let (driver, id) = (self.driver.clone(), self.id);
+            self.runtime.spawn(async move {
+                let _ = driver.drop_shuffle(id).await;
+            });
+        }
+    }
+}
+
+/// Receiver of map inputs as a stream (one adapter, no dependency for it).
+struct Receiver<T>(mpsc::Receiver<T>);
+
+impl<T> Stream for Receiver<T> {
+    type Item = T;
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<T>> {
+        self.0.poll_recv(cx)
+    }
+}
+
+/// Cut the input into map tasks of about `map_bytes` each, in one blocking reader thread.
+fn split_input(input: Input, map_bytes: usize) -> Receiver<MapInput> {
+    let (maps_tx, maps_rx) = mpsc::channel::<MapInput>(1);
+    tokio::task::spawn_blocking(move || {
+        let mut current: Option<mpsc::Sender<Result<RecordBatch>>> = None;
+        let mut bytes = 0usize;
+        for batch in input {
+            let size = batch
+                .as_ref()
+                .map(|b| b.get_array_memory_size())
+                .unwrap_or(0);
+            if current.is_none() || bytes >= map_bytes {
+                let (tx, rx) = mpsc::channel(4);
+                if maps_tx
+                    .blocking_send(MapInput::Stream(Box::pin(Receiver(rx))))
+                    .is_err()
+                {
+                    return; // the shuffle failed or was dropped
+                }
+                current = Some(tx);
+                bytes = 0;
+            }
+            bytes += size;
+            let failed = batch.is_err();
+            if let Some(tx) = &current {
+                if tx.blocking_send(batch).is_err() {
+                    return;
+                }
+            }
+            if failed {
+                return;
+            }
+        }
+    });
+    Receiver(maps_rx)
+}
+
+async fn run(
+    driver: Arc<Driver>,
+    spec: ShuffleSpec,
+    opts: StrategyOptions,
+    maps: Receiver<MapInput>,
+    out: mpsc::Sender<Partition>,
+    mapped_tx: watch::Sender<Option<std::result::Result<MapSummary, String>>>,
+) {
+    let mapped = match strategy::map_side(&driver, &spec, maps, opts).await {
+        Ok(m) => m,
+        Err(e) => {
+            let _ = mapped_tx.send(Some(Err(e.to_string())));
+            let _ = out.send(Err(e)).await;
+            return;
+        }
+    };
+    let _ = mapped_tx.send(Some(Ok(MapSummary::of(&mapped))));
+    for p in 0..spec.partitions {
+        let item = read_partition(&driver, spec.id, p).await.map(|b| (p, b));
+        let failed = item.is_err();
+        if out.send(item).await.is_err() || failed {
+            return;
+        }
+    }
+}
+
+/// One sealed partition read whole to the driver, under the health watch.
+pub async fn read_partition(
+    driver: &Arc<Driver>,
+    shuffle: ShuffleId,
+    partition: u32,
+) -> Result<Vec<RecordBatch>> {
+    let read = async {
+        let stream = driver.read_partition(shuffle, partition, true).await?;
+        stream.try_collect::<Vec<_>>().await
+    };
+    driver.watch(read).await
+}
+
+/// The spec of a stage's shuffle: hashed on `keys`, or dealt round-robin without keys.
+pub fn stage_spec(schema: SchemaRef, partitions: u32, keys: &[String]) -> ShuffleSpec {
+    let keys: Vec<&str> = keys.iter().map(|s| s.as_str()).collect();
+    ShuffleSpec {
+        id: ShuffleId::random(),
+        schema,
+        partitions: partitions.max(1),
+        partitioner: if keys.is_empty() {
+            partitioner::round_robin()
+        } else {
+            partitioner::hash(&keys)
+        },
+        checksum_inputs: false,
+    }
+}
+
+/// Run one stage of worker-side map tasks into `spec`'s new shuffle, sealed at the end; on
+/// failure the shuffle is dropped. Returns the rows the maps read.
+pub async fn run_stage(
+    driver: &Arc<Driver>,
+    spec: &ShuffleSpec,
+    inputs: Vec<MapInput>,
+    opts: StrategyOptions,
+) -> Result<Checksum> {
+    driver.create_shuffle(spec).await?;
+    match strategy::map_side(driver, spec, futures::stream::iter(inputs), opts).await {
+        Ok(m) => Ok(m.input),
+        Err(e) => {
+            let _ = driver.drop_shuffle(spec.id).await;
+            Err(e)
+        }
+    }
+}
+
+/// Every partition of a sealed shuffle, read back to the driver in partition order.
+pub async fn read_all(
+    driver: &Arc<Driver>,
+    shuffle: ShuffleId,
+    partitions: u32,
+) -> Result<Vec<Vec<RecordBatch>>> {
+    let mut out = Vec::with_capacity(partitions as usize);
+    for p in 0..partitions {
+        out.push(read_partition(driver, shuffle, p).await?);
+    }
+    Ok(out)
+}
