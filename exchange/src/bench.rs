@@ -168,6 +168,23 @@ fn ipc_ceiling(rows: u64, batch_rows: usize, seed: u64) -> Result<serde_json::Va
         decoded_rows += out.iter().map(|b| b.num_rows()).sum::<usize>();
     }
     let seconds = t.elapsed().as_secs_f64();
+    // Decoding alone, with arrow's validation (blocks from the network) and without it (blocks
+    // this process encoded, read from its own store after their CRC32C check).
+    let blocks = batches
+        .iter()
+        .map(|b| encode_block(&schema, std::slice::from_ref(b), Compression::None))
+        .collect::<Result<Vec<_>>>()?;
+    let t = Instant::now();
+    for b in &blocks {
+        decode_block(b)?;
+    }
+    let decode_validated = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    for b in &blocks {
+        crate::block::decode_encoded_here(b)?;
+    }
+    let decode_unvalidated = t.elapsed().as_secs_f64();
+    drop(blocks);
     let t = Instant::now();
     for b in &batches {
         Checksum::of_batch(b)?;
@@ -191,6 +208,8 @@ fn ipc_ceiling(rows: u64, batch_rows: usize, seed: u64) -> Result<serde_json::Va
             "generate": gbps(generate),
             "checksum": gbps(checksum),
             "hash_partition_16": gbps(partition),
+            "ipc_decode_validated": gbps(decode_validated),
+            "ipc_decode_unvalidated": gbps(decode_unvalidated),
         },
         "one_thread_seconds": {
             "ipc_encode_decode": seconds,

@@ -3,7 +3,7 @@
 //! which engines fold blocks into a running reduce state (streaming strategy).
 
 use crate::block::{
-    encode_block, same_columns, schema_summary, BlockId, BlockMeta, Compression, ShuffleId,
+    same_columns, schema_summary, BlockId, BlockMeta, Compression, EncodedBlock, ShuffleId,
 };
 use crate::checksum::Checksum;
 use crate::error::{Error, Result};
@@ -257,7 +257,7 @@ pub async fn run_map(
             return Ok(0);
         }
         let batches = coalesce(&info.schema, &buf.batches, cfg.batch_rows)?;
-        let data = encode_block(&info.schema, &batches, cfg.compression)?;
+        let data = EncodedBlock::encode(&info.schema, &batches, cfg.compression)?;
         let id = BlockId {
             shuffle: info.id,
             map,
@@ -265,7 +265,7 @@ pub async fn run_map(
             attempt,
             seq: buf.seq,
         };
-        let (meta, spilled) = store.put_where(id, buf.rows, data)?;
+        let (meta, spilled) = store.put_encoded(id, buf.rows, data)?;
         if spilled {
             out.spilled_bytes += meta.bytes;
         }

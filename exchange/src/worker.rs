@@ -262,10 +262,7 @@ impl WorkerState {
             };
             reads.push(async move {
                 match client {
-                    None => {
-                        let data = self.store.get(&id)?;
-                        Ok(tokio::task::block_in_place(|| crate::block::decode_block(&data))?.1)
-                    }
+                    None => tokio::task::block_in_place(|| self.store.read_batches(&id)),
                     Some(c) => c.read_block(id).await?.try_collect::<Vec<_>>().await,
                 }
             });

@@ -12,9 +12,10 @@
 
 pub mod segment;
 
-use crate::block::{BlockId, BlockMeta, ShuffleId};
+use crate::block::{BlockId, BlockMeta, EncodedBlock, ShuffleId};
 use crate::error::{Error, Result};
 use crate::proto;
+use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use bytes::Bytes;
 use segment::{Segment, SegmentWriter};
@@ -53,6 +54,8 @@ enum Location {
 struct Entry {
     meta: BlockMeta,
     location: Location,
+    /// Put as an [`EncodedBlock`]: decoded without re-validation once its CRC matches.
+    encoded_here: bool,
 }
 
 struct ShuffleState {
@@ -97,6 +100,8 @@ pub struct BlockStore {
     spill_files: AtomicU64,
     restored_bytes: AtomicU64,
     restored_blocks: AtomicU64,
+    /// Blocks decoded without arrow's re-validation (encoded here, CRC matched).
+    unvalidated_decodes: AtomicU64,
     segment_seq: AtomicU64,
 }
 
@@ -119,6 +124,7 @@ impl BlockStore {
             spill_files: AtomicU64::new(0),
             restored_bytes: AtomicU64::new(0),
             restored_blocks: AtomicU64::new(0),
+            unvalidated_decodes: AtomicU64::new(0),
             segment_seq: AtomicU64::new(0),
         })
     }
@@ -172,6 +178,26 @@ impl BlockStore {
 
     /// [`BlockStore::put`], also telling whether the block was spilled.
     pub fn put_where(&self, id: BlockId, rows: u64, data: Bytes) -> Result<(BlockMeta, bool)> {
+        self.insert(id, rows, data, false)
+    }
+
+    /// Store a block this process encoded (see [`EncodedBlock`]); tells whether it spilled.
+    pub fn put_encoded(
+        &self,
+        id: BlockId,
+        rows: u64,
+        block: EncodedBlock,
+    ) -> Result<(BlockMeta, bool)> {
+        self.insert(id, rows, block.into_bytes(), true)
+    }
+
+    fn insert(
+        &self,
+        id: BlockId,
+        rows: u64,
+        data: Bytes,
+        encoded_here: bool,
+    ) -> Result<(BlockMeta, bool)> {
         let meta = BlockMeta {
             id,
             rows,
@@ -212,7 +238,14 @@ impl BlockStore {
                 return Err(Error::UnknownShuffle(id.shuffle));
             }
         };
-        sh.blocks.insert(id, Entry { meta, location });
+        sh.blocks.insert(
+            id,
+            Entry {
+                meta,
+                location,
+                encoded_here,
+            },
+        );
         sh.pending.entry((id.map, id.attempt)).or_default().push(id);
         Ok((meta, !fits))
     }
@@ -338,6 +371,28 @@ impl BlockStore {
 
     /// Read a block and check its CRC32C.
     pub fn get(&self, id: &BlockId) -> Result<Bytes> {
+        self.get_checked(id).map(|(data, _)| data)
+    }
+
+    /// Read a block, check its CRC32C and decode it: without arrow's second validation when
+    /// this process encoded it ([`EncodedBlock`]), with it otherwise.
+    pub fn read_batches(&self, id: &BlockId) -> Result<Vec<RecordBatch>> {
+        match self.get_checked(id)? {
+            (data, true) => {
+                self.unvalidated_decodes.fetch_add(1, Ordering::Relaxed);
+                crate::block::decode_encoded_here(&data)
+            }
+            (data, false) => crate::block::decode_block(&data).map(|(_, b)| b),
+        }
+    }
+
+    /// Blocks [`BlockStore::read_batches`] decoded without re-validation so far.
+    pub fn unvalidated_decodes(&self) -> u64 {
+        self.unvalidated_decodes.load(Ordering::Relaxed)
+    }
+
+    /// The block's bytes with their CRC32C checked, and whether it was encoded here.
+    fn get_checked(&self, id: &BlockId) -> Result<(Bytes, bool)> {
         let entry = {
             let st = lock(&self.state);
             let sh = st
@@ -366,7 +421,7 @@ impl BlockStore {
                 actual,
             });
         }
-        Ok(data)
+        Ok((data, entry.encoded_here))
     }
 
     /// Remove the pending blocks of one map attempt (it failed, was cancelled or lost the

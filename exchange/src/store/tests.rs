@@ -387,3 +387,70 @@ proptest! {
         prop_assert_eq!(s.metrics().memory_bytes, 0);
     }
 }
+
+/// Blocks this process encoded decode without arrow's second validation, in memory and
+/// spilled; plain bytes are validated (garbage is an error, not a crash); a corrupted encoded
+/// block fails its CRC before any decoding.
+#[test]
+fn encoded_blocks_skip_revalidation_and_plain_bytes_do_not() {
+    use arrow::array::{Int32Array, StringArray};
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("a", DataType::Int32, false),
+        Field::new("s", DataType::Utf8, true),
+    ]));
+    let batch = RecordBatch::try_new(
+        schema.clone(),
+        vec![
+            Arc::new(Int32Array::from((0..1000).collect::<Vec<_>>())),
+            Arc::new(StringArray::from_iter(
+                (0..1000).map(|i| (i % 7 != 0).then(|| format!("s{i}"))),
+            )),
+        ],
+    )
+    .unwrap();
+    // A budget that holds the first block only: the second is spilled.
+    let first = EncodedBlock::encode(
+        &schema,
+        std::slice::from_ref(&batch),
+        crate::Compression::Lz4,
+    )
+    .unwrap();
+    let (dir, s) = store(first.bytes().len() as u64, 1 << 20);
+    s.create_shuffle(info(1, 2)).unwrap();
+    let (a, b, c) = (bid(1, 0, 0), bid(1, 1, 0), bid(1, 2, 1));
+    assert!(!s.put_encoded(a, 1000, first).unwrap().1);
+    let second = EncodedBlock::encode(
+        &schema,
+        std::slice::from_ref(&batch),
+        crate::Compression::None,
+    )
+    .unwrap();
+    assert!(s.put_encoded(b, 1000, second).unwrap().1, "spilled");
+    s.put(c, 1, Bytes::from_static(b"not an IPC stream"))
+        .unwrap();
+    for m in 0..3 {
+        s.commit(ShuffleId(1), m, 0, Some(1)).unwrap();
+    }
+    assert_eq!(s.read_batches(&a).unwrap(), vec![batch.clone()]);
+    assert_eq!(s.read_batches(&b).unwrap(), vec![batch]);
+    assert_eq!(s.unvalidated_decodes(), 2);
+    assert!(s.read_batches(&c).is_err());
+    assert_eq!(
+        s.unvalidated_decodes(),
+        2,
+        "plain bytes take the validated path"
+    );
+    // Flip a byte of the spilled block in its segment file: the CRC catches it.
+    let file = std::fs::read_dir(dir.path())
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let mut bytes = std::fs::read(&file).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0xff;
+    std::fs::write(&file, bytes).unwrap();
+    assert!(matches!(s.read_batches(&b), Err(Error::Checksum { .. })));
+    assert_eq!(s.unvalidated_decodes(), 2);
+}

@@ -3,7 +3,7 @@
 //! own worker are read straight from its block store, not over loopback.
 
 use super::client::WorkerClient;
-use crate::block::{decode_block, BlockId, ShuffleId};
+use crate::block::{BlockId, ShuffleId};
 use crate::error::{Error, Result};
 use crate::store::BlockStore;
 use crate::task::{BatchStream, ShuffleReader};
@@ -70,12 +70,9 @@ impl PeerReader {
                 let store = store.clone();
                 async move {
                     let id = id?;
-                    tokio::task::spawn_blocking(move || {
-                        let data = store.get(&id)?;
-                        decode_block(&data).map(|(_, b)| b)
-                    })
-                    .await
-                    .map_err(|e| Error::Cluster(format!("local block read failed: {e}")))?
+                    tokio::task::spawn_blocking(move || store.read_batches(&id))
+                        .await
+                        .map_err(|e| Error::Cluster(format!("local block read failed: {e}")))?
                 }
             })
             .buffered(LOCAL_PREFETCH)
