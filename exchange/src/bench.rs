@@ -49,6 +49,14 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
 
     let mut cluster = LocalCluster::start(cfg.cluster.clone()).await?;
     let driver = cluster.driver.clone();
+    // Idle memory of each worker (after its start-up imports settle), reported apart.
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let idle: Vec<u64> = driver
+        .stats()
+        .await?
+        .iter()
+        .map(|s| s.peak_rss_bytes)
+        .collect();
     let spec = ShuffleSpec {
         id: ShuffleId::random(),
         schema: lineitem_schema(),
@@ -141,6 +149,12 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
         "spill_files": stats.iter().map(|s| s.spill_files).sum::<u64>(),
         "restored_bytes": stats.iter().map(|s| s.restored_bytes).sum::<u64>(),
         "peak_rss_bytes_per_worker": stats.iter().map(|s| s.peak_rss_bytes).collect::<Vec<_>>(),
+        "idle_rss_bytes_per_worker": idle,
+        "peak_rss_above_idle_bytes_per_worker": stats
+            .iter()
+            .zip(&idle)
+            .map(|(s, i)| s.peak_rss_bytes.saturating_sub(*i))
+            .collect::<Vec<_>>(),
         "ipc_ceiling": ceiling,
         "ratio_to_ipc_ceiling": gbps / ceiling["throughput_gb_s"].as_f64().unwrap_or(f64::NAN),
     }))

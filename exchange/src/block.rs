@@ -163,6 +163,12 @@ pub fn encode_block(schema: &SchemaRef, batches: &[RecordBatch], c: Compression)
         }
         w.finish()?;
     }
+    // The reservation is the batches' in-memory size; compressed or compacted blocks are
+    // smaller, and `Bytes` would keep the whole allocation alive while the store counts only
+    // the length. Give the rest back (a realloc that shrinks in place or remaps, no copy).
+    if buf.capacity() - buf.len() > buf.len() / 16 {
+        buf.shrink_to_fit();
+    }
     Ok(Bytes::from(buf))
 }
 
