@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -22,7 +23,7 @@ def _bench(args: argparse.Namespace) -> int:
         args.batch_rows,
         args.seed,
         args.compression,
-        worker_command(),
+        shlex.split(args.worker_command) if args.worker_command else worker_command(),
         args.sequential,
     )
     print(report)
@@ -312,6 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--batch-rows", type=int, default=65_536)
     b.add_argument("--seed", type=int, default=42)
     b.add_argument("--compression", default="auto", choices=["auto", "none", "lz4", "zstd"])
+    b.add_argument(
+        "--worker-command",
+        help="command starting one worker (default: this Python's flightshuffle.worker); e.g. "
+        "the Rust flightshuffle-worker binary, to measure a worker without Python",
+    )
     b.add_argument(
         "--sequential",
         action="store_true",

@@ -1,8 +1,5 @@
 //! `flightshuffle-worker`: a worker process for Rust hosts and pure-SQL deployments.
 
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 fn main() {
     let argv: Vec<String> = std::env::args().collect();
     if let Err(e) =

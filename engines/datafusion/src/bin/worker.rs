@@ -1,8 +1,5 @@
 //! `flightshuffle-sql-worker`: a worker that can also run DataFusion stage tasks.
 
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 fn main() {
     let argv: Vec<String> = std::env::args().collect();
     if let Err(e) = exchange::worker::main_with_args(argv, exchange_datafusion::worker_sources()) {
