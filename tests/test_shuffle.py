@@ -127,3 +127,19 @@ def test_any_small_input_keeps_its_multiset(cluster, keys, partitions, partition
     assert_same_multiset(df, parts)
     if by:
         assert_keys_not_split(parts, ["k"])
+
+
+def test_merged_strategy_keeps_the_multiset_with_fewer_blocks(cluster):
+    df = sample_frame(60_000)
+    # 30 batches of 2,000 rows, one map task each: many small map outputs to merge.
+    data = pa.Table.from_batches(df.to_arrow().to_batches(max_chunksize=2_000))
+    blocks = {}
+    for strategy in ["pull", "merged"]:
+        result = cluster.shuffle(
+            data, by="key", partitions=5, strategy=strategy, map_bytes=1, output="polars"
+        )
+        parts = list(result)
+        assert_same_multiset(df, parts)
+        assert_keys_not_split(parts, ["key"])
+        blocks[strategy] = result.wait_mapped()["blocks"]
+    assert blocks["merged"] * 4 <= blocks["pull"], blocks

@@ -28,6 +28,9 @@ pub struct BenchConfig {
     pub cluster: LocalClusterConfig,
     /// Start the reducers only once the map side is sealed (the pre-pipelining behaviour).
     pub sequential: bool,
+    /// The map side's strategy (`merged` starts the reducers after the seal: merges are
+    /// refused once readers have started).
+    pub strategy: crate::strategy::Strategy,
 }
 
 /// Rows of the IPC ceiling sample (enough to be stable, small enough to be quick).
@@ -78,7 +81,11 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
             payload: serde_json::to_vec(&slice).unwrap_or_default(),
         })
     });
-    let opts = StrategyOptions::default();
+    let opts = StrategyOptions {
+        strategy: cfg.strategy,
+        ..StrategyOptions::default()
+    };
+    let sequential = cfg.sequential || cfg.strategy == crate::strategy::Strategy::Merged;
     // Every reducer runs from the start, following its partition as map outputs commit.
     let reduce_opts = StrategyOptions {
         reduces_per_worker: (cfg.partitions as usize).div_ceil(workers.max(1)),
@@ -93,7 +100,7 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
         let r = pull::reduce_on_workers(&driver, &spec, "checksum", reduce_opts).await?;
         Ok::<_, Error>((r, start.elapsed().as_secs_f64()))
     };
-    let ((mapped, map_seconds), (reduced, seconds)) = if cfg.sequential {
+    let ((mapped, map_seconds), (reduced, seconds)) = if sequential {
         let m = map_side.await?;
         (m, reduce_side.await?)
     } else {
@@ -126,15 +133,19 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
         + step("ipc_encode_decode");
     let bound = one_thread * cfg.rows as f64 / sample_rows / cores;
     let gbps = bytes as f64 / seconds / 1e9;
-    let blocks: usize = mapped.maps.iter().map(|m| m.blocks.len()).sum();
+    let blocks = mapped.live_blocks();
+    let map_blocks: usize = mapped.maps.iter().map(|m| m.blocks.len()).sum();
     Ok(json!({
         "rows": cfg.rows,
         "bytes": bytes,
         "workers": workers,
         "partitions": cfg.partitions,
-        "reducers_start": if cfg.sequential { "after the map side is sealed" } else { "with the maps" },
+        "strategy": cfg.strategy.to_string(),
+        "reducers_start": if sequential { "after the map side is sealed" } else { "with the maps" },
         "maps": maps,
         "blocks": blocks,
+        "map_blocks": map_blocks,
+        "merges": mapped.merges.len(),
         "memory_budget_per_worker": cfg.cluster.memory_budget,
         "seconds": seconds,
         "map_seconds": map_seconds,

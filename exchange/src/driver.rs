@@ -64,6 +64,8 @@ pub struct BlockRef {
 pub enum Lineage {
     /// A worker-side source: re-runnable anywhere.
     Source(proto::TaskSource),
+    /// A merge group: the rows of these maps (recomputed by re-running them and the merge).
+    Merge(Vec<u32>),
     /// Batches pushed from the driver: consumed once, not recomputable.
     DriverStream,
 }
@@ -361,6 +363,7 @@ impl Driver {
                 map_id: map,
                 attempt,
                 blocks: result.blocks.len() as u32,
+                merged_maps: vec![],
             };
             if let Err(e) = client.commit(&commit).await {
                 return Err(me.classify(e).await);
@@ -392,6 +395,79 @@ impl Driver {
                 spilled_bytes: result.spilled_bytes,
                 committed_at: std::time::Instant::now(),
             })
+        })
+    }
+
+    /// Merge the committed outputs of `maps` held by `worker` into few large blocks per
+    /// partition (merged strategy), as a new attempt of merge group `group`, and commit it: the
+    /// maps' blocks are retired by the same commit. On any failure (the worker refuses once
+    /// readers have started or the shuffle is sealed) the group's attempt is aborted and the
+    /// maps' blocks stay readable.
+    pub async fn merge(
+        &self,
+        shuffle: ShuffleId,
+        group: u32,
+        worker: usize,
+        maps: Vec<u32>,
+    ) -> Result<MapDone> {
+        let client = self.workers.get(worker).cloned().ok_or_else(|| {
+            Error::invalid(format!(
+                "no worker {worker} in a cluster of {}",
+                self.workers.len()
+            ))
+        })?;
+        let attempt = self.next_attempt(shuffle, group);
+        let task = proto::MergeTask {
+            shuffle_id: shuffle.0,
+            group,
+            attempt,
+            maps: maps.clone(),
+        };
+        let result = match client.merge(&task).await {
+            Ok(r) => r,
+            Err(e) => return Err(self.classify(e).await),
+        };
+        let mut commit = proto::CommitTask {
+            shuffle_id: shuffle.0,
+            map_id: group,
+            attempt,
+            blocks: result.blocks.len() as u32,
+            merged_maps: maps.clone(),
+        };
+        if let Err(e) = client.commit(&commit).await {
+            commit.merged_maps.clear();
+            let _ = client.cancel(&commit).await;
+            return Err(self.classify(e).await);
+        }
+        let blocks = result
+            .blocks
+            .iter()
+            .map(|m| {
+                Ok(BlockRef {
+                    meta: m.try_into()?,
+                    worker,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        {
+            let mut all = lock(&self.blocks);
+            let refs = all.entry(shuffle).or_default();
+            refs.retain(|b| !(b.worker == worker && maps.contains(&b.meta.id.map)));
+            refs.extend(blocks.iter().copied());
+        }
+        lock(&self.lineage).insert((shuffle, group), (worker, Lineage::Merge(maps)));
+        Ok(MapDone {
+            map: group,
+            attempt,
+            worker,
+            blocks,
+            input: Checksum {
+                rows: result.input_rows,
+                sum: 0,
+            },
+            input_bytes: result.input_bytes,
+            spilled_bytes: result.spilled_bytes,
+            committed_at: std::time::Instant::now(),
         })
     }
 

@@ -68,7 +68,10 @@ pub type Partition = Result<(u32, Vec<RecordBatch>)>;
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct MapSummary {
     pub maps: usize,
+    /// Blocks readers read (after merges, with the merged strategy).
     pub blocks: usize,
+    /// Merge groups committed (merged strategy).
+    pub merges: usize,
     pub rows: u64,
     /// The input's content checksum, as hex.
     pub checksum: String,
@@ -79,7 +82,8 @@ impl MapSummary {
     fn of(mapped: &Mapped) -> Self {
         MapSummary {
             maps: mapped.maps.len(),
-            blocks: mapped.maps.iter().map(|m| m.blocks.len()).sum(),
+            blocks: mapped.live_blocks(),
+            merges: mapped.merges.len(),
             rows: mapped.input.rows,
             checksum: format!("{:#018x}", mapped.input.sum),
             bytes: mapped.input_bytes,

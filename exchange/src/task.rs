@@ -354,6 +354,74 @@ fn coalesce(
     Ok(out)
 }
 
+/// Merged blocks are cut at this size (Riffle merges map outputs into blocks of a few MiB).
+pub const MERGED_BLOCK_BYTES: usize = 8 << 20;
+
+/// Run one merge task (merged strategy): the committed blocks `ids` of a few maps held by
+/// `store`, partition by partition, rewritten as few large blocks (each up to
+/// [`MERGED_BLOCK_BYTES`] of rows) of map id `group`, attempt `attempt`, pending until the
+/// driver commits the group. Rows are not re-partitioned: a block's rows stay in its partition.
+pub fn run_merge(
+    store: &BlockStore,
+    info: &ShuffleInfo,
+    mut ids: Vec<BlockId>,
+    group: u32,
+    attempt: u32,
+    cfg: MapConfig,
+) -> Result<MapOutput> {
+    let start = std::time::Instant::now();
+    ids.sort_by_key(|b| (b.partition, b.map, b.seq));
+    let mut out = MapOutput::default();
+    let mut seq = 0u32;
+    let mut flush =
+        |partition: u32, batches: &mut Vec<RecordBatch>, out: &mut MapOutput| -> Result<()> {
+            if batches.is_empty() {
+                return Ok(());
+            }
+            let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
+            let batches_out = coalesce(&info.schema, batches, cfg.batch_rows)?;
+            let block = EncodedBlock::encode(&info.schema, &batches_out, cfg.compression)?;
+            let id = BlockId {
+                shuffle: info.id,
+                map: group,
+                partition,
+                attempt,
+                seq,
+            };
+            seq += 1;
+            let (meta, spilled) = store.put_encoded(id, rows as u64, block)?;
+            if spilled {
+                out.spilled_bytes += meta.bytes;
+            }
+            out.input.rows += rows as u64;
+            out.input_bytes += meta.bytes;
+            out.blocks.push(meta);
+            batches.clear();
+            Ok(())
+        };
+    let mut current: Option<u32> = None;
+    let mut batches = Vec::new();
+    let mut bytes = 0usize;
+    for id in ids {
+        if current != Some(id.partition) || bytes >= MERGED_BLOCK_BYTES {
+            if let Some(p) = current {
+                flush(p, &mut batches, &mut out)?;
+            }
+            current = Some(id.partition);
+            bytes = 0;
+        }
+        // Counted by encoded size: decoded arrays share the block's buffer, so their memory
+        // sizes would count it once per column.
+        bytes += store.meta(&id)?.bytes as usize;
+        batches.extend(store.read_batches(&id)?);
+    }
+    if let Some(p) = current {
+        flush(p, &mut batches, &mut out)?;
+    }
+    out.seconds = start.elapsed().as_secs_f64();
+    Ok(out)
+}
+
 /// Check a batch against the shuffle's schema; equal columns with other field metadata or
 /// nullability are relabelled with the shuffle's schema.
 fn conform(info: &ShuffleInfo, batch: RecordBatch) -> Result<RecordBatch> {

@@ -168,6 +168,43 @@ impl WorkerState {
         })
     }
 
+    /// Merge task (merged strategy): merge the committed blocks of `m.maps` held here into few
+    /// large blocks per partition, pending as attempt `m.attempt` of group `m.group` until the
+    /// driver commits it. Aborted (its blocks removed) if the caller goes away first.
+    pub async fn merge(self: &Arc<Self>, m: proto::MergeTask) -> Result<proto::TaskResult> {
+        let shuffle = ShuffleId(m.shuffle_id);
+        if m.group < crate::store::MERGE_GROUP_BASE || m.maps.is_empty() {
+            return Err(Error::invalid(format!(
+                "merge task needs a group id >= {} and at least one map (got group {}, {} maps)",
+                crate::store::MERGE_GROUP_BASE,
+                m.group,
+                m.maps.len()
+            )));
+        }
+        let info = self.store.shuffle_info(shuffle)?;
+        let ids = self.store.committed_blocks_of(shuffle, &m.maps)?;
+        let mut guard = AttemptGuard {
+            state: self.clone(),
+            key: (shuffle, m.group, m.attempt),
+            armed: true,
+        };
+        let (store, cfg) = (self.store.clone(), self.map_cfg);
+        let out = tokio::task::spawn_blocking(move || {
+            crate::task::run_merge(&store, &info, ids, m.group, m.attempt, cfg)
+        })
+        .await
+        .map_err(|e| Error::Cluster(format!("merge task failed to run: {e}")))??;
+        guard.armed = false;
+        Ok(proto::TaskResult {
+            blocks: out.blocks.iter().map(Into::into).collect(),
+            input_rows: out.input.rows,
+            input_checksum: 0,
+            input_bytes: out.input_bytes,
+            seconds: out.seconds,
+            spilled_bytes: out.spilled_bytes,
+        })
+    }
+
     /// Fold task (streaming strategy): read the listed blocks of one partition from their
     /// workers, fold them into this partition's running state and return its partial result.
     pub async fn fold(&self, m: proto::FoldTask) -> Result<proto::FoldResult> {

@@ -504,6 +504,7 @@ async fn attempts_are_visible_only_once_committed() {
         map_id,
         attempt,
         blocks,
+        merged_maps: vec![],
     };
     let wrong = w.commit(&commit(0, 0, 99)).await.unwrap_err();
     assert!(wrong.to_string().contains("reported 99 blocks"), "{wrong}");
@@ -627,7 +628,7 @@ async fn shuffle_jobs_keep_the_multiset_with_every_partitioner() {
         job.close().await.unwrap();
     }
     assert!("zigzag".parse::<job::PartitionerKind>().is_err());
-    assert!(StrategyOptions::named("merged").is_err());
+    assert!(StrategyOptions::named("push").is_err());
     let opts = ShuffleOptions {
         by: vec!["k".into()],
         partitions: 0,
@@ -645,4 +646,48 @@ async fn shuffle_jobs_keep_the_multiset_with_every_partitioner() {
     .unwrap();
     let err = job::conform(narrow, &schema()).err().unwrap();
     assert!(err.to_string().contains("columns"), "{err}");
+}
+
+/// The merged strategy keeps the multiset, in memory and spilling, and reducers read fewer,
+/// larger blocks than with pull: each worker's small map outputs became a few per partition.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn merged_shuffle_reads_fewer_blocks_and_keeps_the_multiset() {
+    use exchange::job::{self, ShuffleJob, ShuffleOptions};
+    let input = batches(48, 400);
+    let want = checksum(&input);
+    for budget in [1 << 30, 64 << 10] {
+        let cluster = LocalCluster::start(config(2, budget)).await.unwrap();
+        let mut blocks = HashMap::new();
+        for name in ["pull", "merged"] {
+            let opts = ShuffleOptions {
+                by: vec!["k".into()],
+                partitions: 4,
+                partitioner: job::PartitionerKind::Hash,
+                map_bytes: 1, // one map task per batch: many small blocks
+                strategy: StrategyOptions::named(name).unwrap(),
+            };
+            let it: job::Input = Box::new(input.clone().into_iter().map(Ok));
+            let (spec, it) = job::prepare(&schema(), it, &opts).unwrap();
+            let job = ShuffleJob::start(cluster.driver.clone(), spec, it, &opts)
+                .await
+                .unwrap();
+            let mut parts = Vec::new();
+            while let Some(p) = job.next_partition().await {
+                parts.push(p.unwrap().1);
+            }
+            let summary = job.mapped().await.unwrap();
+            assert_eq!(summary.maps, 48);
+            assert_eq!(checksum(&parts.concat()), want, "{name}, budget {budget}");
+            assert_keys_not_split(&parts);
+            if name == "merged" {
+                assert!(summary.merges > 0, "{summary:?}");
+            }
+            blocks.insert(name, summary.blocks);
+            job.close().await.unwrap();
+        }
+        assert!(
+            blocks["merged"] * 4 <= blocks["pull"],
+            "budget {budget}: {blocks:?}"
+        );
+    }
 }

@@ -164,7 +164,7 @@ class Cluster:
         data: Any,
         by: str | Sequence[str] | None = None,
         partitions: int | None = None,
-        strategy: Literal["pull"] = "pull",
+        strategy: Literal["pull", "merged"] = "pull",
         partitioner: Literal["hash", "range", "round_robin"] | None = None,
         output: Literal["arrow", "polars"] = "arrow",
         map_bytes: int | str = "64MiB",
@@ -177,6 +177,10 @@ class Cluster:
         default when ``by`` is given), ordered by them (``"range"``: the input is read fully
         first to sample boundaries), or dealt in turn (``"round_robin"``, the default without
         ``by``). Equal keys always land in the same partition.
+
+        ``strategy="pull"`` leaves every map output as it is; ``"merged"`` merges the small
+        outputs each worker holds into a few large blocks per partition while the maps run
+        (Riffle), so reducers read a few large blocks instead of one per map.
         """
         keys = [by] if isinstance(by, str) else list(by or [])
         kind = partitioner or ("hash" if keys else "round_robin")

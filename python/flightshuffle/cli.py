@@ -25,6 +25,7 @@ def _bench(args: argparse.Namespace) -> int:
         args.compression,
         shlex.split(args.worker_command) if args.worker_command else worker_command(),
         args.sequential,
+        args.strategy,
     )
     print(report)
     return 0
@@ -317,6 +318,12 @@ def main(argv: list[str] | None = None) -> int:
         "--worker-command",
         help="command starting one worker (default: this Python's flightshuffle.worker); e.g. "
         "the Rust flightshuffle-worker binary, to measure a worker without Python",
+    )
+    b.add_argument(
+        "--strategy",
+        default="pull",
+        choices=["pull", "merged"],
+        help="map-side strategy (merged starts the reducers after the seal)",
     )
     b.add_argument(
         "--sequential",

@@ -478,7 +478,7 @@ fn query_runtime() -> datafusion::error::Result<&'static tokio::runtime::Runtime
 
 /// `shuffle-bench`: returns the JSON report.
 #[pyfunction]
-#[pyo3(signature = (rows, workers, partitions, memory_budget, maps, batch_rows, seed, compression, worker_command, sequential=false))]
+#[pyo3(signature = (rows, workers, partitions, memory_budget, maps, batch_rows, seed, compression, worker_command, sequential=false, strategy="pull".to_string()))]
 #[allow(clippy::too_many_arguments)]
 fn shuffle_bench(
     py: Python<'_>,
@@ -492,6 +492,7 @@ fn shuffle_bench(
     compression: String,
     worker_command: Vec<String>,
     sequential: bool,
+    strategy: String,
 ) -> PyResult<String> {
     let rt = runtime()?;
     let cluster = cluster_config(
@@ -510,6 +511,7 @@ fn shuffle_bench(
         seed,
         cluster,
         sequential,
+        strategy: strategy.parse().map_err(to_py)?,
     };
     let report = py.detach(|| rt.block_on(run_bench(cfg))).map_err(to_py)?;
     Ok(serde_json::to_string_pretty(&report).unwrap_or_default())

@@ -71,6 +71,11 @@ struct ShuffleState {
     /// Attempts aborted here: a task that keeps running after its abort cannot add blocks.
     aborted: std::collections::HashSet<(u32, u32)>,
     sealed: bool,
+    /// A reader has listed a partition or a map output: merges are refused from then on, so
+    /// no reader can see both a merged block and the blocks it was made of.
+    reads_started: bool,
+    /// Maps whose blocks a committed merge group replaced, and that group.
+    merged_into: HashMap<u32, u32>,
     segments: Vec<Arc<Segment>>,
     version: watch::Sender<u64>,
 }
@@ -104,6 +109,9 @@ pub struct BlockStore {
     unvalidated_decodes: AtomicU64,
     segment_seq: AtomicU64,
 }
+
+/// Map ids from here on name merge groups (merged strategy), not map tasks.
+pub const MERGE_GROUP_BASE: u32 = 1 << 31;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while holding the lock cannot leave the maps half-updated in a way later
@@ -156,6 +164,8 @@ impl BlockStore {
                 committed: HashMap::new(),
                 aborted: Default::default(),
                 sealed: false,
+                reads_started: false,
+                merged_into: HashMap::new(),
                 segments: Vec::new(),
                 version,
             },
@@ -317,6 +327,96 @@ impl BlockStore {
         Ok(metas)
     }
 
+    /// The committed blocks of `maps` held here, for a merge task (every map must have
+    /// committed here and not been merged already).
+    pub fn committed_blocks_of(&self, shuffle: ShuffleId, maps: &[u32]) -> Result<Vec<BlockId>> {
+        let st = lock(&self.state);
+        let sh = st.get(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
+        let mut out = Vec::new();
+        for m in maps {
+            match sh.committed.get(m) {
+                Some((_, ids)) if !sh.merged_into.contains_key(m) => out.extend(ids),
+                _ => {
+                    return Err(Error::Precondition(format!(
+                        "map {m} of shuffle {shuffle} has no committed, unmerged output here"
+                    )))
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Commit attempt `attempt` of merge group `group` (its blocks hold the rows of `maps`)
+    /// and retire the blocks of `maps` in the same step: readers see either the maps' blocks
+    /// or the group's, never both. Refused once the shuffle is sealed or a reader has started
+    /// (then nothing changes; the caller aborts the group's attempt and the maps stay).
+    pub fn commit_merge(
+        &self,
+        shuffle: ShuffleId,
+        group: u32,
+        attempt: u32,
+        expected: Option<usize>,
+        maps: &[u32],
+    ) -> Result<Vec<BlockMeta>> {
+        {
+            let st = lock(&self.state);
+            let sh = st.get(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
+            if group < MERGE_GROUP_BASE {
+                return Err(Error::invalid(format!(
+                    "merge group {group} is not a merge group id (>= {MERGE_GROUP_BASE})"
+                )));
+            }
+            if sh.reads_started {
+                return Err(Error::Precondition(format!(
+                    "shuffle {shuffle}: readers have started, merge group {group} is refused"
+                )));
+            }
+            for m in maps {
+                if *m >= MERGE_GROUP_BASE
+                    || sh.merged_into.contains_key(m)
+                    || !sh.committed.contains_key(m)
+                {
+                    return Err(Error::Precondition(format!(
+                        "merge group {group}: map {m} of shuffle {shuffle} has no committed, \
+                         unmerged output here"
+                    )));
+                }
+            }
+        }
+        // The state lock is not held across `commit`, so check again after it, under the lock,
+        // and undo the group's commit if a reader or the seal came in between.
+        let metas = self.commit(shuffle, group, attempt, expected)?;
+        let mut st = lock(&self.state);
+        let sh = st.get_mut(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
+        let ok = !sh.reads_started && maps.iter().all(|m| !sh.merged_into.contains_key(m));
+        if !ok {
+            if let Some((_, ids)) = sh.committed.remove(&group) {
+                for list in &mut sh.by_partition {
+                    list.retain(|id| id.map != group);
+                }
+                self.remove_entries(sh, &ids);
+            }
+            sh.aborted.insert((group, attempt));
+            return Err(Error::Precondition(format!(
+                "shuffle {shuffle}: readers started while merge group {group} committed; refused"
+            )));
+        }
+        let mut retired = Vec::new();
+        for m in maps {
+            if let Some((_, ids)) = sh.committed.get_mut(m) {
+                retired.append(ids);
+            }
+            sh.merged_into.insert(*m, group);
+        }
+        let gone: std::collections::HashSet<BlockId> = retired.iter().copied().collect();
+        for list in &mut sh.by_partition {
+            list.retain(|id| !gone.contains(id));
+        }
+        self.remove_entries(sh, &retired);
+        sh.version.send_modify(|v| *v += 1);
+        Ok(metas)
+    }
+
     /// The committed attempt of `map`, if any.
     pub fn committed_attempt(&self, shuffle: ShuffleId, map: u32) -> Option<u32> {
         lock(&self.state)
@@ -472,8 +572,9 @@ impl BlockStore {
         partition: u32,
         from: usize,
     ) -> Result<(Vec<BlockId>, bool, watch::Receiver<u64>)> {
-        let st = lock(&self.state);
-        let sh = st.get(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
+        let mut st = lock(&self.state);
+        let sh = st.get_mut(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
+        sh.reads_started = true;
         let list = sh.by_partition.get(partition as usize).ok_or_else(|| {
             Error::invalid(format!(
                 "partition {partition} out of range: shuffle {shuffle} has {}",
@@ -540,8 +641,15 @@ impl BlockStore {
         shuffle: ShuffleId,
         map: u32,
     ) -> Result<(Option<Vec<BlockId>>, watch::Receiver<u64>)> {
-        let st = lock(&self.state);
-        let sh = st.get(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
+        let mut st = lock(&self.state);
+        let sh = st.get_mut(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
+        sh.reads_started = true;
+        if let Some(group) = sh.merged_into.get(&map) {
+            return Err(Error::Precondition(format!(
+                "map {map} of shuffle {shuffle} was merged into group {group}: read its \
+                 partitions, not its map output"
+            )));
+        }
         let rx = sh.version.subscribe();
         let ids = match sh.committed.get(&map) {
             Some((_, ids)) => {

@@ -454,3 +454,85 @@ fn encoded_blocks_skip_revalidation_and_plain_bytes_do_not() {
     assert!(matches!(s.read_batches(&b), Err(Error::Checksum { .. })));
     assert_eq!(s.unvalidated_decodes(), 2);
 }
+
+/// A committed merge group replaces its maps for readers in one step: their blocks leave the
+/// partition lists and memory, a late attempt of a merged map is refused, and its map output
+/// is an error rather than an empty answer.
+#[test]
+fn a_merge_group_replaces_its_maps_for_readers() {
+    let (_dir, s) = store(1 << 20, 1 << 20);
+    s.create_shuffle(info(1, 2)).unwrap();
+    for m in 0..3 {
+        for p in 0..2 {
+            s.put(aid(1, m, p, 0, 0), 1, Bytes::from(vec![m as u8; 100]))
+                .unwrap();
+        }
+        s.commit(ShuffleId(1), m, 0, Some(2)).unwrap();
+    }
+    let g = MERGE_GROUP_BASE;
+    for p in 0..2 {
+        s.put(aid(1, g, p, 0, 0), 2, Bytes::from(vec![9u8; 200]))
+            .unwrap();
+    }
+    let before = s.metrics().memory_bytes;
+    assert!(
+        s.commit_merge(ShuffleId(1), 5, 0, Some(2), &[0, 1])
+            .is_err(),
+        "not a group id"
+    );
+    assert!(
+        s.commit_merge(ShuffleId(1), g, 0, Some(2), &[0, 7])
+            .is_err(),
+        "map 7 never ran"
+    );
+    s.commit_merge(ShuffleId(1), g, 0, Some(2), &[0, 1])
+        .unwrap();
+    assert_eq!(
+        s.metrics().memory_bytes,
+        before - 400,
+        "merged maps' blocks freed"
+    );
+    let mut maps: Vec<u32> = visible(&s, 1, 2).iter().map(|b| b.map).collect();
+    maps.sort();
+    assert_eq!(maps, vec![2, 2, g, g]);
+    assert!(s
+        .put(aid(1, 0, 0, 1, 0), 1, Bytes::from_static(b"late"))
+        .is_err());
+    assert!(s.commit(ShuffleId(1), 0, 1, None).is_err());
+    assert!(
+        s.committed_blocks_of(ShuffleId(1), &[0]).is_err(),
+        "merged once only"
+    );
+    let err = s.map_output(ShuffleId(1), 1).err().unwrap();
+    assert!(err.to_string().contains("merged into group"), "{err}");
+}
+
+/// Once a reader has listed a partition, or the shuffle is sealed, a merge is refused and
+/// changes nothing; the group's pending blocks are removed by aborting its attempt.
+#[test]
+fn merges_are_refused_once_reading_started_or_sealed() {
+    for seal_first in [false, true] {
+        let (_dir, s) = store(1 << 20, 1 << 20);
+        s.create_shuffle(info(1, 1)).unwrap();
+        for m in 0..2 {
+            s.put(aid(1, m, 0, 0, 0), 1, Bytes::from(vec![1u8; 10]))
+                .unwrap();
+            s.commit(ShuffleId(1), m, 0, Some(1)).unwrap();
+        }
+        let g = MERGE_GROUP_BASE;
+        s.put(aid(1, g, 0, 0, 0), 2, Bytes::from(vec![2u8; 20]))
+            .unwrap();
+        if seal_first {
+            s.seal(ShuffleId(1)).unwrap();
+        } else {
+            s.partition_since(ShuffleId(1), 0, 0).unwrap();
+        }
+        assert!(s
+            .commit_merge(ShuffleId(1), g, 0, Some(1), &[0, 1])
+            .is_err());
+        s.abort(ShuffleId(1), g, 0);
+        let maps: Vec<u32> = visible(&s, 1, 1).iter().map(|b| b.map).collect();
+        assert_eq!(maps, vec![0, 1], "seal first: {seal_first}");
+        assert_eq!(s.metrics().memory_bytes, 20);
+    }
+}

@@ -7,6 +7,7 @@
 //! user's string by [`StrategyOptions::named`]) and runs an exchange's map side through
 //! [`map_side`], the one place that dispatches on the strategy.
 
+pub mod merged;
 pub mod pull;
 pub mod streaming;
 
@@ -15,33 +16,39 @@ use crate::error::{Error, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Strategy {
     Pull,
+    Merged,
 }
 
 impl std::fmt::Display for Strategy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Strategy::Pull => "pull",
+            Strategy::Merged => "merged",
         })
     }
 }
 
 /// Strategies of the design that are not built yet.
-pub const PLANNED: &[&str] = &["merged", "push", "two-level", "auto"];
+pub const PLANNED: &[&str] = &["push", "two-level", "auto"];
+
+/// Strategies a user can ask for by name.
+pub const AVAILABLE: &[&str] = &["pull", "merged"];
 
 impl std::str::FromStr for Strategy {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
         match s.to_ascii_lowercase().as_str() {
             "pull" => Ok(Strategy::Pull),
-            "streaming" => Err(Error::invalid(
+            "merged" => Ok(Strategy::Merged),
+            "streaming" => Err(Error::invalid(format!(
                 "the streaming strategy runs online aggregation (Cluster.online / \
-                 strategy::streaming::run), not single exchanges; available: [\"pull\"]",
-            )),
+                 strategy::streaming::run), not single exchanges; available: {AVAILABLE:?}"
+            ))),
             other if PLANNED.contains(&other) => Err(Error::invalid(format!(
-                "strategy {other:?} is not implemented yet; available: [\"pull\"]"
+                "strategy {other:?} is not implemented yet; available: {AVAILABLE:?}"
             ))),
             other => Err(Error::invalid(format!(
-                "unknown strategy {other:?}; available: [\"pull\"]"
+                "unknown strategy {other:?}; available: {AVAILABLE:?}"
             ))),
         }
     }
@@ -57,6 +64,9 @@ pub struct StrategyOptions {
     pub reduces_per_worker: usize,
     /// Check worker health while waiting (off when the caller watches already).
     pub watch: bool,
+    /// Merged strategy: how long merges may still run after the last map before readers read
+    /// the unmerged blocks instead.
+    pub merge_timeout: std::time::Duration,
 }
 
 impl Default for StrategyOptions {
@@ -66,6 +76,7 @@ impl Default for StrategyOptions {
             maps_per_worker: 2,
             reduces_per_worker: 2,
             watch: true,
+            merge_timeout: std::time::Duration::from_secs(10),
         }
     }
 }
@@ -91,6 +102,7 @@ pub async fn map_side(
 ) -> Result<pull::Mapped> {
     match opts.strategy {
         Strategy::Pull => pull::map_side(driver, spec, inputs, opts).await,
+        Strategy::Merged => merged::map_side(driver, spec, inputs, opts).await,
     }
 }
 

@@ -19,6 +19,31 @@ pub struct Mapped {
     pub input_bytes: u64,
     /// When the first map output was committed.
     pub first_commit: Option<std::time::Instant>,
+    /// Merge groups committed by the merged strategy, each with the maps whose blocks it
+    /// replaced (empty for other strategies).
+    pub merges: Vec<(MapDone, Vec<u32>)>,
+}
+
+impl Mapped {
+    /// The blocks readers see now: those of maps not merged, plus the merge groups'.
+    pub fn live_blocks(&self) -> usize {
+        let merged: std::collections::HashSet<u32> = self
+            .merges
+            .iter()
+            .flat_map(|(_, maps)| maps.iter().copied())
+            .collect();
+        let maps: usize = self
+            .maps
+            .iter()
+            .filter(|m| !merged.contains(&m.map))
+            .map(|m| m.blocks.len())
+            .sum();
+        maps + self
+            .merges
+            .iter()
+            .map(|(g, _)| g.blocks.len())
+            .sum::<usize>()
+    }
 }
 
 /// Run map tasks for every input (spread over the least-loaded workers, at most
@@ -42,6 +67,18 @@ pub async fn run_maps(
     first_map: u32,
     opts: StrategyOptions,
 ) -> Result<Mapped> {
+    run_maps_observed(driver, spec, inputs, first_map, opts, |_| {}).await
+}
+
+/// [`run_maps`], calling `on_commit` with each map output as the driver commits it.
+pub async fn run_maps_observed(
+    driver: &Arc<Driver>,
+    spec: &ShuffleSpec,
+    inputs: impl Stream<Item = MapInput> + Unpin,
+    first_map: u32,
+    opts: StrategyOptions,
+    mut on_commit: impl FnMut(&MapDone),
+) -> Result<Mapped> {
     let n = driver.num_workers();
     let limit = n * opts.maps_per_worker.max(1);
     let mut load = vec![0usize; n];
@@ -53,6 +90,7 @@ pub async fn run_maps(
         input: Checksum::default(),
         input_bytes: 0,
         first_commit: None,
+        merges: Vec::new(),
     };
     let mut inputs_done = false;
     // Map tasks still running when this returns (a map failed) are aborted.
@@ -84,6 +122,7 @@ pub async fn run_maps(
                     out.input.add(done.input);
                     out.input_bytes += done.input_bytes;
                     out.first_commit.get_or_insert(done.committed_at);
+                    on_commit(&done);
                     out.maps.push(done);
                 }
                 else => break,

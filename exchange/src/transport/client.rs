@@ -149,6 +149,14 @@ impl WorkerClient {
         decode(&body)
     }
 
+    /// Run a merge task (merged strategy); its blocks stay pending until committed.
+    pub async fn merge(&self, m: &proto::MergeTask) -> Result<proto::TaskResult> {
+        let body = self
+            .action(actions::MERGE, m.encode_to_vec(), self.timeout)
+            .await?;
+        decode(&body)
+    }
+
     /// Commit one map attempt (its blocks become visible to readers).
     pub async fn commit(&self, m: &proto::CommitTask) -> Result<()> {
         self.action(actions::COMMIT, m.encode_to_vec(), self.timeout)

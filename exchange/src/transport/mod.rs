@@ -35,6 +35,7 @@ pub mod actions {
     pub const DROP_SHUFFLE: &str = "drop_shuffle";
     pub const CANCEL: &str = "cancel";
     pub const COMMIT: &str = "commit";
+    pub const MERGE: &str = "merge";
     pub const STATS: &str = "stats";
     pub const HEALTH: &str = "health";
     pub const ALL: &[&str] = &[
@@ -46,6 +47,7 @@ pub mod actions {
         DROP_SHUFFLE,
         CANCEL,
         COMMIT,
+        MERGE,
         STATS,
         HEALTH,
     ];

@@ -267,14 +267,16 @@ impl FlightService for WorkerService {
             }
             actions::COMMIT => {
                 let m: proto::CommitTask = decode(&body)?;
-                s.store.commit(
-                    ShuffleId(m.shuffle_id),
-                    m.map_id,
-                    m.attempt,
-                    Some(m.blocks as usize),
-                )?;
+                let (shuffle, expected) = (ShuffleId(m.shuffle_id), Some(m.blocks as usize));
+                if m.merged_maps.is_empty() {
+                    s.store.commit(shuffle, m.map_id, m.attempt, expected)?;
+                } else {
+                    s.store
+                        .commit_merge(shuffle, m.map_id, m.attempt, expected, &m.merged_maps)?;
+                }
                 vec![]
             }
+            actions::MERGE => s.merge(decode(&body)?).await?.encode_to_vec(),
             actions::STATS => s.stats().encode_to_vec(),
             actions::HEALTH => proto::Health {
                 worker_id: s.id.clone(),

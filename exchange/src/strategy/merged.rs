@@ -1,0 +1,175 @@
+//! Merged shuffle (Riffle; Exoshuffle §3.2.2, ES-merge): maps run as in [`super::pull`]; as
+//! their outputs commit, each worker merges the small outputs it holds into few large blocks
+//! per partition once F of them are there (F from their block sizes, so merged blocks are a few
+//! MiB), one merge at a time per worker, beside the maps still running. After the last map,
+//! what is left on each worker is merged best-effort: merges still running after
+//! `merge_timeout` are abandoned and readers read those maps' own blocks (stragglers never hold
+//! the shuffle back). Then the shuffle is sealed, and each reducer reads a few large blocks per
+//! worker instead of one small block per map.
+//!
+//! Merges happen before any reader starts: the block store refuses a merge once a reader has
+//! listed a partition, and retires the merged maps' blocks in the same step that commits the
+//! group, so a reader sees a map's rows in its own blocks or in its group's, never both. Where
+//! readers stream during the map side (pipelined SQL stages), merges are refused and this
+//! strategy reads like `pull`.
+
+use super::{pull, StrategyOptions};
+use crate::driver::{Driver, MapDone, MapInput, ShuffleSpec};
+use crate::error::{Error, Result};
+use crate::store::MERGE_GROUP_BASE;
+use futures::stream::FuturesUnordered;
+use futures::{Stream, StreamExt};
+use std::sync::Arc;
+use tokio::sync::mpsc;
+
+/// Merged blocks aim at this size: F = this / the average block size of the waiting maps.
+pub const MERGE_TARGET_BYTES: u64 = 4 << 20;
+/// At most this many maps in one merge.
+pub const MAX_FAN_IN: usize = 64;
+
+/// One committed map output waiting on its worker to be merged.
+struct Waiting {
+    map: u32,
+    blocks: u64,
+    bytes: u64,
+}
+
+/// The map side of a merged shuffle: maps, merges as they become worthwhile, best-effort
+/// merges of the rest, then the seal. Merge groups are reported in [`pull::Mapped::merges`].
+pub async fn map_side(
+    driver: &Arc<Driver>,
+    spec: &ShuffleSpec,
+    inputs: impl Stream<Item = MapInput> + Unpin,
+    opts: StrategyOptions,
+) -> Result<pull::Mapped> {
+    let (tx, rx) = mpsc::unbounded_channel::<MapDone>();
+    let maps = pull::run_maps_observed(driver, spec, inputs, 0, opts, move |done| {
+        let _ = tx.send(done.clone());
+    });
+    let (mut mapped, merges) =
+        futures::future::try_join(maps, merge(driver, spec, rx, opts)).await?;
+    mapped.merges = merges;
+    driver.seal(spec.id).await?;
+    Ok(mapped)
+}
+
+/// How many waiting maps make a merge on a worker: enough for blocks of about
+/// [`MERGE_TARGET_BYTES`]; None when the maps' blocks are that large already.
+fn fan_in(waiting: &[Waiting]) -> Option<usize> {
+    let blocks: u64 = waiting.iter().map(|w| w.blocks).sum();
+    let bytes: u64 = waiting.iter().map(|w| w.bytes).sum();
+    if blocks == 0 {
+        return None;
+    }
+    let avg = (bytes / blocks).max(1);
+    (avg * 2 <= MERGE_TARGET_BYTES)
+        .then(|| ((MERGE_TARGET_BYTES / avg) as usize).clamp(2, MAX_FAN_IN))
+}
+
+/// Merge committed map outputs on their workers while `commits` delivers them; once it closes
+/// (all maps done), merge what is left within `opts.merge_timeout`.
+async fn merge(
+    driver: &Arc<Driver>,
+    spec: &ShuffleSpec,
+    mut commits: mpsc::UnboundedReceiver<MapDone>,
+    opts: StrategyOptions,
+) -> Result<Vec<(MapDone, Vec<u32>)>> {
+    let n = driver.num_workers();
+    let mut waiting: Vec<Vec<Waiting>> = (0..n).map(|_| Vec::new()).collect();
+    let mut busy = vec![false; n];
+    let mut running = FuturesUnordered::new();
+    let mut merges = Vec::new();
+    let mut next_group = MERGE_GROUP_BASE;
+    let mut maps_done = false;
+    let mut deadline = None;
+    loop {
+        // Start a merge on each idle worker that has enough waiting (after the last map: any
+        // two or more).
+        for w in 0..n {
+            let enough = match fan_in(&waiting[w]) {
+                Some(f) if !maps_done => waiting[w].len() >= f,
+                Some(_) => waiting[w].len() >= 2,
+                None => {
+                    waiting[w].clear(); // blocks already large: nothing to gain
+                    false
+                }
+            };
+            if busy[w] || !enough {
+                continue;
+            }
+            let take = waiting[w].len().min(MAX_FAN_IN);
+            let maps: Vec<u32> = waiting[w].drain(..take).map(|m| m.map).collect();
+            busy[w] = true;
+            let group = next_group;
+            next_group += 1;
+            running.push(async move {
+                let r = driver.merge(spec.id, group, w, maps.clone()).await;
+                (w, maps, r)
+            });
+        }
+        if maps_done && running.is_empty() {
+            return Ok(merges);
+        }
+        let timeout = async {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            done = commits.recv(), if !maps_done => match done {
+                Some(d) => waiting[d.worker].push(Waiting {
+                    map: d.map,
+                    blocks: d.blocks.len() as u64,
+                    bytes: d.blocks.iter().map(|b| b.meta.bytes).sum(),
+                }),
+                None => {
+                    maps_done = true;
+                    deadline = Some(tokio::time::Instant::now() + opts.merge_timeout);
+                }
+            },
+            Some((w, maps, result)) = running.next(), if !running.is_empty() => {
+                busy[w] = false;
+                match result {
+                    Ok(group) => merges.push((group, maps)),
+                    // A lost worker fails the shuffle; any other failure leaves the maps'
+                    // own blocks in place (best effort).
+                    Err(e @ Error::WorkerLost { .. }) => return Err(e),
+                    Err(e) => tracing::warn!(shuffle = %spec.id, worker = w, error = %e, "merge skipped"),
+                }
+            }
+            _ = timeout => {
+                tracing::info!(shuffle = %spec.id, abandoned = running.len(), "merge timeout: reading unmerged blocks");
+                return Ok(merges);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn waiting(n: usize, bytes_per_block: u64) -> Vec<Waiting> {
+        (0..n as u32)
+            .map(|map| Waiting {
+                map,
+                blocks: 16,
+                bytes: 16 * bytes_per_block,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn fan_in_follows_block_sizes() {
+        assert_eq!(fan_in(&waiting(3, 256 << 10)), Some(16));
+        assert_eq!(fan_in(&waiting(3, 1 << 20)), Some(4));
+        assert_eq!(fan_in(&waiting(3, 1)), Some(MAX_FAN_IN));
+        assert_eq!(
+            fan_in(&waiting(3, 3 << 20)),
+            None,
+            "large blocks are not merged"
+        );
+        assert_eq!(fan_in(&[]), None);
+    }
+}
