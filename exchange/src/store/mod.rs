@@ -332,6 +332,12 @@ impl BlockStore {
     pub fn committed_blocks_of(&self, shuffle: ShuffleId, maps: &[u32]) -> Result<Vec<BlockId>> {
         let st = lock(&self.state);
         let sh = st.get(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
+        if sh.reads_started || sh.sealed {
+            // The merge could not commit: refuse before doing its work.
+            return Err(Error::Precondition(format!(
+                "shuffle {shuffle}: readers have started or it is sealed; no more merges"
+            )));
+        }
         let mut out = Vec::new();
         for m in maps {
             match sh.committed.get(m) {

@@ -530,6 +530,10 @@ fn merges_are_refused_once_reading_started_or_sealed() {
         assert!(s
             .commit_merge(ShuffleId(1), g, 0, Some(1), &[0, 1])
             .is_err());
+        assert!(
+            s.committed_blocks_of(ShuffleId(1), &[0, 1]).is_err(),
+            "refused up front"
+        );
         s.abort(ShuffleId(1), g, 0);
         let maps: Vec<u32> = visible(&s, 1, 1).iter().map(|b| b.map).collect();
         assert_eq!(maps, vec![0, 1], "seal first: {seal_first}");

@@ -10,8 +10,8 @@
 //! Merges happen before any reader starts: the block store refuses a merge once a reader has
 //! listed a partition, and retires the merged maps' blocks in the same step that commits the
 //! group, so a reader sees a map's rows in its own blocks or in its group's, never both. Where
-//! readers stream during the map side (pipelined SQL stages), merges are refused and this
-//! strategy reads like `pull`.
+//! readers stream during the map side (pipelined SQL stages), the first merge is refused before
+//! it does any work and the strategy stops merging: it then reads like `pull`.
 
 use super::{pull, StrategyOptions};
 use crate::driver::{Driver, MapDone, MapInput, ShuffleSpec};
@@ -135,6 +135,12 @@ async fn merge(
                     // A lost worker fails the shuffle; any other failure leaves the maps'
                     // own blocks in place (best effort).
                     Err(e @ Error::WorkerLost { .. }) => return Err(e),
+                    // Readers started (a pipelined consumer) or the shuffle was sealed: no
+                    // later merge can commit either, so stop trying.
+                    Err(Error::Remote { code: tonic::Code::FailedPrecondition, .. }) => {
+                        tracing::info!(shuffle = %spec.id, "merges refused: readers started");
+                        return Ok(merges);
+                    }
                     Err(e) => tracing::warn!(shuffle = %spec.id, worker = w, error = %e, "merge skipped"),
                 }
             }
