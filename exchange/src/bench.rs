@@ -71,6 +71,7 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
     let inputs = (0..maps).map(|m| {
         let first = cfg.rows * m / maps;
         let slice = LineitemSlice {
+            first_attempt_delay_ms: 0,
             first,
             rows: cfg.rows * (m + 1) / maps - first,
             seed: cfg.seed,
@@ -175,6 +176,7 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
 /// IPC encode+decode ceiling, and for reference generation, checksum and partitioning.
 fn ipc_ceiling(rows: u64, batch_rows: usize, seed: u64) -> Result<serde_json::Value> {
     let slice = LineitemSlice {
+        first_attempt_delay_ms: 0,
         first: 0,
         rows,
         seed,

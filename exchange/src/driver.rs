@@ -102,6 +102,9 @@ pub struct Driver {
     reader: Arc<crate::transport::peers::PeerReader>,
     /// Next attempt number of each (shuffle, map).
     attempts: Mutex<HashMap<(ShuffleId, u32), u32>>,
+    /// The attempt of each (shuffle, map) that is committing or committed: the first attempt
+    /// to finish claims it, so of two attempts on different workers only one ever commits.
+    claims: Mutex<HashMap<(ShuffleId, u32), u32>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -133,6 +136,7 @@ impl Driver {
             schemas: Mutex::new(HashMap::new()),
             lineage: Mutex::new(HashMap::new()),
             attempts: Mutex::new(HashMap::new()),
+            claims: Mutex::new(HashMap::new()),
         }))
     }
 
@@ -358,14 +362,26 @@ impl Driver {
                 Ok(r) => r,
                 Err(e) => return Err(me.classify(e).await),
             };
-            let commit = proto::CommitTask {
+            let mut commit = proto::CommitTask {
                 shuffle_id: shuffle.0,
                 map_id: map,
                 attempt,
                 blocks: result.blocks.len() as u32,
                 merged_maps: vec![],
             };
+            let claimed = *lock(&me.claims).entry((shuffle, map)).or_insert(attempt) == attempt;
+            if !claimed {
+                // Another attempt of this map finished first: this one's blocks go.
+                commit.blocks = 0;
+                let _ = client.cancel(&commit).await;
+                return Err(Error::Superseded {
+                    map,
+                    attempt,
+                    worker,
+                });
+            }
             if let Err(e) = client.commit(&commit).await {
+                lock(&me.claims).remove(&(shuffle, map));
                 return Err(me.classify(e).await);
             }
             let blocks = result
@@ -558,6 +574,7 @@ impl Driver {
         lock(&self.schemas).remove(&shuffle);
         lock(&self.lineage).retain(|(s, _), _| *s != shuffle);
         lock(&self.attempts).retain(|(s, _), _| *s != shuffle);
+        lock(&self.claims).retain(|(s, _), _| *s != shuffle);
         let calls = self
             .workers
             .iter()

@@ -70,6 +70,15 @@ pub enum Error {
     #[error("task cancelled: {0}")]
     Cancelled(String),
 
+    /// A speculative or retried attempt finished after another attempt of the same map had
+    /// committed; it was aborted and its blocks removed (not a failure of the shuffle).
+    #[error("attempt {attempt} of map {map} was superseded by an attempt that committed first")]
+    Superseded {
+        map: u32,
+        attempt: u32,
+        worker: usize,
+    },
+
     /// The request conflicts with the shuffle's state (sealed, already committed).
     #[error("refused: {0}")]
     Precondition(String),

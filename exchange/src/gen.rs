@@ -160,6 +160,10 @@ pub struct LineitemSlice {
     pub rows: u64,
     pub seed: u64,
     pub batch_rows: usize,
+    /// Fault injection for tests: attempt 0 of the task waits this long before its first
+    /// batch (a straggler that a later attempt of the same task does not reproduce).
+    #[serde(default)]
+    pub first_attempt_delay_ms: u64,
 }
 
 impl LineitemSlice {
@@ -178,12 +182,20 @@ pub struct LineitemSource;
 impl BatchSource for LineitemSource {
     fn open(
         &self,
-        _ctx: &crate::task::TaskContext,
+        ctx: &crate::task::TaskContext,
         payload: &[u8],
         _schema: SchemaRef,
     ) -> Result<BatchStream> {
+        use futures::StreamExt;
         let slice: LineitemSlice = serde_json::from_slice(payload)
             .map_err(|e| Error::invalid(format!("bad lineitem source payload: {e}")))?;
-        Ok(Box::pin(futures::stream::iter(slice.batches())))
+        let batches = futures::stream::iter(slice.batches());
+        if ctx.attempt == 0 && slice.first_attempt_delay_ms > 0 {
+            let delay = std::time::Duration::from_millis(slice.first_attempt_delay_ms);
+            let wait =
+                futures::stream::once(tokio::time::sleep(delay)).filter_map(|_| async { None });
+            return Ok(Box::pin(wait.chain(batches)));
+        }
+        Ok(Box::pin(batches))
     }
 }

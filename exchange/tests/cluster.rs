@@ -152,6 +152,7 @@ async fn killed_worker_fails_the_shuffle_quickly_and_names_it() {
     driver.create_shuffle(&spec).await.unwrap();
     let inputs = (0..60u64).map(|m| {
         let slice = exchange::gen::LineitemSlice {
+            first_attempt_delay_ms: 0,
             first: m * 200_000,
             rows: 200_000,
             seed: 1,
@@ -397,6 +398,7 @@ fn checksum_rows(batches: &[RecordBatch]) -> Checksum {
 
 fn lineitem_task(rows: u64) -> proto::TaskSource {
     let slice = exchange::gen::LineitemSlice {
+        first_attempt_delay_ms: 0,
         first: 0,
         rows,
         seed: 7,
@@ -690,4 +692,56 @@ async fn merged_shuffle_reads_fewer_blocks_and_keeps_the_multiset() {
             "budget {budget}: {blocks:?}"
         );
     }
+}
+
+/// Speculative execution: a map whose first attempt straggles (it waits 60 s before its first
+/// batch; fault injection) gets a second attempt on the other worker once the others are
+/// done; the copy commits, the straggler is aborted, and the output multiset is exact (no rows
+/// from the aborted attempt). Without speculation the shuffle would wait the full minute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_straggling_map_is_copied_and_the_first_commit_wins() {
+    let cluster = LocalCluster::start(config(2, 1 << 30)).await.unwrap();
+    let driver = cluster.driver.clone();
+    let spec = ShuffleSpec {
+        id: ShuffleId::random(),
+        schema: exchange::gen::lineitem_schema(),
+        partitions: 3,
+        partitioner: partitioner::hash(&["l_orderkey"]),
+        checksum_inputs: true,
+    };
+    driver.create_shuffle(&spec).await.unwrap();
+    let inputs = (0..6u64).map(|m| {
+        let slice = exchange::gen::LineitemSlice {
+            first_attempt_delay_ms: if m == 2 { 60_000 } else { 0 },
+            first: m * 5000,
+            rows: 5000,
+            seed: 7,
+            batch_rows: 1024,
+        };
+        MapInput::Source(proto::TaskSource {
+            kind: exchange::gen::LINEITEM_SOURCE.into(),
+            payload: serde_json::to_vec(&slice).unwrap(),
+        })
+    });
+    let opts = StrategyOptions {
+        speculation: Some(2.0),
+        ..StrategyOptions::default()
+    };
+    let mapped = pull::map_side(&driver, &spec, futures::stream::iter(inputs), opts)
+        .await
+        .unwrap();
+    let straggler = mapped.maps.iter().find(|m| m.map == 2).unwrap();
+    assert_eq!(straggler.attempt, 1, "the copy committed");
+    assert_eq!(mapped.input.rows, 30_000);
+    let mut out = Vec::new();
+    for p in 0..spec.partitions {
+        let s = driver.read_partition(spec.id, p, true).await.unwrap();
+        out.extend(s.try_collect::<Vec<_>>().await.unwrap());
+    }
+    let mut got = Checksum::default();
+    for b in &out {
+        got.add(Checksum::of_batch(b).unwrap());
+    }
+    assert_eq!(got, mapped.input);
+    driver.drop_shuffle(spec.id).await.unwrap();
 }

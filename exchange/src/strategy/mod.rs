@@ -9,6 +9,7 @@
 
 pub mod merged;
 pub mod pull;
+pub mod speculation;
 pub mod streaming;
 
 use crate::error::{Error, Result};
@@ -67,6 +68,10 @@ pub struct StrategyOptions {
     /// Merged strategy: how long merges may still run after the last map before readers read
     /// the unmerged blocks instead.
     pub merge_timeout: std::time::Duration,
+    /// Speculative execution ([`speculation`]): copy a map slower than this many times the
+    /// median of its finished peers to another worker. Off by default (as in Spark): on a
+    /// busy machine a copy competes with the work it should speed up.
+    pub speculation: Option<f64>,
 }
 
 impl Default for StrategyOptions {
@@ -77,6 +82,7 @@ impl Default for StrategyOptions {
             reduces_per_worker: 2,
             watch: true,
             merge_timeout: std::time::Duration::from_secs(10),
+            speculation: None,
         }
     }
 }

@@ -2,6 +2,7 @@
 //! of the worker it ran on; once all maps are done the shuffle is sealed and each reducer
 //! pulls its partition — one column of the M×R block matrix — from every worker.
 
+use super::speculation::Speculator;
 use super::{AbortOnDrop, StrategyOptions};
 use crate::checksum::Checksum;
 use crate::driver::{Driver, MapDone, MapInput, ShuffleSpec};
@@ -9,7 +10,9 @@ use crate::error::Result;
 use crate::proto;
 use futures::stream::FuturesUnordered;
 use futures::{Stream, StreamExt};
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::time::Instant;
 
 /// The map side's outcome: every map's blocks and the checksum of all input rows.
 #[derive(Debug, Clone)]
@@ -93,37 +96,81 @@ pub async fn run_maps_observed(
         merges: Vec::new(),
     };
     let mut inputs_done = false;
+    let mut speculator = opts.speculation.map(Speculator::new);
+    // Attempts still running per map, to abort the others when one commits.
+    let mut attempts: HashMap<u32, Vec<tokio::task::AbortHandle>> = HashMap::new();
+    let mut done_maps = HashSet::new();
+    let mut tick = tokio::time::interval(std::time::Duration::from_millis(100));
     // Map tasks still running when this returns (a map failed) are aborted.
     let mut guard = AbortOnDrop(Vec::new());
+    let least_loaded = |load: &[usize], map: u32, not: Option<usize>| {
+        (0..n)
+            .filter(|&w| driver.is_alive(w) && Some(w) != not)
+            .min_by_key(|&w| (load[w], (w + n - map as usize % n) % n))
+    };
     let work = async {
         loop {
+            let submit = |map: u32, worker: usize, input: MapInput| {
+                let handle = driver.submit_map(spec.id, map, worker, input);
+                let abort = handle.abort_handle();
+                (async move { (map, worker, handle.await) }, abort)
+            };
             tokio::select! {
                 input = inputs.next(), if !inputs_done && running.len() < limit => {
                     let Some(input) = input else {
                         inputs_done = true;
                         continue;
                     };
-                    let worker = (0..n)
-                        .filter(|&w| driver.is_alive(w))
-                        .min_by_key(|&w| (load[w], (w + n - next_map as usize % n) % n))
-                        .unwrap_or(0);
+                    let worker = least_loaded(&load, next_map, None).unwrap_or(0);
                     load[worker] += 1;
-                    let handle = driver.submit_map(spec.id, next_map, worker, input);
-                    guard.0.push(handle.abort_handle());
-                    running.push(handle);
+                    if let Some(s) = speculator.as_mut() {
+                        let source = match &input {
+                            MapInput::Source(src) => Some(src.clone()),
+                            MapInput::Stream(_) => None,
+                        };
+                        s.started(next_map, worker, source);
+                    }
+                    let (fut, abort) = submit(next_map, worker, input);
+                    guard.0.push(abort.clone());
+                    attempts.entry(next_map).or_default().push(abort);
+                    running.push(fut);
                     next_map += 1;
                 }
-                done = running.next(), if !running.is_empty() => {
-                    let done = done.expect("running is not empty").map_err(|e| {
-                        crate::Error::Cluster(format!("map task failed to run: {e}"))
-                    })??;
-                    load[done.worker] -= 1;
+                Some((map, worker, joined)) = running.next(), if !running.is_empty() => {
+                    load[worker] -= 1;
+                    let done = match joined {
+                        Ok(Ok(done)) => done,
+                        // The other attempt of a map that already committed.
+                        _ if done_maps.contains(&map) => continue,
+                        Ok(Err(crate::Error::Superseded { .. })) => continue,
+                        Ok(Err(e)) => return Err(e),
+                        Err(e) => return Err(crate::Error::Cluster(format!("map task failed to run: {e}"))),
+                    };
+                    done_maps.insert(map);
+                    for other in attempts.remove(&map).unwrap_or_default() {
+                        other.abort();
+                    }
+                    if let Some(s) = speculator.as_mut() {
+                        s.finished(map);
+                    }
                     tracing::debug!(shuffle = %spec.id, map = done.map, worker = done.worker, rows = done.input.rows, "map done");
                     out.input.add(done.input);
                     out.input_bytes += done.input_bytes;
                     out.first_commit.get_or_insert(done.committed_at);
                     on_commit(&done);
                     out.maps.push(done);
+                }
+                _ = tick.tick(), if speculator.is_some() && !running.is_empty() => {
+                    let copies = speculator.as_mut().map(|s| s.stragglers(Instant::now())).unwrap_or_default();
+                    for (map, source, first) in copies {
+                        let Some(worker) = least_loaded(&load, map, Some(first)) else { continue };
+                        tracing::info!(shuffle = %spec.id, map, worker, "speculative attempt of a slow map");
+                        load[worker] += 1;
+                        let (fut, abort) = submit(map, worker, MapInput::Source(source));
+                        guard.0.push(abort.clone());
+                        attempts.entry(map).or_default().push(abort);
+                        running.push(fut);
+                    }
                 }
                 else => break,
             }
