@@ -139,3 +139,24 @@ def test_dropping_an_unfinished_shuffle_after_close_does_not_hang():
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
     )
     assert "freed" in out.stdout, out.stderr[-2000:]
+
+
+def test_speculation_setting_runs_sql_and_shuffles_and_checks_its_value(tmp_path):
+    """Speculative execution is exercised with a real straggler in the Rust cluster tests;
+    here the Python setting reaches SQL and shuffles without changing their answers."""
+    df = frame(50_000)
+    path = tmp_path / "t.parquet"
+    df.write_parquet(path, row_group_size=5_000)
+    with pytest.raises(ValueError, match="speculation"):
+        fs.Cluster(workers=1, speculation=0.5)
+    with fs.Cluster(workers=2, speculation=1.5) as c:
+        got = pl.from_arrow(
+            c.sql(
+                "SELECT key, count(*) AS n FROM t GROUP BY key ORDER BY key",
+                tables={"t": str(path)},
+            )
+        )
+        want = df.group_by("key").agg(pl.len().alias("n")).sort("key")
+        assert got.cast({"n": pl.UInt32}).equals(want.cast({"n": pl.UInt32}))
+        parts = list(c.shuffle(df, by="key", partitions=3, output="polars"))
+        assert_same_multiset(df, parts)

@@ -132,7 +132,11 @@ class Cluster:
     ``memory_budget`` is each worker's block store budget (int bytes or ``"512MiB"``); blocks
     beyond it spill to fused segment files under ``spill_dir`` (a temporary directory by
     default). ``compression`` is ``"auto"`` (none on one host), ``"none"``, ``"lz4"`` or
-    ``"zstd"``. ``timeout`` bounds every call and every wait, in seconds.
+    ``"zstd"``. ``timeout`` bounds every call and every wait, in seconds. ``speculation=k``
+    turns on speculative execution: once half of a stage's map tasks are done, one still
+    running after k times their median duration (and at least a second) is started again on
+    another worker and the first attempt to finish is kept (off by default, as in Spark; tasks
+    fed from this process, such as ``shuffle()`` input, are not copied).
     """
 
     def __init__(
@@ -142,6 +146,7 @@ class Cluster:
         spill_dir: str | None = None,
         compression: Literal["auto", "none", "lz4", "zstd"] = "auto",
         timeout: float = 600.0,
+        speculation: float | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError("a cluster needs at least one worker")
@@ -152,6 +157,7 @@ class Cluster:
             compression,
             worker_command(),
             float(timeout),
+            None if speculation is None else float(speculation),
         )
         self.workers = workers
         self.last_metrics: dict[str, Any] = {}

@@ -18,6 +18,7 @@ pub struct JobOptions {
     pub strategy: String,
     pub partitioner: String,
     pub map_bytes: usize,
+    pub speculation: Option<f64>,
 }
 
 impl JobOptions {
@@ -27,7 +28,10 @@ impl JobOptions {
             partitions: self.partitions,
             partitioner: self.partitioner.parse()?,
             map_bytes: self.map_bytes,
-            strategy: StrategyOptions::named(&self.strategy)?,
+            strategy: StrategyOptions {
+                speculation: self.speculation,
+                ..StrategyOptions::named(&self.strategy)?
+            },
         })
     }
 }

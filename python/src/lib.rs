@@ -90,6 +90,8 @@ struct NativeCluster {
     local: datafusion::prelude::SessionContext,
     /// Output shuffles of Python map stages (datasets), by id.
     stages: stage::Stages,
+    /// Strategy knobs of every shuffle, stage and query of this cluster (speculation).
+    strategy: exchange::strategy::StrategyOptions,
 }
 
 fn runtime() -> PyResult<Rt> {
@@ -121,7 +123,8 @@ fn cluster_config(
 #[pymethods]
 impl NativeCluster {
     #[new]
-    #[pyo3(signature = (workers, memory_budget, spill_dir, compression, worker_command, timeout_secs))]
+    #[pyo3(signature = (workers, memory_budget, spill_dir, compression, worker_command, timeout_secs, speculation=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         workers: usize,
@@ -130,7 +133,14 @@ impl NativeCluster {
         compression: String,
         worker_command: Vec<String>,
         timeout_secs: f64,
+        speculation: Option<f64>,
     ) -> PyResult<Self> {
+        if speculation.is_some_and(|k| !(k.is_finite() && k > 1.0)) {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "speculation must be a factor above 1 (a map slower than that many times the \
+                 median is copied), or None",
+            ));
+        }
         let rt = runtime()?;
         let cfg = cluster_config(
             workers,
@@ -153,6 +163,10 @@ impl NativeCluster {
                 ),
             ),
             stages: Default::default(),
+            strategy: exchange::strategy::StrategyOptions {
+                speculation,
+                ..Default::default()
+            },
         })
     }
 
@@ -178,6 +192,7 @@ impl NativeCluster {
                 partitions,
                 keys,
                 tasks,
+                self.strategy,
             ))
         })
         .map_err(to_py)
@@ -295,6 +310,7 @@ impl NativeCluster {
             strategy,
             partitioner,
             map_bytes,
+            speculation: self.strategy.speculation,
         };
         job::NativeShuffle::start(py, self.rt.clone(), driver, reader, opts)
     }
@@ -383,7 +399,9 @@ impl NativeCluster {
         let _runtime = self.rt.enter();
         let config = exchange_datafusion::DistributedContext::default_config(driver.num_workers());
         let ctx = Arc::new(
-            exchange_datafusion::DistributedContext::new(driver, config).map_err(sql::df_err)?,
+            exchange_datafusion::DistributedContext::new(driver, config)
+                .map_err(sql::df_err)?
+                .with_strategy_options(self.strategy),
         );
         *slot = Some(ctx.clone());
         Ok(ctx)

@@ -89,10 +89,11 @@ pub async fn run_stage(
     partitions: u32,
     keys: Vec<String>,
     tasks: Vec<StageTask>,
+    opts: StrategyOptions,
 ) -> Result<(u64, u64)> {
     let spec = job::stage_spec(schema.clone(), partitions, &keys);
     let inputs = inputs(driver, stages, tasks)?;
-    let input = job::run_stage(driver, &spec, inputs, StrategyOptions::default()).await?;
+    let input = job::run_stage(driver, &spec, inputs, opts).await?;
     lock(stages).insert(spec.id.0, (schema, spec.partitions));
     Ok((spec.id.0, input.rows))
 }

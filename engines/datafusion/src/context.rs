@@ -74,6 +74,7 @@ pub struct DistributedContext {
     driver: Arc<Driver>,
     last_rpcs: std::sync::Mutex<u64>,
     small_gather_rows: usize,
+    strategy_options: StrategyOptions,
 }
 
 impl DistributedContext {
@@ -111,6 +112,7 @@ impl DistributedContext {
             driver,
             last_rpcs: std::sync::Mutex::new(0),
             small_gather_rows: SMALL_GATHER_ROWS,
+            strategy_options: StrategyOptions::default(),
         })
     }
 
@@ -119,6 +121,13 @@ impl DistributedContext {
     /// Default [`SMALL_GATHER_ROWS`].
     pub fn with_small_gather_rows(mut self, rows: usize) -> Self {
         self.small_gather_rows = rows;
+        self
+    }
+
+    /// Knobs every stage's strategy runs with (e.g. speculative execution); each exchange's
+    /// strategy itself comes from its plan.
+    pub fn with_strategy_options(mut self, opts: StrategyOptions) -> Self {
+        self.strategy_options = opts;
         self
     }
 
@@ -229,14 +238,7 @@ impl DistributedContext {
                 .await
                 .map_err(|e| exchange::Error::Task(e.to_string()))
         };
-        let result = run_pipelined(
-            &self.driver,
-            runs,
-            root,
-            started,
-            StrategyOptions::default(),
-        )
-        .await;
+        let result = run_pipelined(&self.driver, runs, root, started, self.strategy_options).await;
         let drops = staged
             .stages
             .iter()
