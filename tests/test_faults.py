@@ -49,12 +49,17 @@ def test_corrupted_spill_byte_fails_with_a_checksum_error_naming_the_block(tmp_p
         assert summary["rows"] == df.height
         files = sorted(glob.glob(str(tmp_path / "worker-*" / "*.seg")))
         assert files, "a zero budget must spill every block"
+        # Partitions are read back in order as soon as the map side is done, the first ones
+        # before this loop runs: flip a byte in every 32 KiB of each file (not only near its
+        # start), so the blocks of the partitions still to be read are corrupted too.
         for f in files:
+            size = os.path.getsize(f)
             with open(f, "r+b") as fh:
-                fh.seek(100)
-                byte = fh.read(1)
-                fh.seek(100)
-                fh.write(bytes([byte[0] ^ 0xFF]))
+                for offset in range(100, max(101, size - 4096), 32 << 10):
+                    fh.seek(offset)
+                    byte = fh.read(1)
+                    fh.seek(offset)
+                    fh.write(bytes([byte[0] ^ 0xFF]))
         with pytest.raises(
             fs.ChecksumError, match=r"checksum mismatch for block shuffle=\w+ map=\d+ partition=\d+"
         ):

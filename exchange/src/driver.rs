@@ -192,9 +192,15 @@ impl Driver {
     }
 
     fn lost(&self, worker: usize, reason: String) -> Error {
-        self.alive[worker].store(false, Ordering::SeqCst);
+        let was_alive = self.alive[worker].swap(false, Ordering::SeqCst);
         let lost_blocks = self.blocks_on(worker).len();
-        tracing::warn!(worker, addr = %self.workers[worker].addr, %reason, lost_blocks, "worker lost");
+        // Logged once, when the worker is first found lost (every task that was waiting on it
+        // reports the loss too, at debug level).
+        if was_alive {
+            tracing::warn!(worker, addr = %self.workers[worker].addr, %reason, lost_blocks, "worker lost");
+        } else {
+            tracing::debug!(worker, %reason, "worker already lost");
+        }
         Error::WorkerLost {
             worker,
             addr: self.workers[worker].addr.clone(),
