@@ -31,6 +31,63 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sweep(args: argparse.Namespace) -> int:
+    """Exoshuffle Figure 4 at this machine's scale: job time against the number of
+    partitions, per strategy, each point one shuffle-bench run (output checked)."""
+    parts = [int(p) for p in args.partitions.split(",")]
+    strategies = args.strategies.split(",")
+    points = []
+    for partitions in parts:
+        for strategy in strategies:
+            report = json.loads(
+                shuffle_bench(
+                    args.rows,
+                    args.workers,
+                    partitions,
+                    parse_bytes(args.memory_budget),
+                    args.maps,
+                    65_536,
+                    42,
+                    "auto",
+                    worker_command(),
+                    True,  # reducers after the seal for every strategy: the same shape
+                    strategy,
+                )
+            )
+            point = {
+                "partitions": partitions,
+                "strategy": strategy,
+                "seconds": report["seconds"],
+                "map_seconds": report["map_seconds"],
+                "reduce_seconds": report["reduce_tail_seconds"],
+                "blocks_read": report["blocks"],
+                "map_blocks": report["map_blocks"],
+                "bytes_per_block_read": report["bytes"] // max(1, report["blocks"]),
+                "spilled_bytes": report["spilled_bytes"],
+                "same_pipeline_bound_seconds": report["same_pipeline_bound_seconds"],
+            }
+            points.append(point)
+            print(
+                f"R={partitions:5d} {strategy:7s} {point['seconds']:7.2f} s "
+                f"(map {point['map_seconds']:.2f} + reduce {point['reduce_seconds']:.2f}), "
+                f"{point['blocks_read']} blocks of {point['bytes_per_block_read']} B",
+                file=sys.stderr,
+            )
+    out = {
+        "rows": args.rows,
+        "workers": args.workers,
+        "maps": args.maps,
+        "memory_budget": args.memory_budget,
+        "points": points,
+    }
+    text = json.dumps(out, indent=1)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
+
+
 def _tables(specs: list[str]) -> dict[str, str]:
     """``--table name=path`` options as a mapping."""
     tables = {}
@@ -331,6 +388,19 @@ def main(argv: list[str] | None = None) -> int:
         help="start the reducers only after the map side is sealed (no overlap), for comparison",
     )
     b.set_defaults(run=_bench)
+
+    w = sub.add_parser(
+        "strategy-sweep",
+        help="Exoshuffle Fig. 4 at this scale: shuffle time vs partitions, per strategy",
+    )
+    w.add_argument("--rows", type=int, default=4_000_000)
+    w.add_argument("--workers", type=int, default=4)
+    w.add_argument("--maps", type=int, default=64)
+    w.add_argument("--partitions", default="16,64,256,1024")
+    w.add_argument("--strategies", default="pull,merged")
+    w.add_argument("--memory-budget", default="2GiB")
+    w.add_argument("--json", help="also write the points to this file")
+    w.set_defaults(run=_sweep)
 
     q = sub.add_parser("sql", help="run one SQL query on a local cluster")
     q.add_argument("query")
