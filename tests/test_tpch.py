@@ -175,3 +175,4 @@ def test_metrics_show_pipelined_stage_times_and_call_counts(data):
             "SELECT l_returnflag, count(*) FROM lineitem GROUP BY l_returnflag", analyze=True
         )
         assert "Flight calls" in text and "first output" in text
+        assert "largest partition" in text

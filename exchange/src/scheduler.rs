@@ -35,6 +35,9 @@ pub struct StageReport {
     pub bytes: u64,
     pub blocks: usize,
     pub spilled_bytes: u64,
+    /// Bytes of its largest reduce partition, and of its median partition (skew).
+    pub max_partition_bytes: u64,
+    pub median_partition_bytes: u64,
     /// When its first map task was submitted.
     pub start_s: f64,
     /// When its first map output was committed (readers could start on it).
@@ -67,7 +70,11 @@ pub async fn run_pipelined<T>(
         };
         let mapped = strategy::map_side(driver, &s.spec, inputs, opts).await?;
         let secs = |t: Option<Instant>| t.map_or(0.0, |t| t.duration_since(started).as_secs_f64());
+        let (max_partition_bytes, median_partition_bytes) =
+            mapped.partition_bytes(s.spec.partitions);
         Ok::<_, crate::Error>(StageReport {
+            max_partition_bytes,
+            median_partition_bytes,
             tasks: mapped.maps.len(),
             rows: mapped.input.rows,
             bytes: mapped

@@ -67,6 +67,11 @@ async fn all_queries_match_single_process_datafusion() {
                 assert!(!got.stages.is_empty(), "q{q} ran no exchange");
                 // One map task per (stage, worker), except sorted runs (one per partition).
                 for s in &got.stages {
+                    assert!(s.median_partition_bytes <= s.max_partition_bytes);
+                    assert!(
+                        s.max_partition_bytes <= s.bytes
+                            && (s.bytes == 0) == (s.max_partition_bytes == 0)
+                    );
                     assert!(
                         s.exchange.starts_with("sorted runs") || s.tasks <= 2,
                         "q{q} stage {} ran {} map tasks on 2 workers",

@@ -49,6 +49,10 @@ pub struct StageMetrics {
     pub bytes: u64,
     pub blocks: usize,
     pub spilled_bytes: u64,
+    /// Bytes of the largest reduce partition and of the median one: a largest partition far
+    /// above the median is skew.
+    pub max_partition_bytes: u64,
+    pub median_partition_bytes: u64,
     /// `end_s - start_s`.
     pub seconds: f64,
     /// Seconds since the query started: first task submitted, first map output committed,
@@ -193,7 +197,8 @@ impl DistributedContext {
             for s in &stages {
                 out.push_str(&format!(
                     "  stage {}: {} — {} tasks, {} rows, {} bytes, {} blocks, {} bytes spilled, \
-                     {:.3}-{:.3} s (first output {:.3} s)\n",
+                     largest partition {} bytes (median {}), {:.3}-{:.3} s (first output \
+                     {:.3} s)\n",
                     s.stage,
                     s.exchange,
                     s.tasks,
@@ -201,6 +206,8 @@ impl DistributedContext {
                     s.bytes,
                     s.blocks,
                     s.spilled_bytes,
+                    s.max_partition_bytes,
+                    s.median_partition_bytes,
                     s.start_s,
                     s.end_s,
                     s.first_commit_s
@@ -262,6 +269,8 @@ impl DistributedContext {
                 bytes: r.bytes,
                 blocks: r.blocks,
                 spilled_bytes: r.spilled_bytes,
+                max_partition_bytes: r.max_partition_bytes,
+                median_partition_bytes: r.median_partition_bytes,
                 seconds: r.end_s - r.start_s,
                 start_s: r.start_s,
                 first_commit_s: r.first_commit_s,

@@ -28,6 +28,21 @@ pub struct Mapped {
 }
 
 impl Mapped {
+    /// Bytes of the largest reduce partition and the median partition's (skew shows as a
+    /// largest partition far above the median).
+    pub fn partition_bytes(&self, partitions: u32) -> (u64, u64) {
+        let mut bytes = vec![0u64; partitions as usize];
+        for b in self.maps.iter().flat_map(|m| &m.blocks) {
+            if let Some(p) = bytes.get_mut(b.meta.id.partition as usize) {
+                *p += b.meta.bytes;
+            }
+        }
+        bytes.sort_unstable();
+        let max = bytes.last().copied().unwrap_or(0);
+        let median = bytes.get(bytes.len() / 2).copied().unwrap_or(0);
+        (max, median)
+    }
+
     /// The blocks readers see now: those of maps not merged, plus the merge groups'.
     pub fn live_blocks(&self) -> usize {
         let merged: std::collections::HashSet<u32> = self
@@ -208,4 +223,66 @@ pub async fn reduce_on_workers(
         })
         .await?;
     results.into_iter().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::block::{BlockId, BlockMeta, ShuffleId};
+    use crate::driver::BlockRef;
+
+    fn done(map: u32, sizes: &[(u32, u64)]) -> MapDone {
+        let blocks = sizes
+            .iter()
+            .map(|&(partition, bytes)| BlockRef {
+                worker: 0,
+                meta: BlockMeta {
+                    id: BlockId {
+                        shuffle: ShuffleId(1),
+                        map,
+                        partition,
+                        attempt: 0,
+                        seq: 0,
+                    },
+                    rows: 1,
+                    bytes,
+                    crc32c: 0,
+                },
+            })
+            .collect();
+        MapDone {
+            map,
+            attempt: 0,
+            worker: 0,
+            blocks,
+            input: Checksum::default(),
+            input_bytes: 0,
+            spilled_bytes: 0,
+            committed_at: Instant::now(),
+        }
+    }
+
+    #[test]
+    fn partition_bytes_are_summed_over_maps() {
+        let mapped = Mapped {
+            maps: vec![
+                done(0, &[(0, 10), (1, 5), (3, 100)]),
+                done(1, &[(3, 50), (2, 7)]),
+            ],
+            input: Checksum::default(),
+            input_bytes: 0,
+            first_commit: None,
+            merges: vec![],
+        };
+        // Partitions 0..4 hold 10, 5, 7, 150 bytes, and partition 4 none.
+        assert_eq!(mapped.partition_bytes(5), (150, 7));
+        assert_eq!(
+            Mapped {
+                maps: vec![],
+                ..mapped
+            }
+            .partition_bytes(3),
+            (0, 0)
+        );
+    }
 }
