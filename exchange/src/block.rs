@@ -174,9 +174,11 @@ pub fn encode_block(schema: &SchemaRef, batches: &[RecordBatch], c: Compression)
 
 /// A block encoded in this process from record batches (which arrow validated when they were
 /// built), so its bytes are a well-formed IPC stream. Only [`EncodedBlock::encode`] makes one.
-/// The block store remembers which blocks came this way; reading one back whose CRC32C still
-/// matches, it decodes without validating every buffer again ([`BlockStore::read_batches`]).
-/// Bytes from anywhere else (the network, a test) are stored as plain bytes and validated.
+/// The block store remembers which blocks came this way; reading one back from memory whose
+/// CRC32C still matches, it decodes without validating every buffer again
+/// ([`BlockStore::read_batches`]). Bytes from anywhere else (the network, a test, a spill file
+/// read back from disk) are validated. Batches a source imported through the C data interface
+/// (Python tasks) are validated where they are imported, since arrow does not check them.
 ///
 /// [`BlockStore::read_batches`]: crate::store::BlockStore::read_batches
 #[derive(Debug, Clone)]

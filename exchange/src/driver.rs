@@ -343,7 +343,6 @@ impl Driver {
             MapInput::Source(s) => Lineage::Source(s.clone()),
             MapInput::Stream(_) => Lineage::DriverStream,
         };
-        lock(&self.lineage).insert((shuffle, map), (worker, lineage));
         tokio::spawn(async move {
             let client = me.workers.get(worker).cloned().ok_or_else(|| {
                 Error::invalid(format!(
@@ -390,6 +389,8 @@ impl Driver {
                 lock(&me.claims).remove(&(shuffle, map));
                 return Err(me.classify(e).await);
             }
+            // The committed attempt's lineage (a speculative copy that lost leaves none).
+            lock(&me.lineage).insert((shuffle, map), (worker, lineage));
             let blocks = result
                 .blocks
                 .iter()

@@ -38,6 +38,17 @@ fn arrow_from_py(obj: &Bound<'_, PyAny>) -> PyResult<(SchemaRef, Vec<RecordBatch
     let batches = reader
         .collect::<std::result::Result<Vec<_>, _>>()
         .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+    // Arrays imported through the C interface are not validated by arrow; these rows go into
+    // blocks that readers on this worker decode without validation, so check them here.
+    for b in &batches {
+        for c in b.columns() {
+            c.to_data().validate_full().map_err(|e| {
+                pyo3::exceptions::PyValueError::new_err(format!(
+                    "a Python task returned invalid Arrow data: {e}"
+                ))
+            })?;
+        }
+    }
     Ok((schema, batches))
 }
 

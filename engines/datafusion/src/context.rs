@@ -327,10 +327,16 @@ impl DistributedContext {
                 })
             })
             .collect();
+        // A sorted-run exchange's readers read each map output as one run: merging runs would
+        // break them, so such an exchange moves its blocks with pull whatever it asks for.
+        let strategy = match writer.kind {
+            crate::writer::WriterKind::Merge => exchange::strategy::Strategy::Pull,
+            _ => writer.strategy,
+        };
         Ok(StageRun {
             spec,
             inputs,
-            strategy: writer.strategy,
+            strategy,
         })
     }
 }

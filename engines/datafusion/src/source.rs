@@ -160,8 +160,21 @@ fn concurrently(streams: Vec<datafusion::execution::SendableRecordBatchStream>) 
         })
         .collect();
     let guard = AbortOnDrop(handles);
-    let rx = futures::stream::unfold((rx, guard), |(mut rx, guard)| async move {
-        rx.recv().await.map(|item| (item, (rx, guard)))
+    let rx = futures::stream::unfold((rx, guard), |(mut rx, mut guard)| async move {
+        if let Some(item) = rx.recv().await {
+            return Some((item, (rx, guard)));
+        }
+        // Every partition's sender is gone: each task ended. One that panicked ended without
+        // its rows, so the map output would be short: report it instead of committing.
+        for h in std::mem::take(&mut guard.0) {
+            if let Err(e) = h.await {
+                if e.is_panic() {
+                    let err = task_err(format!("a stage partition panicked: {e}"));
+                    return Some((Err(err), (rx, guard)));
+                }
+            }
+        }
+        None
     });
     Box::pin(rx)
 }

@@ -281,6 +281,19 @@ impl BlockStore {
     ) -> Result<Vec<BlockMeta>> {
         let mut st = lock(&self.state);
         let sh = st.get_mut(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
+        commit_locked(sh, map, attempt, expected)
+    }
+}
+
+/// [`BlockStore::commit`] with the shuffle's state already locked.
+fn commit_locked(
+    sh: &mut ShuffleState,
+    map: u32,
+    attempt: u32,
+    expected: Option<usize>,
+) -> Result<Vec<BlockMeta>> {
+    let shuffle = sh.info.id;
+    {
         if let Some((won, ids)) = sh.committed.get(&map) {
             if *won == attempt {
                 return Ok(ids
@@ -326,7 +339,9 @@ impl BlockStore {
         sh.version.send_modify(|v| *v += 1);
         Ok(metas)
     }
+}
 
+impl BlockStore {
     /// The committed blocks of `maps` held here, for a merge task (every map must have
     /// committed here and not been merged already).
     pub fn committed_blocks_of(&self, shuffle: ShuffleId, maps: &[u32]) -> Result<Vec<BlockId>> {
@@ -339,12 +354,16 @@ impl BlockStore {
             )));
         }
         let mut out = Vec::new();
+        let mut seen = std::collections::HashSet::new();
         for m in maps {
             match sh.committed.get(m) {
-                Some((_, ids)) if !sh.merged_into.contains_key(m) => out.extend(ids),
+                Some((_, ids)) if !sh.merged_into.contains_key(m) && seen.insert(*m) => {
+                    out.extend(ids)
+                }
                 _ => {
                     return Err(Error::Precondition(format!(
-                        "map {m} of shuffle {shuffle} has no committed, unmerged output here"
+                        "map {m} of shuffle {shuffle} has no committed, unmerged output here \
+                         (or is listed twice)"
                     )))
                 }
             }
@@ -364,49 +383,34 @@ impl BlockStore {
         expected: Option<usize>,
         maps: &[u32],
     ) -> Result<Vec<BlockMeta>> {
-        {
-            let st = lock(&self.state);
-            let sh = st.get(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
-            if group < MERGE_GROUP_BASE {
-                return Err(Error::invalid(format!(
-                    "merge group {group} is not a merge group id (>= {MERGE_GROUP_BASE})"
-                )));
-            }
-            if sh.reads_started {
-                return Err(Error::Precondition(format!(
-                    "shuffle {shuffle}: readers have started, merge group {group} is refused"
-                )));
-            }
-            for m in maps {
-                if *m >= MERGE_GROUP_BASE
-                    || sh.merged_into.contains_key(m)
-                    || !sh.committed.contains_key(m)
-                {
-                    return Err(Error::Precondition(format!(
-                        "merge group {group}: map {m} of shuffle {shuffle} has no committed, \
-                         unmerged output here"
-                    )));
-                }
-            }
-        }
-        // The state lock is not held across `commit`, so check again after it, under the lock,
-        // and undo the group's commit if a reader or the seal came in between.
-        let metas = self.commit(shuffle, group, attempt, expected)?;
+        // One lock for the checks, the group's commit and the maps' retirement: a reader
+        // lists a partition either before all of it (and then no merge commits) or after.
         let mut st = lock(&self.state);
         let sh = st.get_mut(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
-        let ok = !sh.reads_started && maps.iter().all(|m| !sh.merged_into.contains_key(m));
-        if !ok {
-            if let Some((_, ids)) = sh.committed.remove(&group) {
-                for list in &mut sh.by_partition {
-                    list.retain(|id| id.map != group);
-                }
-                self.remove_entries(sh, &ids);
-            }
-            sh.aborted.insert((group, attempt));
-            return Err(Error::Precondition(format!(
-                "shuffle {shuffle}: readers started while merge group {group} committed; refused"
+        if group < MERGE_GROUP_BASE {
+            return Err(Error::invalid(format!(
+                "merge group {group} is not a merge group id (>= {MERGE_GROUP_BASE})"
             )));
         }
+        if sh.reads_started {
+            return Err(Error::Precondition(format!(
+                "shuffle {shuffle}: readers have started, merge group {group} is refused"
+            )));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for m in maps {
+            if *m >= MERGE_GROUP_BASE
+                || !seen.insert(*m)
+                || sh.merged_into.contains_key(m)
+                || !sh.committed.contains_key(m)
+            {
+                return Err(Error::Precondition(format!(
+                    "merge group {group}: map {m} of shuffle {shuffle} has no committed, \
+                     unmerged output here (or is listed twice)"
+                )));
+            }
+        }
+        let metas = commit_locked(sh, group, attempt, expected)?;
         let mut retired = Vec::new();
         for m in maps {
             if let Some((_, ids)) = sh.committed.get_mut(m) {
@@ -509,6 +513,7 @@ impl BlockStore {
                 .cloned()
                 .ok_or(Error::BlockNotFound(*id))?
         };
+        let in_memory = matches!(entry.location, Location::Memory(_));
         let data = match entry.location {
             Location::Memory(b) => b,
             Location::Spilled { segment, offset } => {
@@ -527,7 +532,9 @@ impl BlockStore {
                 actual,
             });
         }
-        Ok((data, entry.encoded_here))
+        // Only blocks held in memory skip re-validation: bytes read back from a spill file
+        // could have been changed on disk in a way the CRC32C does not catch.
+        Ok((data, entry.encoded_here && in_memory))
     }
 
     /// Remove the pending blocks of one map attempt (it failed, was cancelled or lost the

@@ -115,6 +115,7 @@ pub async fn run_maps_observed(
     // Attempts still running per map, to abort the others when one commits.
     let mut attempts: HashMap<u32, Vec<tokio::task::AbortHandle>> = HashMap::new();
     let mut done_maps = HashSet::new();
+    let mut live_attempts: HashMap<u32, usize> = HashMap::new();
     let mut tick = tokio::time::interval(std::time::Duration::from_millis(100));
     // Map tasks still running when this returns (a map failed) are aborted.
     let mut guard = AbortOnDrop(Vec::new());
@@ -148,16 +149,26 @@ pub async fn run_maps_observed(
                     let (fut, abort) = submit(next_map, worker, input);
                     guard.0.push(abort.clone());
                     attempts.entry(next_map).or_default().push(abort);
+                    *live_attempts.entry(next_map).or_default() += 1;
                     running.push(fut);
                     next_map += 1;
                 }
                 Some((map, worker, joined)) = running.next(), if !running.is_empty() => {
                     load[worker] -= 1;
+                    let live = live_attempts.entry(map).or_insert(1);
+                    *live -= 1;
+                    let others_running = *live > 0;
                     let done = match joined {
                         Ok(Ok(done)) => done,
                         // The other attempt of a map that already committed.
                         _ if done_maps.contains(&map) => continue,
                         Ok(Err(crate::Error::Superseded { .. })) => continue,
+                        // One attempt of a speculated map failed while another still runs:
+                        // that one may still finish (a lost worker fails the stage anyway).
+                        Ok(Err(e)) if others_running && !matches!(e, crate::Error::WorkerLost { .. }) => {
+                            tracing::warn!(shuffle = %spec.id, map, worker, error = %e, "one attempt of a speculated map failed; another is running");
+                            continue;
+                        }
                         Ok(Err(e)) => return Err(e),
                         Err(e) => return Err(crate::Error::Cluster(format!("map task failed to run: {e}"))),
                     };
@@ -184,6 +195,7 @@ pub async fn run_maps_observed(
                         let (fut, abort) = submit(map, worker, MapInput::Source(source));
                         guard.0.push(abort.clone());
                         attempts.entry(map).or_default().push(abort);
+                        *live_attempts.entry(map).or_default() += 1;
                         running.push(fut);
                     }
                 }
