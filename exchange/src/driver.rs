@@ -391,20 +391,7 @@ impl Driver {
             }
             // The committed attempt's lineage (a speculative copy that lost leaves none).
             lock(&me.lineage).insert((shuffle, map), (worker, lineage));
-            let blocks = result
-                .blocks
-                .iter()
-                .map(|m| {
-                    Ok(BlockRef {
-                        meta: m.try_into()?,
-                        worker,
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?;
-            lock(&me.blocks)
-                .entry(shuffle)
-                .or_default()
-                .extend(blocks.iter().copied());
+            let blocks = me.record_blocks(shuffle, worker, &result, &[])?;
             Ok(MapDone {
                 map,
                 attempt,
@@ -462,22 +449,7 @@ impl Driver {
             let _ = client.cancel(&commit).await;
             return Err(self.classify(e).await);
         }
-        let blocks = result
-            .blocks
-            .iter()
-            .map(|m| {
-                Ok(BlockRef {
-                    meta: m.try_into()?,
-                    worker,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        {
-            let mut all = lock(&self.blocks);
-            let refs = all.entry(shuffle).or_default();
-            refs.retain(|b| !(b.worker == worker && maps.contains(&b.meta.id.map)));
-            refs.extend(blocks.iter().copied());
-        }
+        let blocks = self.record_blocks(shuffle, worker, &result, &maps)?;
         lock(&self.lineage).insert((shuffle, group), (worker, Lineage::Merge(maps)));
         Ok(MapDone {
             map: group,
@@ -492,6 +464,34 @@ impl Driver {
             spilled_bytes: result.spilled_bytes,
             committed_at: std::time::Instant::now(),
         })
+    }
+
+    /// Record the blocks a committed attempt on `worker` reported, replacing the refs of the
+    /// maps it `retired` there (a merge group's maps); returns the new refs.
+    fn record_blocks(
+        &self,
+        shuffle: ShuffleId,
+        worker: usize,
+        result: &proto::TaskResult,
+        retired: &[u32],
+    ) -> Result<Vec<BlockRef>> {
+        let blocks = result
+            .blocks
+            .iter()
+            .map(|m| {
+                Ok(BlockRef {
+                    meta: m.try_into()?,
+                    worker,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut all = lock(&self.blocks);
+        let refs = all.entry(shuffle).or_default();
+        if !retired.is_empty() {
+            refs.retain(|b| !(b.worker == worker && retired.contains(&b.meta.id.map)));
+        }
+        refs.extend(blocks.iter().copied());
+        Ok(blocks)
     }
 
     fn shuffle_schema(&self, shuffle: ShuffleId) -> Result<SchemaRef> {

@@ -397,12 +397,17 @@ fn checksum_rows(batches: &[RecordBatch]) -> Checksum {
 }
 
 fn lineitem_task(rows: u64) -> proto::TaskSource {
+    lineitem_slice(0, rows, 4096, 0)
+}
+
+/// A lineitem source task: `rows` rows from `first`; attempt 0 waits `delay_ms` first.
+fn lineitem_slice(first: u64, rows: u64, batch_rows: usize, delay_ms: u64) -> proto::TaskSource {
     let slice = exchange::gen::LineitemSlice {
-        first_attempt_delay_ms: 0,
-        first: 0,
+        first_attempt_delay_ms: delay_ms,
+        first,
         rows,
         seed: 7,
-        batch_rows: 4096,
+        batch_rows,
     };
     proto::TaskSource {
         kind: exchange::gen::LINEITEM_SOURCE.into(),
@@ -702,26 +707,11 @@ async fn merged_shuffle_reads_fewer_blocks_and_keeps_the_multiset() {
 async fn a_straggling_map_is_copied_and_the_first_commit_wins() {
     let cluster = LocalCluster::start(config(2, 1 << 30)).await.unwrap();
     let driver = cluster.driver.clone();
-    let spec = ShuffleSpec {
-        id: ShuffleId::random(),
-        schema: exchange::gen::lineitem_schema(),
-        partitions: 3,
-        partitioner: partitioner::hash(&["l_orderkey"]),
-        checksum_inputs: true,
-    };
+    let spec = lineitem_spec(true);
     driver.create_shuffle(&spec).await.unwrap();
     let inputs = (0..6u64).map(|m| {
-        let slice = exchange::gen::LineitemSlice {
-            first_attempt_delay_ms: if m == 2 { 60_000 } else { 0 },
-            first: m * 5000,
-            rows: 5000,
-            seed: 7,
-            batch_rows: 1024,
-        };
-        MapInput::Source(proto::TaskSource {
-            kind: exchange::gen::LINEITEM_SOURCE.into(),
-            payload: serde_json::to_vec(&slice).unwrap(),
-        })
+        let delay = if m == 2 { 60_000 } else { 0 };
+        MapInput::Source(lineitem_slice(m * 5000, 5000, 1024, delay))
     });
     let opts = StrategyOptions {
         speculation: Some(2.0),
