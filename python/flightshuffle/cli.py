@@ -34,7 +34,12 @@ def _bench(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     """Exoshuffle Figure 4 at this machine's scale: job time against the number of
     partitions, per strategy, each point one shuffle-bench run (output checked)."""
-    parts = [int(p) for p in args.partitions.split(",")]
+    try:
+        parts = [int(p) for p in args.partitions.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--partitions takes comma-separated counts such as 16,64,256, not {args.partitions!r}"
+        ) from None
     strategies = args.strategies.split(",")
     points = []
     for partitions in parts:
