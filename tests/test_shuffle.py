@@ -29,8 +29,12 @@ def as_polars(parts: list) -> list[pl.DataFrame]:
     return [p if isinstance(p, pl.DataFrame) else pl.from_arrow(p) for p in parts]
 
 
+STRATEGIES = ["pull", "merged", "push", "two-level"]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("kind", ["pyarrow", "pyarrow_reader", "polars", "duckdb"])
-def test_every_input_kind_keeps_the_multiset(cluster, kind):
+def test_every_input_kind_keeps_the_multiset(cluster, kind, strategy):
     df = sample_frame(60_000)
     if kind == "pyarrow":
         data = df.to_arrow()
@@ -44,7 +48,9 @@ def test_every_input_kind_keeps_the_multiset(cluster, kind):
         con = duckdb.connect()
         con.register("df_view", df.to_arrow())
         data = con.sql("SELECT * FROM df_view")
-    parts = list(cluster.shuffle(data, by="key", partitions=7, map_bytes="256KiB"))
+    parts = list(
+        cluster.shuffle(data, by="key", partitions=7, map_bytes="256KiB", strategy=strategy)
+    )
     assert len(parts) == 7
     parts = as_polars(parts)
     expected = (
@@ -91,8 +97,8 @@ def test_bad_arguments_are_clear_errors(cluster):
     df = sample_frame(10)
     with pytest.raises(ValueError, match="nope"):
         list(cluster.shuffle(df, by="nope", partitions=2))
-    with pytest.raises(ValueError, match="not implemented yet"):
-        cluster.shuffle(df, by="key", strategy="push")
+    with pytest.raises(ValueError, match="unknown strategy"):
+        cluster.shuffle(df, by="key", strategy="scatter")
     with pytest.raises(TypeError, match="does not export Arrow"):
         cluster.shuffle([1, 2, 3], by="key")
     with pytest.raises(ValueError, match="needs key columns"):
@@ -129,12 +135,12 @@ def test_any_small_input_keeps_its_multiset(cluster, keys, partitions, partition
         assert_keys_not_split(parts, ["k"])
 
 
-def test_merged_strategy_keeps_the_multiset_with_fewer_blocks(cluster):
+def test_merging_strategies_keep_the_multiset_with_fewer_blocks(cluster):
     df = sample_frame(60_000)
     # 30 batches of 2,000 rows, one map task each: many small map outputs to merge.
     data = pa.Table.from_batches(df.to_arrow().to_batches(max_chunksize=2_000))
     blocks = {}
-    for strategy in ["pull", "merged"]:
+    for strategy in STRATEGIES:
         result = cluster.shuffle(
             data, by="key", partitions=5, strategy=strategy, map_bytes=1, output="polars"
         )
@@ -142,4 +148,27 @@ def test_merged_strategy_keeps_the_multiset_with_fewer_blocks(cluster):
         assert_same_multiset(df, parts)
         assert_keys_not_split(parts, ["key"])
         blocks[strategy] = result.wait_mapped()["blocks"]
-    assert blocks["merged"] * 4 <= blocks["pull"], blocks
+    for strategy in ["merged", "push", "two-level"]:
+        assert blocks[strategy] * 4 <= blocks["pull"], blocks
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_skewed_keys_with_nulls_and_strings_under_a_spilling_budget(strategy):
+    n = 40_000
+    # Half the rows share one key; nulls and strings too.
+    df = pl.DataFrame(
+        {
+            "k": [None if i % 17 == 0 else (7 if i % 2 else i % 501) for i in range(n)],
+            "s": [None if i % 11 == 0 else f"str-{i % 313}" * (1 + i % 3) for i in range(n)],
+            "x": list(range(n)),
+        },
+        schema={"k": pl.Int64, "s": pl.String, "x": pl.Int64},
+    )
+    data = pa.Table.from_batches(df.to_arrow().to_batches(max_chunksize=1_000))
+    with fs.Cluster(workers=3, memory_budget="256KiB", timeout=60) as small:
+        for by in ["k", ["s", "k"]]:
+            result = small.shuffle(data, by=by, partitions=6, strategy=strategy, map_bytes=1)
+            parts = as_polars(list(result))
+            assert_same_multiset(df, parts)
+            assert_keys_not_split(parts, [by] if isinstance(by, str) else by)
+        assert sum(w["spilled_bytes"] for w in small.stats()) > 0

@@ -22,6 +22,18 @@ CONFIGS = {
     "3-workers": {"workers": 3, "memory_budget": "1GiB"},
     "2-workers-spilling": {"workers": 2, "memory_budget": "256KiB"},
 }
+# Every other strategy on 3 workers, in memory and spilling.
+for _strategy in ["merged", "push", "two-level", "auto"]:
+    CONFIGS[f"3-workers-{_strategy}"] = {
+        "workers": 3,
+        "memory_budget": "1GiB",
+        "strategy": _strategy,
+    }
+    CONFIGS[f"3-workers-{_strategy}-spilling"] = {
+        "workers": 3,
+        "memory_budget": "256KiB",
+        "strategy": _strategy,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +67,10 @@ def test_tpch_query_matches_duckdb(sql_cluster, reference, q):
     diff = tpch.compare(reference[q], got, ordered)
     assert diff is None, f"q{q} on {sql_cluster.config_name}: {diff}"
     assert sql_cluster.last_metrics["stages"], "the query ran no exchange"
+    strategies = {s["strategy"].split(" ")[0] for s in sql_cluster.last_metrics["stages"]}
+    wanted = CONFIGS[sql_cluster.config_name].get("strategy", "pull")
+    # Sorted-run exchanges always move with pull; auto notes its pick as "auto: <pick> ...".
+    assert strategies <= {wanted, "pull", "auto:"}, (wanted, strategies)
     if sql_cluster.config_name.endswith("spilling") and q == 22:
         assert sum(s["spilled_bytes"] for s in sql_cluster.stats()) > 0
 

@@ -86,7 +86,7 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
         strategy: cfg.strategy,
         ..StrategyOptions::default()
     };
-    let sequential = cfg.sequential || cfg.strategy == crate::strategy::Strategy::Merged;
+    let sequential = cfg.sequential || cfg.strategy != crate::strategy::Strategy::Pull;
     // Every reducer runs from the start, following its partition as map outputs commit.
     let reduce_opts = StrategyOptions {
         reduces_per_worker: (cfg.partitions as usize).div_ceil(workers.max(1)),

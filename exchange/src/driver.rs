@@ -9,6 +9,7 @@ use crate::block::{encode_schema, BlockId, BlockMeta, ShuffleId};
 use crate::checksum::Checksum;
 use crate::error::{Error, Result};
 use crate::proto;
+use crate::strategy::Placement;
 use crate::task::BatchStream;
 use crate::transport::actions;
 use crate::transport::client::WorkerClient;
@@ -97,6 +98,8 @@ pub struct Driver {
     cfg: DriverConfig,
     blocks: Mutex<HashMap<ShuffleId, Vec<BlockRef>>>,
     schemas: Mutex<HashMap<ShuffleId, (SchemaRef, bool)>>,
+    /// Partition count of each registered shuffle.
+    partitions: Mutex<HashMap<ShuffleId, u32>>,
     lineage: Mutex<HashMap<(ShuffleId, u32), (usize, Lineage)>>,
     /// Pooled reader over the same connections (for engines reading on the driver).
     reader: Arc<crate::transport::peers::PeerReader>,
@@ -105,6 +108,15 @@ pub struct Driver {
     /// The attempt of each (shuffle, map) that is committing or committed: the first attempt
     /// to finish claims it, so of two attempts on different workers only one ever commits.
     claims: Mutex<HashMap<(ShuffleId, u32), u32>>,
+    /// Where each shuffle's map tasks leave their blocks (default: where they ran).
+    placements: Mutex<HashMap<ShuffleId, Placement>>,
+    /// Where map tasks of a shuffle send blocks when it differs from where readers read
+    /// (`auto` switching to push after its first maps ran in place).
+    map_placements: Mutex<HashMap<ShuffleId, Placement>>,
+    /// How each shuffle's strategy was chosen (`auto`: its pick and predicted times).
+    choices: Mutex<HashMap<ShuffleId, String>>,
+    /// This machine's calibration, measured on first use (`auto`).
+    calibration: tokio::sync::OnceCell<proto::Calibration>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -134,9 +146,14 @@ impl Driver {
             cfg,
             blocks: Mutex::new(HashMap::new()),
             schemas: Mutex::new(HashMap::new()),
+            partitions: Mutex::new(HashMap::new()),
             lineage: Mutex::new(HashMap::new()),
             attempts: Mutex::new(HashMap::new()),
             claims: Mutex::new(HashMap::new()),
+            placements: Mutex::new(HashMap::new()),
+            map_placements: Mutex::new(HashMap::new()),
+            choices: Mutex::new(HashMap::new()),
+            calibration: tokio::sync::OnceCell::new(),
         }))
     }
 
@@ -303,11 +320,103 @@ impl Driver {
         };
         lock(&self.blocks).entry(spec.id).or_default();
         lock(&self.schemas).insert(spec.id, (spec.schema.clone(), spec.checksum_inputs));
+        lock(&self.partitions).insert(spec.id, spec.partitions);
         self.on_all(|w| {
             let msg = msg.clone();
             async move { w.create_shuffle(&msg).await }
         })
         .await
+    }
+
+    /// Make the map tasks of `shuffle` submitted from now on leave their blocks as `placement`
+    /// says (push and two-level strategies), and its reducers read accordingly.
+    pub fn place(&self, shuffle: ShuffleId, placement: Placement) {
+        lock(&self.placements).insert(shuffle, placement);
+    }
+
+    /// Make only the map tasks submitted from now on use `placement`; readers keep reading as
+    /// before (every worker, when earlier maps left their blocks in place).
+    pub fn place_maps(&self, shuffle: ShuffleId, placement: Placement) {
+        lock(&self.map_placements).insert(shuffle, placement);
+    }
+
+    /// Record how `shuffle`'s strategy was chosen (shown by `EXPLAIN ANALYZE`).
+    pub fn note_choice(&self, shuffle: ShuffleId, note: String) {
+        lock(&self.choices).insert(shuffle, note);
+    }
+
+    pub fn choice(&self, shuffle: ShuffleId) -> Option<String> {
+        lock(&self.choices).get(&shuffle).cloned()
+    }
+
+    /// This machine's calibration for the `auto` strategy, measured on first use: the
+    /// first live worker's rates ([`crate::calibrate`]), the median latency of a few small
+    /// requests, and the transport rate of a 16 MiB request.
+    pub async fn calibration(&self) -> Result<proto::Calibration> {
+        self.calibration
+            .get_or_try_init(|| self.calibrate())
+            .await
+            .cloned()
+    }
+
+    async fn calibrate(&self) -> Result<proto::Calibration> {
+        let w = (0..self.workers.len())
+            .find(|&w| self.is_alive(w))
+            .ok_or_else(|| Error::Cluster("no live worker to calibrate on".into()))?;
+        let client = &self.workers[w];
+        let mut latencies = Vec::new();
+        for _ in 0..7 {
+            let t = std::time::Instant::now();
+            client.health(self.cfg.health_timeout).await?;
+            latencies.push(t.elapsed().as_secs_f64());
+        }
+        latencies.sort_by(f64::total_cmp);
+        let request_s = latencies[latencies.len() / 2];
+        const BALLAST: usize = 16 << 20;
+        let t = std::time::Instant::now();
+        client
+            .calibrate(&proto::CalibrateTask {
+                measure: false,
+                disk_bytes: 0,
+                ballast: vec![0u8; BALLAST],
+            })
+            .await?;
+        let transfer = (t.elapsed().as_secs_f64() - request_s).max(1e-6);
+        let mut c = client
+            .calibrate(&proto::CalibrateTask {
+                measure: true,
+                disk_bytes: 32 << 20,
+                ballast: vec![],
+            })
+            .await?;
+        c.request_s = request_s;
+        c.network_bytes_per_s = BALLAST as f64 / transfer;
+        let loopback = self.workers.iter().all(|w| {
+            w.addr.starts_with("127.")
+                || w.addr.starts_with("localhost")
+                || w.addr.starts_with("[::1]")
+        });
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let n = self.workers.len();
+        c.parallelism = if loopback { n.min(cores) } else { n } as u32;
+        tracing::info!(?c, "calibrated");
+        Ok(c)
+    }
+
+    pub fn placement(&self, shuffle: ShuffleId) -> Placement {
+        lock(&self.placements)
+            .get(&shuffle)
+            .copied()
+            .unwrap_or_default()
+    }
+
+    /// The addresses of the workers that can hold blocks of `partition` of `shuffle`.
+    pub fn partition_peers(&self, shuffle: ShuffleId, partition: u32) -> Vec<String> {
+        self.placement(shuffle)
+            .readers(partition, self.workers.len())
+            .into_iter()
+            .map(|w| self.workers[w].addr.clone())
+            .collect()
     }
 
     /// A new attempt number for `map` of `shuffle` (0, 1, 2, ...).
@@ -332,12 +441,34 @@ impl Driver {
         let me = self.clone();
         let checksum = lock(&self.schemas).get(&shuffle).is_none_or(|(_, c)| *c);
         let attempt = self.next_attempt(shuffle, map);
+        let n = self.workers.len();
+        let placement = lock(&self.map_placements)
+            .get(&shuffle)
+            .copied()
+            .unwrap_or_else(|| self.placement(shuffle));
+        let partitions = lock(&self.partitions).get(&shuffle).copied().unwrap_or(0);
+        let pushes = placement != Placement::Local;
         let task = proto::MapTask {
             shuffle_id: shuffle.0,
             map_id: map,
             attempt,
             source: None,
             skip_checksum: !checksum,
+            push_peers: if pushes { self.addresses() } else { vec![] },
+            push_to: if pushes {
+                (0..partitions)
+                    .map(|p| placement.holder(worker, p, n) as u32)
+                    .collect()
+            } else {
+                vec![]
+            },
+            worker_index: worker as u32,
+        };
+        // The workers this attempt may have left blocks on (to cancel it everywhere).
+        let holders: Vec<usize> = if pushes {
+            (0..n).collect()
+        } else {
+            vec![worker]
         };
         let lineage = match &input {
             MapInput::Source(s) => Lineage::Source(s.clone()),
@@ -363,35 +494,68 @@ impl Driver {
                     client.put_map(&task, schema, stream).await
                 }
             };
-            let result = match result {
-                Ok(r) => r,
-                Err(e) => return Err(me.classify(e).await),
-            };
-            let mut commit = proto::CommitTask {
+            let cancel = proto::CommitTask {
                 shuffle_id: shuffle.0,
                 map_id: map,
                 attempt,
-                blocks: result.blocks.len() as u32,
+                blocks: 0,
                 merged_maps: vec![],
+            };
+            let result = match result {
+                Ok(r) => r,
+                Err(e) => {
+                    if pushes {
+                        me.cancel_on(&holders, &cancel).await;
+                    }
+                    return Err(me.classify(e).await);
+                }
             };
             let claimed = *lock(&me.claims).entry((shuffle, map)).or_insert(attempt) == attempt;
             if !claimed {
                 // Another attempt of this map finished first: this one's blocks go.
-                commit.blocks = 0;
-                let _ = client.cancel(&commit).await;
+                me.cancel_on(&holders, &cancel).await;
                 return Err(Error::Superseded {
                     map,
                     attempt,
                     worker,
                 });
             }
-            if let Err(e) = client.commit(&commit).await {
-                lock(&me.claims).remove(&(shuffle, map));
-                return Err(me.classify(e).await);
+            // Commit on every worker holding blocks of the attempt: where it ran, and where
+            // it pushed blocks to.
+            let mut commits = vec![(worker, result.blocks.len() as u32)];
+            for p in &result.pushed {
+                if p.worker as usize >= n || p.worker as usize == worker {
+                    return Err(Error::Cluster(format!(
+                        "map {map} reported blocks pushed to worker {} (cluster of {n})",
+                        p.worker
+                    )));
+                }
+                commits.push((p.worker as usize, p.blocks.len() as u32));
+            }
+            let calls = commits.iter().map(|&(w, blocks)| {
+                let commit = proto::CommitTask {
+                    blocks,
+                    ..cancel.clone()
+                };
+                let client = me.workers[w].clone();
+                async move { client.commit(&commit).await }
+            });
+            for r in futures::future::join_all(calls).await {
+                if let Err(e) = r {
+                    lock(&me.claims).remove(&(shuffle, map));
+                    return Err(me.classify(e).await);
+                }
             }
             // The committed attempt's lineage (a speculative copy that lost leaves none).
             lock(&me.lineage).insert((shuffle, map), (worker, lineage));
-            let blocks = me.record_blocks(shuffle, worker, &result, &[])?;
+            let mut blocks = me.record_blocks(shuffle, worker, &result, &[])?;
+            for p in &result.pushed {
+                let pushed = proto::TaskResult {
+                    blocks: p.blocks.clone(),
+                    ..Default::default()
+                };
+                blocks.extend(me.record_blocks(shuffle, p.worker as usize, &pushed, &[])?);
+            }
             Ok(MapDone {
                 map,
                 attempt,
@@ -494,6 +658,16 @@ impl Driver {
         Ok(blocks)
     }
 
+    /// Abort an attempt on `workers` (best effort: its blocks there are removed; pending
+    /// blocks a worker still holds are dropped at the seal anyway).
+    async fn cancel_on(&self, workers: &[usize], cancel: &proto::CommitTask) {
+        let calls = workers
+            .iter()
+            .filter(|&&w| self.is_alive(w))
+            .map(|&w| self.workers[w].cancel(cancel));
+        futures::future::join_all(calls).await;
+    }
+
     fn shuffle_schema(&self, shuffle: ShuffleId) -> Result<SchemaRef> {
         lock(&self.schemas)
             .get(&shuffle)
@@ -514,10 +688,12 @@ impl Driver {
         partition: u32,
         wait_sealed: bool,
     ) -> Result<BatchStream> {
-        let opens = self
-            .workers
+        let readers = self
+            .placement(shuffle)
+            .readers(partition, self.workers.len());
+        let opens = readers
             .iter()
-            .map(|w| w.read_partition(shuffle.0, partition, wait_sealed));
+            .map(|&w| self.workers[w].read_partition(shuffle.0, partition, wait_sealed));
         let mut streams = Vec::new();
         for r in futures::future::join_all(opens).await {
             match r {
@@ -549,7 +725,7 @@ impl Driver {
         let task = proto::ReduceTask {
             shuffle_id: shuffle.0,
             partition,
-            peers: self.addresses(),
+            peers: self.partition_peers(shuffle, partition),
             sink: sink.to_string(),
         };
         match self.workers[worker].run_reduce(&task).await {
@@ -582,6 +758,10 @@ impl Driver {
         lock(&self.lineage).retain(|(s, _), _| *s != shuffle);
         lock(&self.attempts).retain(|(s, _), _| *s != shuffle);
         lock(&self.claims).retain(|(s, _), _| *s != shuffle);
+        lock(&self.placements).remove(&shuffle);
+        lock(&self.map_placements).remove(&shuffle);
+        lock(&self.choices).remove(&shuffle);
+        lock(&self.partitions).remove(&shuffle);
         let calls = self
             .workers
             .iter()

@@ -6,6 +6,7 @@
 
 pub mod bench;
 pub mod block;
+pub mod calibrate;
 pub mod checksum;
 pub mod cluster;
 pub mod driver;
@@ -13,6 +14,7 @@ pub mod error;
 pub mod gen;
 pub mod job;
 pub mod partitioner;
+pub mod push;
 pub mod scheduler;
 pub mod store;
 pub mod strategy;

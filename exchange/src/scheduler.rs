@@ -30,6 +30,8 @@ pub struct StageRun {
 /// How a stage went, with times in seconds since the query started.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct StageReport {
+    /// The strategy that ran the exchange (for `auto`: its pick and the predicted times).
+    pub strategy: String,
     pub tasks: usize,
     pub rows: u64,
     pub bytes: u64,
@@ -73,6 +75,9 @@ pub async fn run_pipelined<T>(
         let (max_partition_bytes, median_partition_bytes) =
             mapped.partition_bytes(s.spec.partitions);
         Ok::<_, crate::Error>(StageReport {
+            strategy: driver
+                .choice(s.spec.id)
+                .unwrap_or_else(|| s.strategy.to_string()),
             max_partition_bytes,
             median_partition_bytes,
             tasks: mapped.maps.len(),

@@ -215,7 +215,10 @@ impl MapConfig {
 /// What a map task reports: its blocks and a checksum of the rows it read.
 #[derive(Debug, Clone, Default)]
 pub struct MapOutput {
+    /// Blocks stored here.
     pub blocks: Vec<BlockMeta>,
+    /// Blocks pushed to other workers, per worker.
+    pub pushed: Vec<crate::proto::PushedBlocks>,
     pub input: Checksum,
     pub input_bytes: u64,
     pub spilled_bytes: u64,
@@ -237,6 +240,7 @@ pub async fn run_map(
     attempt: u32,
     mut input: BatchStream,
     cfg: MapConfig,
+    mut push: Option<crate::push::Pusher>,
 ) -> Result<MapOutput> {
     let start = Instant::now();
     let mut part =
@@ -251,7 +255,17 @@ pub async fn run_map(
         .collect();
     let mut out = MapOutput::default();
     let mut buffered = 0usize;
-    let flush = |p: usize, bufs: &mut Vec<PartitionBuffer>, out: &mut MapOutput| -> Result<usize> {
+    // Blocks encoded for other workers, sent once the CPU-bound section is left.
+    let mut outgoing = Vec::new();
+    let holders: Vec<Option<u32>> = (0..info.partitions)
+        .map(|p| push.as_ref().and_then(|x| x.remote_holder(p)))
+        .collect();
+    type Outgoing = Vec<(u32, BlockMeta, bytes::Bytes)>;
+    let flush = |p: usize,
+                 bufs: &mut Vec<PartitionBuffer>,
+                 out: &mut MapOutput,
+                 outgoing: &mut Outgoing|
+     -> Result<usize> {
         let buf = &mut bufs[p];
         if buf.batches.is_empty() {
             return Ok(0);
@@ -265,11 +279,22 @@ pub async fn run_map(
             attempt,
             seq: buf.seq,
         };
-        let (meta, spilled) = store.put_encoded(id, buf.rows, data)?;
-        if spilled {
-            out.spilled_bytes += meta.bytes;
+        if let Some(holder) = holders[p] {
+            let data = data.into_bytes();
+            let meta = BlockMeta {
+                id,
+                rows: buf.rows,
+                bytes: data.len() as u64,
+                crc32c: crc32c::crc32c(&data),
+            };
+            outgoing.push((holder, meta, data));
+        } else {
+            let (meta, spilled) = store.put_encoded(id, buf.rows, data)?;
+            if spilled {
+                out.spilled_bytes += meta.bytes;
+            }
+            out.blocks.push(meta);
         }
-        out.blocks.push(meta);
         let freed = buf.bytes;
         buf.batches.clear();
         buf.bytes = 0;
@@ -301,24 +326,42 @@ pub async fn run_map(
                 buf.batches.push(piece);
                 buffered += size;
                 if bufs[p as usize].bytes >= cfg.block_bytes {
-                    buffered -= flush(p as usize, &mut bufs, &mut out)?;
+                    buffered -= flush(p as usize, &mut bufs, &mut out, &mut outgoing)?;
                 }
             }
             while buffered > cfg.buffer_bytes {
                 let largest = (0..bufs.len()).max_by_key(|&i| bufs[i].bytes).unwrap_or(0);
-                buffered -= flush(largest, &mut bufs, &mut out)?;
+                buffered -= flush(largest, &mut bufs, &mut out, &mut outgoing)?;
             }
             Ok(())
         })?;
+        send_pushed(&mut push, &mut outgoing).await?;
     }
     tokio::task::block_in_place(|| -> Result<()> {
         for p in 0..bufs.len() {
-            flush(p, &mut bufs, &mut out)?;
+            flush(p, &mut bufs, &mut out, &mut outgoing)?;
         }
         Ok(())
     })?;
+    send_pushed(&mut push, &mut outgoing).await?;
+    if let Some(pusher) = push {
+        out.pushed = pusher.finish().await?;
+    }
     out.seconds = start.elapsed().as_secs_f64();
     Ok(out)
+}
+
+/// Send the blocks `outgoing` holds to their holders (a no-op without a pusher).
+async fn send_pushed(
+    push: &mut Option<crate::push::Pusher>,
+    outgoing: &mut Vec<(u32, BlockMeta, bytes::Bytes)>,
+) -> Result<()> {
+    if let Some(pusher) = push.as_mut() {
+        for (holder, meta, data) in outgoing.drain(..) {
+            pusher.send(holder, meta, data).await?;
+        }
+    }
+    Ok(())
 }
 
 /// Concatenate consecutive small batches into batches of at most `target` rows (a batch

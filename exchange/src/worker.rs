@@ -125,9 +125,19 @@ impl WorkerState {
             checksum: !task.skip_checksum,
             ..self.map_cfg
         };
+        let push = crate::push::Pusher::for_task(&task, info.partitions, self.reader.clone())?;
         let me = self.clone();
         let handle = tokio::spawn(async move {
-            run_map(&me.store, &info, task.map_id, task.attempt, input, cfg).await
+            run_map(
+                &me.store,
+                &info,
+                task.map_id,
+                task.attempt,
+                input,
+                cfg,
+                push,
+            )
+            .await
         });
         {
             let mut tasks = lock(&self.tasks);
@@ -165,6 +175,7 @@ impl WorkerState {
             input_bytes: out.input_bytes,
             seconds: out.seconds,
             spilled_bytes: out.spilled_bytes,
+            pushed: out.pushed,
         })
     }
 
@@ -202,7 +213,21 @@ impl WorkerState {
             input_bytes: out.input_bytes,
             seconds: out.seconds,
             spilled_bytes: out.spilled_bytes,
+            pushed: vec![],
         })
+    }
+
+    /// Calibration for the `auto` strategy: measure this worker's rates
+    /// ([`crate::calibrate`]), unless the call only carries ballast to time the transport.
+    pub async fn calibrate(&self, m: proto::CalibrateTask) -> Result<proto::Calibration> {
+        if !m.measure {
+            return Ok(proto::Calibration::default());
+        }
+        let dir = self.store.config().spill_dir.clone();
+        let disk_bytes = m.disk_bytes.min(256 << 20);
+        tokio::task::spawn_blocking(move || crate::calibrate::measure(&dir, disk_bytes))
+            .await
+            .map_err(|e| Error::Cluster(format!("calibration failed to run: {e}")))?
     }
 
     /// Fold task (streaming strategy): read the listed blocks of one partition from their
@@ -342,6 +367,7 @@ impl WorkerState {
             input_bytes: bytes,
             seconds: start.elapsed().as_secs_f64(),
             spilled_bytes: 0,
+            pushed: vec![],
         })
     }
 

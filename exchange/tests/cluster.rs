@@ -304,7 +304,26 @@ async fn bad_requests_get_clear_statuses() {
         attempt: 0,
         source: None,
         skip_checksum: false,
+        ..Default::default()
     };
+    // A push placement that names no valid holder is refused before any row is read.
+    let bad_push = proto::MapTask {
+        push_peers: vec!["127.0.0.1:1".into()],
+        push_to: vec![5],
+        ..task.clone()
+    };
+    let err = w
+        .put_map(
+            &bad_push,
+            other.clone(),
+            Box::pin(futures::stream::iter(vec![Ok(b.clone())])),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Remote { code: tonic::Code::InvalidArgument, message, .. } if message.contains("push placement")),
+        "{err}"
+    );
     let err = w
         .put_map(&task, other, Box::pin(futures::stream::iter(vec![Ok(b)])))
         .await
@@ -498,6 +517,7 @@ async fn attempts_are_visible_only_once_committed() {
         attempt,
         source: Some(lineitem_task(rows)),
         skip_checksum: true,
+        ..Default::default()
     };
     let done = w.run_map(&task(0, 0, 3000)).await.unwrap();
     assert!(!done.blocks.is_empty());
@@ -635,7 +655,7 @@ async fn shuffle_jobs_keep_the_multiset_with_every_partitioner() {
         job.close().await.unwrap();
     }
     assert!("zigzag".parse::<job::PartitionerKind>().is_err());
-    assert!(StrategyOptions::named("push").is_err());
+    assert!(StrategyOptions::named("scatter").is_err());
     let opts = ShuffleOptions {
         by: vec!["k".into()],
         partitions: 0,
@@ -734,4 +754,52 @@ async fn a_straggling_map_is_copied_and_the_first_commit_wins() {
     }
     assert_eq!(got, mapped.input);
     driver.drop_shuffle(spec.id).await.unwrap();
+}
+
+/// Every strategy: the exact multiset, and blocks where the strategy says (push: on the
+/// partition's owner; two-level: in the owner's grid column), merged into fewer blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_strategy_keeps_the_multiset_and_places_its_blocks() {
+    use exchange::strategy::{map_side, Placement};
+    use futures::StreamExt;
+    let cluster = LocalCluster::start(config(3, 1 << 30)).await.unwrap();
+    let driver = cluster.driver.clone();
+    let mut blocks = HashMap::new();
+    for name in ["pull", "merged", "push", "two-level", "auto"] {
+        let spec = ShuffleSpec {
+            partitions: 7,
+            ..lineitem_spec(true)
+        };
+        driver.create_shuffle(&spec).await.unwrap();
+        let inputs = (0..12u64).map(|m| MapInput::Source(lineitem_slice(m * 2_000, 2_000, 500, 0)));
+        let opts = StrategyOptions::named(name).unwrap();
+        let mapped = map_side(&driver, &spec, futures::stream::iter(inputs), opts)
+            .await
+            .unwrap();
+        for b in driver.blocks_of(spec.id) {
+            let p = b.meta.id.partition;
+            match name {
+                "push" => assert_eq!(b.worker, Placement::owner(p, 3), "{name}: {b:?}"),
+                "two-level" => assert!(
+                    Placement::Grid.readers(p, 3).contains(&b.worker),
+                    "{name}: {b:?}"
+                ),
+                _ => {}
+            }
+        }
+        let mut out = Checksum::default();
+        for p in 0..spec.partitions {
+            let mut s = driver.read_partition(spec.id, p, true).await.unwrap();
+            while let Some(b) = s.next().await {
+                out.add(Checksum::of_batch(&b.unwrap()).unwrap());
+            }
+        }
+        assert_eq!(out, mapped.input, "{name}");
+        assert_eq!(out.rows, 24_000, "{name}");
+        blocks.insert(name, driver.blocks_of(spec.id).len());
+        driver.drop_shuffle(spec.id).await.unwrap();
+    }
+    for name in ["merged", "push", "two-level"] {
+        assert!(blocks[name] * 2 <= blocks["pull"], "{blocks:?}");
+    }
 }

@@ -26,7 +26,12 @@ if TYPE_CHECKING:
     from flightshuffle.dataset import Dataset, Grouped
     from flightshuffle.online import OnlineResult
 
+Strategy = Literal["pull", "merged", "push", "two-level", "auto"]
+#: Exchange strategies a shuffle or a query can ask for.
+STRATEGIES: tuple[str, ...] = ("pull", "merged", "push", "two-level", "auto")
+
 __all__ = [
+    "STRATEGIES",
     "ChecksumError",
     "Cluster",
     "ShuffleError",
@@ -147,6 +152,7 @@ class Cluster:
         compression: Literal["auto", "none", "lz4", "zstd"] = "auto",
         timeout: float = 600.0,
         speculation: float | None = None,
+        strategy: Strategy = "pull",
     ) -> None:
         if workers < 1:
             raise ValueError("a cluster needs at least one worker")
@@ -158,7 +164,9 @@ class Cluster:
             worker_command(),
             float(timeout),
             None if speculation is None else float(speculation),
+            strategy,
         )
+        self.strategy = strategy
         self.workers = workers
         self.last_metrics: dict[str, Any] = {}
         # Parquet paths of tables registered here (for online SQL).
@@ -170,7 +178,7 @@ class Cluster:
         data: Any,
         by: str | Sequence[str] | None = None,
         partitions: int | None = None,
-        strategy: Literal["pull", "merged"] = "pull",
+        strategy: Strategy | None = None,
         partitioner: Literal["hash", "range", "round_robin"] | None = None,
         output: Literal["arrow", "polars"] = "arrow",
         map_bytes: int | str = "64MiB",
@@ -184,9 +192,12 @@ class Cluster:
         first to sample boundaries), or dealt in turn (``"round_robin"``, the default without
         ``by``). Equal keys always land in the same partition.
 
-        ``strategy="pull"`` leaves every map output as it is; ``"merged"`` merges the small
-        outputs each worker holds into a few large blocks per partition while the maps run
-        (Riffle), so reducers read a few large blocks instead of one per map.
+        ``strategy`` (default: the cluster's) is one of :data:`STRATEGIES`: ``"pull"`` leaves
+        every map output where it ran; ``"merged"`` merges the small outputs each worker holds
+        into a few large blocks per partition while the maps run (Riffle); ``"push"`` sends
+        each partition's blocks to the worker that reduces it while the maps run, which
+        merges them (Magnet); ``"two-level"`` pushes within a row of a √N grid and reads
+        within a column (Seer), for many workers.
         """
         keys = [by] if isinstance(by, str) else list(by or [])
         kind = partitioner or ("hash" if keys else "round_robin")
@@ -348,6 +359,7 @@ class Cluster:
         query: str,
         tables: dict[str, Any] | None = None,
         output: Literal["arrow", "polars"] = "arrow",
+        strategy: Strategy | None = None,
     ) -> Any:
         """Run SQL distributed on the cluster (DataFusion plans, flightshuffle exchanges).
 
@@ -355,7 +367,9 @@ class Cluster:
         ``__arrow_c_stream__``: pyarrow, Polars, DuckDB relations), which is written to Parquet
         in the cluster's scratch directory so every worker can scan it. ``EXPLAIN`` and
         ``EXPLAIN ANALYZE`` return the staged plan. Per-exchange figures of the last query are
-        in :attr:`last_metrics`.
+        in :attr:`last_metrics`. ``strategy`` sets the strategy of every exchange of this query
+        (default: ``SET flightshuffle.strategy = '...'`` if the session ran one, else the
+        cluster's).
         """
         for name, source in (tables or {}).items():
             if isinstance(source, (str, os.PathLike)):
@@ -367,7 +381,7 @@ class Cluster:
                     f"table {name!r}: expected a Parquet path or Arrow data, "
                     f"not {type(source).__name__}"
                 )
-        table, metrics = self._native.sql(query)
+        table, metrics = self._native.sql(query, strategy)
         self.last_metrics = json.loads(metrics)
         if output == "polars":
             import polars as pl
@@ -380,10 +394,10 @@ class Cluster:
         here (the baseline the cluster is compared with); returns (pyarrow.Table, seconds)."""
         return self._native.sql_single_process(query)
 
-    def explain(self, query: str, analyze: bool = False) -> str:
+    def explain(self, query: str, analyze: bool = False, strategy: Strategy | None = None) -> str:
         """The stages of ``query`` and the exchanges between them; ``analyze`` runs it and adds
         rows, bytes, blocks, spill and time per exchange."""
-        return self._native.explain(query, analyze)
+        return self._native.explain(query, analyze, strategy)
 
     def stats(self) -> list[dict[str, int]]:
         """Per-worker block store figures: memory, spilled and restored bytes, peak RSS."""

@@ -9,7 +9,7 @@ import shlex
 import sys
 import time
 
-from flightshuffle import Cluster, ShuffleError, parse_bytes, worker_command
+from flightshuffle import STRATEGIES, Cluster, ShuffleError, parse_bytes, worker_command
 from flightshuffle._native import shuffle_bench
 
 
@@ -134,9 +134,12 @@ def _tpch(args: argparse.Namespace) -> int:
     queries = args.queries or list(range(1, 23))
     duck = tpch.duckdb_connect(root) if args.check else None
     rows = []
-    with Cluster(workers=args.workers, memory_budget=args.memory_budget) as c:
+    with Cluster(
+        workers=args.workers, memory_budget=args.memory_budget, strategy=args.strategy
+    ) as c:
         for name, path in tpch.table_paths(root).items():
             c.register_parquet(name, path)
+        print(f"strategy {args.strategy}, {args.workers} workers, SF{args.sf:g}")
         print(
             f"{'query':>5} {'cluster s':>10} {'1-proc DF s':>11} {'ratio':>6} {'duckdb s':>9} "
             f"{'stages':>6} {'shuffled MB':>12} {'calls':>6}  answer"
@@ -193,6 +196,7 @@ def _tpch(args: argparse.Namespace) -> int:
             report = {
                 "sf": args.sf,
                 "workers": args.workers,
+                "strategy": args.strategy,
                 "repeat": args.repeat,
                 "queries": rows,
                 "total_cluster_s": total,
@@ -384,8 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument(
         "--strategy",
         default="pull",
-        choices=["pull", "merged"],
-        help="map-side strategy (merged starts the reducers after the seal)",
+        choices=list(STRATEGIES),
+        help="exchange strategy (all but pull start the reducers after the seal)",
     )
     b.add_argument(
         "--sequential",
@@ -432,6 +436,12 @@ def main(argv: list[str] | None = None) -> int:
         help="e.g. 1,3,18 (default all 22)",
     )
     t.add_argument("--memory-budget", default="4GiB")
+    t.add_argument(
+        "--strategy",
+        default="pull",
+        choices=list(STRATEGIES),
+        help="exchange strategy of every query (default pull)",
+    )
     t.add_argument(
         "--no-check", dest="check", action="store_false", help="skip the DuckDB answer check"
     )

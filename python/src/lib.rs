@@ -123,7 +123,7 @@ fn cluster_config(
 #[pymethods]
 impl NativeCluster {
     #[new]
-    #[pyo3(signature = (workers, memory_budget, spill_dir, compression, worker_command, timeout_secs, speculation=None))]
+    #[pyo3(signature = (workers, memory_budget, spill_dir, compression, worker_command, timeout_secs, speculation=None, strategy="pull".to_string()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -134,7 +134,9 @@ impl NativeCluster {
         worker_command: Vec<String>,
         timeout_secs: f64,
         speculation: Option<f64>,
+        strategy: String,
     ) -> PyResult<Self> {
+        let strategy: exchange::strategy::Strategy = strategy.parse().map_err(to_py)?;
         if speculation.is_some_and(|k| !(k.is_finite() && k > 1.0)) {
             return Err(pyo3::exceptions::PyValueError::new_err(
                 "speculation must be a factor above 1 (a map slower than that many times the \
@@ -165,6 +167,7 @@ impl NativeCluster {
             stages: Default::default(),
             strategy: exchange::strategy::StrategyOptions {
                 speculation,
+                strategy,
                 ..Default::default()
             },
         })
@@ -298,10 +301,11 @@ impl NativeCluster {
         data: AnyRecordBatch,
         by: Vec<String>,
         partitions: u32,
-        strategy: String,
+        strategy: Option<String>,
         partitioner: String,
         map_bytes: usize,
     ) -> PyResult<job::NativeShuffle> {
+        let strategy = strategy.unwrap_or_else(|| self.strategy.strategy.to_string());
         let reader = data.into_reader()?;
         let driver = self.driver()?;
         let opts = job::JobOptions {
@@ -352,10 +356,17 @@ impl NativeCluster {
     }
 
     /// Run a query on the cluster; returns (pyarrow.Table, metrics as JSON).
-    fn sql(&self, py: Python<'_>, query: String) -> PyResult<(Py<PyAny>, String)> {
+    #[pyo3(signature = (query, strategy=None))]
+    fn sql(
+        &self,
+        py: Python<'_>,
+        query: String,
+        strategy: Option<String>,
+    ) -> PyResult<(Py<PyAny>, String)> {
         let ctx = self.sql_context()?;
+        let strategy = parse_strategy(strategy)?;
         let result = py
-            .detach(|| self.rt.block_on(ctx.sql(&query)))
+            .detach(|| self.rt.block_on(ctx.sql_with(&query, strategy)))
             .map_err(sql::df_err)?;
         let metrics = sql::metrics_json(&result);
         let table = pyo3_arrow::PyTable::try_new(result.batches, result.schema)?;
@@ -363,10 +374,21 @@ impl NativeCluster {
     }
 
     /// The staged plan of a query; with `analyze`, run it and add per-exchange figures.
-    fn explain(&self, py: Python<'_>, query: String, analyze: bool) -> PyResult<String> {
+    #[pyo3(signature = (query, analyze, strategy=None))]
+    fn explain(
+        &self,
+        py: Python<'_>,
+        query: String,
+        analyze: bool,
+        strategy: Option<String>,
+    ) -> PyResult<String> {
         let ctx = self.sql_context()?;
-        py.detach(|| self.rt.block_on(ctx.explain(&query, analyze)))
-            .map_err(sql::df_err)
+        let strategy = parse_strategy(strategy)?;
+        py.detach(|| {
+            self.rt
+                .block_on(ctx.explain_with(&query, analyze, strategy))
+        })
+        .map_err(sql::df_err)
     }
 
     /// Stop every worker process. Safe to call more than once.
@@ -411,6 +433,11 @@ impl NativeCluster {
         self.with(|c| c.driver.clone())
             .ok_or_else(|| ShuffleError::new_err("the cluster is closed"))
     }
+}
+
+/// A strategy name from Python (None: the cluster's default).
+fn parse_strategy(name: Option<String>) -> PyResult<Option<exchange::strategy::Strategy>> {
+    name.map(|s| s.parse().map_err(to_py)).transpose()
 }
 
 /// A task from Python: `(body, input stage | None, input partition, split | None)`, a split

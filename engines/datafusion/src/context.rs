@@ -20,7 +20,7 @@ use datafusion_proto::bytes::physical_plan_to_bytes_with_extension_codec;
 use exchange::driver::{Driver, MapInput, ShuffleSpec};
 use exchange::proto;
 use exchange::scheduler::{run_pipelined, StageRun};
-use exchange::strategy::StrategyOptions;
+use exchange::strategy::{Strategy, StrategyOptions};
 use prost::Message;
 use std::sync::Arc;
 use std::time::Instant;
@@ -52,6 +52,8 @@ pub struct StageMetrics {
     /// Bytes of the largest reduce partition and of the median one: a largest partition far
     /// above the median is skew.
     pub max_partition_bytes: u64,
+    /// The strategy that ran the exchange; for `auto`, its pick and the predicted times.
+    pub strategy: String,
     pub median_partition_bytes: u64,
     /// `end_s - start_s`.
     pub seconds: f64,
@@ -98,7 +100,15 @@ impl DistributedContext {
 
     pub fn new(driver: Arc<Driver>, config: SessionConfig) -> Result<Self> {
         let ectx = ExchangeContext::new(driver.addresses(), driver.reader());
-        let config = crate::distributed_options(config).with_extension(Arc::new(ectx));
+        let mut config = crate::distributed_options(config).with_extension(Arc::new(ectx));
+        if config
+            .options()
+            .extensions
+            .get::<crate::FlightshuffleOptions>()
+            .is_none()
+        {
+            config = config.with_option_extension(crate::FlightshuffleOptions::default());
+        }
         // Relative broadcasts are decided right after DataFusion's own join selection, before
         // it plans the exchanges (see `crate::broadcast`).
         let mut rules = PhysicalOptimizer::new().rules;
@@ -155,26 +165,65 @@ impl DistributedContext {
         Ok(())
     }
 
-    /// Plan `sql` and cut it into stages.
+    /// Plan `sql` and cut it into stages; every exchange gets the session's strategy.
     pub async fn plan(&self, sql: &str) -> Result<StagedPlan> {
-        let df = self.ctx.sql(sql).await?;
-        let plan = df.create_physical_plan().await?;
-        Ok(plan_stages_with(plan, self.small_gather_rows)?)
+        self.plan_with(sql, None).await
     }
 
-    /// Run `sql` on the cluster. `EXPLAIN [ANALYZE] <query>` returns the staged plan as text.
+    /// [`Self::plan`], with every exchange using `strategy` when given.
+    pub async fn plan_with(&self, sql: &str, strategy: Option<Strategy>) -> Result<StagedPlan> {
+        let strategy = match strategy {
+            Some(s) => s,
+            None => self.session_strategy()?,
+        };
+        let df = self.ctx.sql(sql).await?;
+        let plan = df.create_physical_plan().await?;
+        let mut staged = plan_stages_with(plan, self.small_gather_rows)?;
+        let ids: Vec<u32> = staged.stages.iter().map(|s| s.id()).collect();
+        for id in ids {
+            staged.set_strategy(id, strategy)?;
+        }
+        Ok(staged)
+    }
+
+    /// The strategy exchanges use: `SET flightshuffle.strategy` if set, else the context's.
+    pub fn session_strategy(&self) -> Result<Strategy> {
+        let state = self.ctx.state();
+        match state
+            .config()
+            .options()
+            .extensions
+            .get::<crate::FlightshuffleOptions>()
+        {
+            Some(o) if !o.strategy.trim().is_empty() => Ok(o.strategy.parse()?),
+            _ => Ok(self.strategy_options.strategy),
+        }
+    }
+
+    /// Run `sql` on the cluster. `EXPLAIN [ANALYZE] <query>` returns the staged plan as text;
+    /// `SET flightshuffle.strategy = '...'` sets the strategy of the queries that follow.
     pub async fn sql(&self, sql: &str) -> Result<QueryResult> {
+        self.sql_with(sql, None).await
+    }
+
+    /// [`Self::sql`], with every exchange of this query using `strategy` when given.
+    pub async fn sql_with(&self, sql: &str, strategy: Option<Strategy>) -> Result<QueryResult> {
         let trimmed = sql.trim_start();
         let lower = trimmed.to_ascii_lowercase();
         for (prefix, analyze) in [("explain analyze ", true), ("explain ", false)] {
             if lower.starts_with(prefix) {
                 let start = Instant::now();
-                let text = self.explain(&trimmed[prefix.len()..], analyze).await?;
+                let text = self
+                    .explain_with(&trimmed[prefix.len()..], analyze, strategy)
+                    .await?;
                 return Ok(text_result(&text, start.elapsed().as_secs_f64()));
             }
         }
         let start = Instant::now();
-        let staged = self.plan(sql).await?;
+        if lower.starts_with("set ") {
+            return self.set(sql, start).await;
+        }
+        let staged = self.plan_with(sql, strategy).await?;
         let (batches, stages) = self.execute(&staged).await?;
         Ok(QueryResult {
             schema: staged.root.schema(),
@@ -185,10 +234,33 @@ impl DistributedContext {
         })
     }
 
+    /// A `SET` statement: run by the session; a bad `flightshuffle.strategy` is refused and
+    /// the previous value kept.
+    async fn set(&self, sql: &str, start: Instant) -> Result<QueryResult> {
+        let before = self.session_strategy()?;
+        self.ctx.sql(sql).await?.collect().await?;
+        if let Err(e) = self.session_strategy() {
+            let restore = format!("SET flightshuffle.strategy = '{before}'");
+            self.ctx.sql(&restore).await?.collect().await?;
+            return Err(e);
+        }
+        Ok(text_result("", start.elapsed().as_secs_f64()))
+    }
+
     /// The stages of `sql`; with `analyze`, run it and add rows, bytes, blocks, spill and
     /// time per exchange.
     pub async fn explain(&self, sql: &str, analyze: bool) -> Result<String> {
-        let staged = self.plan(sql).await?;
+        self.explain_with(sql, analyze, None).await
+    }
+
+    /// [`Self::explain`], with every exchange using `strategy` when given.
+    pub async fn explain_with(
+        &self,
+        sql: &str,
+        analyze: bool,
+        strategy: Option<Strategy>,
+    ) -> Result<String> {
+        let staged = self.plan_with(sql, strategy).await?;
         let mut out = staged.display();
         if analyze {
             let start = Instant::now();
@@ -198,7 +270,7 @@ impl DistributedContext {
                 out.push_str(&format!(
                     "  stage {}: {} — {} tasks, {} rows, {} bytes, {} blocks, {} bytes spilled, \
                      largest partition {} bytes (median {}), {:.3}-{:.3} s (first output \
-                     {:.3} s)\n",
+                     {:.3} s); strategy {}\n",
                     s.stage,
                     s.exchange,
                     s.tasks,
@@ -210,7 +282,8 @@ impl DistributedContext {
                     s.median_partition_bytes,
                     s.start_s,
                     s.end_s,
-                    s.first_commit_s
+                    s.first_commit_s,
+                    s.strategy
                 ));
             }
             let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
@@ -270,6 +343,7 @@ impl DistributedContext {
                 blocks: r.blocks,
                 spilled_bytes: r.spilled_bytes,
                 max_partition_bytes: r.max_partition_bytes,
+                strategy: r.strategy.clone(),
                 median_partition_bytes: r.median_partition_bytes,
                 seconds: r.end_s - r.start_s,
                 start_s: r.start_s,

@@ -53,6 +53,19 @@ pub fn distributed_options(mut config: SessionConfig) -> SessionConfig {
     config
 }
 
+datafusion::common::extensions_options! {
+    /// flightshuffle's session settings, set with `SET flightshuffle.<name> = '<value>'`.
+    pub struct FlightshuffleOptions {
+        /// Strategy of every exchange of the following queries: `pull`, `merged`, `push`,
+        /// `two-level` or `auto` (empty: the cluster's default).
+        pub strategy: String, default = String::new()
+    }
+}
+
+impl datafusion::config::ConfigExtension for FlightshuffleOptions {
+    const PREFIX: &'static str = "flightshuffle";
+}
+
 /// A worker's task sources: the exchange's built-ins plus DataFusion stages.
 pub fn worker_sources() -> SourceRegistry {
     let mut r = SourceRegistry::with_builtin();

@@ -73,7 +73,6 @@ pub struct StagedPlan {
 }
 
 impl StagedPlan {
-    /// Every stage, indented, then the driver's part: what `EXPLAIN` prints.
     /// Choose the exchange strategy of one stage (stage ids start at 1).
     pub fn set_strategy(&mut self, stage: u32, strategy: Strategy) -> Result<()> {
         let s = self
@@ -85,6 +84,7 @@ impl StagedPlan {
         Ok(())
     }
 
+    /// Every stage, indented, then the driver's part: what `EXPLAIN` prints.
     pub fn display(&self) -> String {
         let mut out = String::new();
         for s in &self.stages {

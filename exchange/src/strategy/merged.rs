@@ -46,8 +46,9 @@ pub async fn map_side(
     let maps = pull::run_maps_observed(driver, spec, inputs, 0, opts, move |done| {
         let _ = tx.send(done.clone());
     });
+    let commits = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
     let (mut mapped, merges) =
-        futures::future::try_join(maps, merge(driver, spec, rx, opts)).await?;
+        futures::future::try_join(maps, merge(driver, spec, commits, opts)).await?;
     mapped.merges = merges;
     driver.seal(spec.id).await?;
     Ok(mapped)
@@ -68,10 +69,10 @@ fn fan_in(waiting: &[Waiting]) -> Option<usize> {
 
 /// Merge committed map outputs on their workers while `commits` delivers them; once it closes
 /// (all maps done), merge what is left within `opts.merge_timeout`.
-async fn merge(
+pub(super) async fn merge(
     driver: &Arc<Driver>,
     spec: &ShuffleSpec,
-    mut commits: mpsc::UnboundedReceiver<MapDone>,
+    commits: impl Stream<Item = MapDone> + Unpin,
     opts: StrategyOptions,
 ) -> Result<Vec<(MapDone, Vec<u32>)>> {
     let n = driver.num_workers();
@@ -81,6 +82,7 @@ async fn merge(
     let mut merges = Vec::new();
     let mut next_group = MERGE_GROUP_BASE;
     let mut maps_done = false;
+    let mut commits = commits.fuse();
     let mut deadline = None;
     loop {
         // Start a merge on each idle worker that has enough waiting (after the last map: any
@@ -117,12 +119,22 @@ async fn merge(
             }
         };
         tokio::select! {
-            done = commits.recv(), if !maps_done => match done {
-                Some(d) => waiting[d.worker].push(Waiting {
-                    map: d.map,
-                    blocks: d.blocks.len() as u64,
-                    bytes: d.blocks.iter().map(|b| b.meta.bytes).sum(),
-                }),
+            done = commits.next(), if !maps_done => match done {
+                // A map's blocks wait on each worker holding some (where it ran, or where
+                // it pushed them).
+                Some(d) => {
+                    let mut held: std::collections::BTreeMap<usize, (u64, u64)> = Default::default();
+                    for b in &d.blocks {
+                        let h = held.entry(b.worker).or_default();
+                        h.0 += 1;
+                        h.1 += b.meta.bytes;
+                    }
+                    for (w, (blocks, bytes)) in held {
+                        if let Some(list) = waiting.get_mut(w) {
+                            list.push(Waiting { map: d.map, blocks, bytes });
+                        }
+                    }
+                }
                 None => {
                     maps_done = true;
                     deadline = Some(tokio::time::Instant::now() + opts.merge_timeout);

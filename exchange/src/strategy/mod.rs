@@ -7,10 +7,13 @@
 //! user's string by [`StrategyOptions::named`]) and runs an exchange's map side through
 //! [`map_side`], the one place that dispatches on the strategy.
 
+pub mod auto;
 pub mod merged;
 pub mod pull;
+pub mod push;
 pub mod speculation;
 pub mod streaming;
+pub mod two_level;
 
 use crate::error::{Error, Result};
 
@@ -18,6 +21,10 @@ use crate::error::{Error, Result};
 pub enum Strategy {
     Pull,
     Merged,
+    Push,
+    TwoLevel,
+    /// Chosen per exchange by a calibrated cost model ([`auto`]).
+    Auto,
 }
 
 impl std::fmt::Display for Strategy {
@@ -25,28 +32,28 @@ impl std::fmt::Display for Strategy {
         f.write_str(match self {
             Strategy::Pull => "pull",
             Strategy::Merged => "merged",
+            Strategy::Push => "push",
+            Strategy::TwoLevel => "two-level",
+            Strategy::Auto => "auto",
         })
     }
 }
 
-/// Strategies of the design that are not built yet.
-pub const PLANNED: &[&str] = &["push", "two-level", "auto"];
-
 /// Strategies a user can ask for by name.
-pub const AVAILABLE: &[&str] = &["pull", "merged"];
+pub const AVAILABLE: &[&str] = &["pull", "merged", "push", "two-level", "auto"];
 
 impl std::str::FromStr for Strategy {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        match s.to_ascii_lowercase().as_str() {
+        match s.trim().to_ascii_lowercase().replace('_', "-").as_str() {
             "pull" => Ok(Strategy::Pull),
             "merged" => Ok(Strategy::Merged),
+            "push" => Ok(Strategy::Push),
+            "two-level" => Ok(Strategy::TwoLevel),
+            "auto" => Ok(Strategy::Auto),
             "streaming" => Err(Error::invalid(format!(
                 "the streaming strategy runs online aggregation (Cluster.online / \
                  strategy::streaming::run), not single exchanges; available: {AVAILABLE:?}"
-            ))),
-            other if PLANNED.contains(&other) => Err(Error::invalid(format!(
-                "strategy {other:?} is not implemented yet; available: {AVAILABLE:?}"
             ))),
             other => Err(Error::invalid(format!(
                 "unknown strategy {other:?}; available: {AVAILABLE:?}"
@@ -109,6 +116,68 @@ pub async fn map_side(
     match opts.strategy {
         Strategy::Pull => pull::map_side(driver, spec, inputs, opts).await,
         Strategy::Merged => merged::map_side(driver, spec, inputs, opts).await,
+        Strategy::Push => push::map_side(driver, spec, inputs, opts).await,
+        Strategy::TwoLevel => two_level::map_side(driver, spec, inputs, opts).await,
+        Strategy::Auto => auto::map_side(driver, spec, inputs, opts).await,
+    }
+}
+
+/// Where map tasks leave their blocks and, so, which workers a reducer reads. Partition p is
+/// reduced on its owner, worker p mod N (where reducers run: [`pull::reduce_on_workers`],
+/// and SQL stage partitions).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Placement {
+    /// Every block stays on the worker that ran its map (pull, merged): reducers read all N.
+    #[default]
+    Local,
+    /// Blocks are pushed to their partition's owner (push): a reducer reads its own store.
+    Owner,
+    /// Workers on a ⌈√N⌉-column grid (two-level): a block goes to the worker in its map's
+    /// row and its owner's column, so a map sends to at most √N workers and a reducer reads
+    /// from the √N workers of its column.
+    Grid,
+}
+
+impl Placement {
+    pub fn owner(partition: u32, workers: usize) -> usize {
+        partition as usize % workers.max(1)
+    }
+
+    fn columns(workers: usize) -> usize {
+        (workers as f64).sqrt().ceil().max(1.0) as usize
+    }
+
+    /// The worker that holds `partition`'s blocks of a map that ran on `mapper`.
+    pub fn holder(self, mapper: usize, partition: u32, workers: usize) -> usize {
+        let owner = Self::owner(partition, workers);
+        match self {
+            Placement::Local => mapper,
+            Placement::Owner => owner,
+            Placement::Grid => {
+                let cols = Self::columns(workers);
+                let cell = mapper / cols * cols + owner % cols;
+                // The last grid row may be short: past its end, use the same column of the
+                // row above (row 0 is always full, as N >= ⌈√N⌉).
+                if cell < workers {
+                    cell
+                } else {
+                    cell - cols
+                }
+            }
+        }
+    }
+
+    /// The workers that can hold blocks of `partition` (what its reducer reads).
+    pub fn readers(self, partition: u32, workers: usize) -> Vec<usize> {
+        let owner = Self::owner(partition, workers);
+        match self {
+            Placement::Local => (0..workers).collect(),
+            Placement::Owner => vec![owner],
+            Placement::Grid => {
+                let cols = Self::columns(workers);
+                (0..workers).filter(|w| w % cols == owner % cols).collect()
+            }
+        }
     }
 }
 

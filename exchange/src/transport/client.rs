@@ -11,7 +11,7 @@ use arrow_flight::decode::FlightRecordBatchStream;
 use arrow_flight::encode::FlightDataEncoderBuilder;
 use arrow_flight::error::FlightError;
 use arrow_flight::flight_service_client::FlightServiceClient;
-use arrow_flight::{Action, FlightDescriptor, Ticket};
+use arrow_flight::{Action, FlightData, FlightDescriptor, Ticket};
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use prost::Message;
@@ -188,6 +188,14 @@ impl WorkerClient {
         decode(&self.action(actions::HEALTH, vec![], timeout).await?)
     }
 
+    pub async fn calibrate(&self, m: &proto::CalibrateTask) -> Result<proto::Calibration> {
+        decode(
+            &self
+                .action(actions::CALIBRATE, m.encode_to_vec(), self.timeout)
+                .await?,
+        )
+    }
+
     /// Push `input` to the worker as the input of a map task (`do_put`). If the input fails,
     /// the call is abandoned so the worker sees a broken stream, never a short input.
     pub async fn put_map(
@@ -241,6 +249,41 @@ impl WorkerClient {
         .await
         .map_err(|_| self.timed_out("map task input", self.timeout))??;
         let put = outcome.ok_or_else(|| Error::Cluster("map task returned no result".into()))?;
+        decode(&put.app_metadata)
+    }
+
+    /// Push the blocks `blocks` delivers (one map attempt's blocks for partitions this worker
+    /// holds) in one `do_put` stream; the bounded channel is the backpressure. Returns the
+    /// metadata the worker stored them under (pending until the driver commits the attempt).
+    pub async fn push_blocks(
+        &self,
+        push: proto::PushBlocks,
+        blocks: tokio::sync::mpsc::Receiver<(proto::BlockMeta, Bytes)>,
+    ) -> Result<proto::TaskResult> {
+        let cmd = proto::PutCommand {
+            kind: Some(proto::put_command::Kind::Push(push)),
+        };
+        let head = FlightData {
+            flight_descriptor: Some(FlightDescriptor::new_cmd(cmd.encode_to_vec())),
+            ..Default::default()
+        };
+        let body =
+            tokio_stream::wrappers::ReceiverStream::new(blocks).map(|(meta, data)| FlightData {
+                app_metadata: meta.encode_to_vec().into(),
+                data_body: data,
+                ..Default::default()
+            });
+        let data = futures::stream::once(async move { head }).chain(body);
+        let mut client = self.client.clone();
+        let call = async move {
+            let mut results = client.do_put(data).await?.into_inner();
+            results.message().await
+        };
+        let put = tokio::time::timeout(self.timeout, call)
+            .await
+            .map_err(|_| self.timed_out("pushed blocks", self.timeout))?
+            .map_err(|s| self.remote(s))?
+            .ok_or_else(|| Error::Cluster("block push returned no result".into()))?;
         decode(&put.app_metadata)
     }
 

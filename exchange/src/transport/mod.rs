@@ -38,6 +38,7 @@ pub mod actions {
     pub const MERGE: &str = "merge";
     pub const STATS: &str = "stats";
     pub const HEALTH: &str = "health";
+    pub const CALIBRATE: &str = "calibrate";
     pub const ALL: &[&str] = &[
         CREATE_SHUFFLE,
         RUN_MAP,
@@ -50,6 +51,7 @@ pub mod actions {
         MERGE,
         STATS,
         HEALTH,
+        CALIBRATE,
     ];
 }
 

@@ -85,6 +85,65 @@ impl WorkerService {
             .map_err(|e| Error::Cancelled(format!("map input stream broke before its end: {e}")));
         self.state.run_map(task, Box::pin(input)).await
     }
+
+    /// Store blocks another worker's map attempt pushed here (pending until the driver
+    /// commits the attempt here). Each block's key must name this attempt, and its bytes must
+    /// match the CRC32C the sender computed. If the stream breaks, the blocks it brought stay
+    /// pending: the driver cancels the attempt or the seal discards them.
+    async fn put_pushed(
+        &self,
+        push: proto::PushBlocks,
+        first: FlightData,
+        mut rest: Streaming<FlightData>,
+    ) -> Result<proto::TaskResult> {
+        let shuffle = ShuffleId(push.shuffle_id);
+        self.state.store.shuffle_info(shuffle)?;
+        let mut out = proto::TaskResult::default();
+        let mut next = Some(first);
+        loop {
+            let msg = match next.take() {
+                Some(m) => m,
+                None => match rest.message().await {
+                    Ok(Some(m)) => m,
+                    Ok(None) => break,
+                    Err(s) => {
+                        return Err(Error::Cancelled(format!(
+                            "pushed blocks of map {} attempt {} broke off: {s}",
+                            push.map_id, push.attempt
+                        )))
+                    }
+                },
+            };
+            if msg.app_metadata.is_empty() && msg.data_body.is_empty() {
+                continue; // the descriptor message
+            }
+            let sent = proto::BlockMeta::decode(msg.app_metadata.clone())
+                .map_err(|e| Error::invalid(format!("malformed pushed block metadata: {e}")))?;
+            let sent = crate::block::BlockMeta::try_from(&sent)?;
+            let id = sent.id;
+            if id.shuffle != shuffle || id.map != push.map_id || id.attempt != push.attempt {
+                return Err(Error::invalid(format!(
+                    "pushed block {id} does not belong to map {} attempt {} of shuffle {shuffle}",
+                    push.map_id, push.attempt
+                )));
+            }
+            let store = self.state.store.clone();
+            let data = msg.data_body;
+            let meta = tokio::task::spawn_blocking(move || store.put(id, sent.rows, data))
+                .await
+                .map_err(|e| Error::Cluster(format!("pushed block store failed: {e}")))??;
+            if meta.crc32c != sent.crc32c || meta.bytes != sent.bytes {
+                self.state.store.abort(shuffle, push.map_id, push.attempt);
+                return Err(Error::Checksum {
+                    block: id,
+                    expected: sent.crc32c,
+                    actual: meta.crc32c,
+                });
+            }
+            out.blocks.push((&meta).into());
+        }
+        Ok(out)
+    }
 }
 
 type Stream<T> = BoxStream<'static, Result<T, Status>>;
@@ -208,9 +267,12 @@ impl FlightService for WorkerService {
             .map_err(|e| bad(format!("malformed put command: {e}")))?;
         let result = match cmd.kind {
             Some(proto::put_command::Kind::Map(task)) => self.put_map(task, first, stream).await?,
+            Some(proto::put_command::Kind::Push(push)) => {
+                self.put_pushed(push, first, stream).await?
+            }
             Some(proto::put_command::Kind::Block(_)) => {
                 return Err(Status::unimplemented(
-                    "pushing single blocks arrives with the push strategy",
+                    "single raw blocks are not taken yet (reserved for parity)",
                 ))
             }
             None => return Err(bad("put command has no kind")),
@@ -278,6 +340,7 @@ impl FlightService for WorkerService {
             }
             actions::MERGE => s.merge(decode(&body)?).await?.encode_to_vec(),
             actions::STATS => s.stats().encode_to_vec(),
+            actions::CALIBRATE => s.calibrate(decode(&body)?).await?.encode_to_vec(),
             actions::HEALTH => proto::Health {
                 worker_id: s.id.clone(),
                 pid: std::process::id(),

@@ -1,0 +1,137 @@
+//! Pushing a map task's blocks to the workers that hold their partitions (push and two-level
+//! strategies; Magnet, Exoshuffle ES-push). The driver's placement names a holder per
+//! partition ([`crate::strategy::Placement`]); a block for this worker goes to its own store,
+//! every other block goes over one `do_put` stream per holder, opened on the first block for
+//! it. Each stream is fed through a bounded channel, so a map task gets ahead of a slow holder
+//! by at most [`IN_FLIGHT`] blocks per holder (the backpressure); holders spill what does not
+//! fit their budget like any other block. Pushed blocks are pending on their holders until
+//! the driver commits the attempt on each of them.
+
+use crate::block::BlockMeta;
+use crate::error::{Error, Result};
+use crate::proto;
+use crate::transport::client::WorkerClient;
+use crate::transport::peers::PeerReader;
+use bytes::Bytes;
+use std::collections::HashMap;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+/// Blocks queued for one holder before the map task waits for it.
+pub const IN_FLIGHT: usize = 2;
+
+type Sent = JoinHandle<Result<proto::TaskResult>>;
+
+/// One map attempt's pushes.
+pub struct Pusher {
+    /// The holder (worker index) of each partition.
+    to: Vec<u32>,
+    me: u32,
+    peers: Vec<String>,
+    reader: std::sync::Arc<PeerReader>,
+    push: proto::PushBlocks,
+    streams: HashMap<u32, (mpsc::Sender<(proto::BlockMeta, Bytes)>, Sent)>,
+}
+
+impl Pusher {
+    /// The pusher `task` asks for (None when it keeps every block here). Its placement must
+    /// name a holder among its peers for each of the shuffle's `partitions`.
+    pub fn for_task(
+        task: &proto::MapTask,
+        partitions: u32,
+        reader: std::sync::Arc<PeerReader>,
+    ) -> Result<Option<Self>> {
+        if task.push_to.is_empty() {
+            return Ok(None);
+        }
+        let n = task.push_peers.len() as u32;
+        if task.push_to.len() != partitions as usize
+            || task.worker_index >= n
+            || task.push_to.iter().any(|&w| w >= n)
+        {
+            return Err(Error::invalid(format!(
+                "push placement names {} holders among {n} peers (this worker {}) for {partitions} \
+                 partitions; it needs one valid holder per partition",
+                task.push_to.len(),
+                task.worker_index
+            )));
+        }
+        Ok(Some(Pusher {
+            to: task.push_to.clone(),
+            me: task.worker_index,
+            peers: task.push_peers.clone(),
+            reader,
+            push: proto::PushBlocks {
+                shuffle_id: task.shuffle_id,
+                map_id: task.map_id,
+                attempt: task.attempt,
+            },
+            streams: HashMap::new(),
+        }))
+    }
+
+    /// The holder of `partition` when it is another worker (None: store it here).
+    pub fn remote_holder(&self, partition: u32) -> Option<u32> {
+        let to = *self.to.get(partition as usize)?;
+        (to != self.me).then_some(to)
+    }
+
+    /// Send one block to `holder` (waits while [`IN_FLIGHT`] blocks are queued for it).
+    pub async fn send(&mut self, holder: u32, meta: BlockMeta, data: Bytes) -> Result<()> {
+        if !self.streams.contains_key(&holder) {
+            let client: WorkerClient = self
+                .reader
+                .client(holder as usize, &self.peers[holder as usize])?;
+            let (tx, rx) = mpsc::channel(IN_FLIGHT);
+            let push = self.push;
+            let sent = tokio::spawn(async move { client.push_blocks(push, rx).await });
+            self.streams.insert(holder, (tx, sent));
+        }
+        let Some((tx, _)) = self.streams.get(&holder) else {
+            return Err(Error::Cluster("push stream vanished".into()));
+        };
+        if tx.send(((&meta).into(), data)).await.is_err() {
+            // The stream ended early: its task holds the reason.
+            let (_, sent) = self
+                .streams
+                .remove(&holder)
+                .ok_or_else(|| Error::Cluster("push stream vanished".into()))?;
+            return Err(match sent.await {
+                Ok(Err(e)) => e,
+                Ok(Ok(_)) => Error::Cluster(format!("worker {holder} ended a push stream early")),
+                Err(e) => Error::Cluster(format!("push stream task failed: {e}")),
+            });
+        }
+        Ok(())
+    }
+
+    /// Close every stream and collect what each holder stored.
+    pub async fn finish(mut self) -> Result<Vec<proto::PushedBlocks>> {
+        let mut out = Vec::new();
+        let mut waits = Vec::new();
+        for (holder, (tx, sent)) in std::mem::take(&mut self.streams) {
+            drop(tx);
+            waits.push(async move { (holder, sent.await) });
+        }
+        for (holder, r) in futures::future::join_all(waits).await {
+            let stored =
+                r.map_err(|e| Error::Cluster(format!("push stream task failed: {e}")))??;
+            out.push(proto::PushedBlocks {
+                worker: holder,
+                blocks: stored.blocks,
+            });
+        }
+        out.sort_by_key(|p| p.worker);
+        Ok(out)
+    }
+}
+
+impl Drop for Pusher {
+    fn drop(&mut self) {
+        // A map that fails or is aborted stops its streams (the holders keep what arrived as
+        // pending; the driver's cancel or the seal removes it).
+        for (_, sent) in self.streams.values() {
+            sent.abort();
+        }
+    }
+}

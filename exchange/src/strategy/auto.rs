@@ -1,0 +1,241 @@
+//! `auto`: the strategy of each exchange chosen late by a cost model over this machine's
+//! calibration (Seer's idea; Daft's `auto` is the floor to beat). The maps start as in
+//! [`super::pull`], in place. Once the first wave has committed (one map per worker, or all
+//! of them if fewer), the sizes are known: bytes and blocks per map, spill so far, M so far,
+//! R and N. The model predicts each strategy's time for the exchange from the calibration
+//! ([`crate::driver::Driver::calibration`]) and the cheapest wins: `pull` lets the rest run as
+//! they are; `merged` merges on each worker, the first wave included; `push` and `two-level`
+//! send the blocks of the maps still to run to their holders (the first wave's stay where they
+//! are, so readers keep reading every worker) and merge there. The pick and the predicted
+//! times are noted on the driver and shown by `EXPLAIN ANALYZE`.
+//!
+//! The model (seconds, P = parallel cores): every strategy pays partitioning and encoding on
+//! the map side and decoding on the reduce side per byte, a per-block cost for every block a
+//! reducer reads, a request latency per reducer request, the transport for the bytes that
+//! cross workers, and disk for the bytes that spill. Merging strategies add a decode and an
+//! encode of every byte (and, when spilling, write the merged bytes again) but read ~N blocks
+//! per partition instead of M; push overlaps half its transfer with the map side; two-level
+//! moves bytes twice (row, then column) but makes ~√N requests per map and per reducer.
+
+use super::{merged, pull, Placement, Strategy, StrategyOptions};
+use crate::driver::{Driver, MapDone, MapInput, ShuffleSpec};
+use crate::error::Result;
+use crate::proto::Calibration;
+use futures::{Stream, StreamExt};
+use std::sync::Arc;
+use tokio::sync::mpsc;
+
+/// What the model knows of an exchange when it decides.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    pub workers: usize,
+    /// Map tasks (at least those seen so far).
+    pub maps: usize,
+    pub partitions: u32,
+    /// Bytes the exchange moves (extrapolated from the maps seen).
+    pub bytes: f64,
+    /// Fraction of the bytes that spill.
+    pub spill_fraction: f64,
+}
+
+/// Predicted seconds of `strategy` for `shape` on the machine `c` describes.
+pub fn predict(c: &Calibration, shape: &Shape, strategy: Strategy) -> f64 {
+    let rate = |r: f64| if r > 0.0 { r } else { 1e9 };
+    let n = shape.workers.max(1) as f64;
+    let p = (c.parallelism.max(1) as f64).min(n);
+    let m = shape.maps.max(1) as f64;
+    let r = shape.partitions.max(1) as f64;
+    let b = shape.bytes.max(0.0);
+    let spilled = b * shape.spill_fraction.clamp(0.0, 1.0);
+    let cross = b * (n - 1.0) / n;
+    let cpu = b / rate(c.partition_bytes_per_s)
+        + b / rate(c.encode_bytes_per_s)
+        + b / rate(c.decode_bytes_per_s);
+    let disk = spilled / rate(c.disk_write_bytes_per_s) + spilled / rate(c.disk_read_bytes_per_s);
+    let transfer = cross / rate(c.network_bytes_per_s);
+    // Blocks a reducer reads per partition after a merge: one per worker holding some.
+    let merged_blocks = |holders: f64| r * holders.min(m);
+    let merge_cost = b / rate(c.decode_bytes_per_s)
+        + b / rate(c.encode_bytes_per_s)
+        + spilled / rate(c.disk_write_bytes_per_s);
+    let cols = n.sqrt().ceil();
+    let (blocks, requests, transfer, extra) = match strategy {
+        Strategy::Pull | Strategy::Auto => (m * r, r * n, transfer, 0.0),
+        Strategy::Merged => (merged_blocks(n), r * n, transfer, merge_cost),
+        Strategy::Push => (
+            merged_blocks(1.0),
+            m * (n - 1.0) + r,
+            transfer * 0.5,
+            merge_cost,
+        ),
+        Strategy::TwoLevel => (
+            merged_blocks(cols),
+            m * cols + r * cols,
+            2.0 * transfer,
+            merge_cost,
+        ),
+    };
+    (cpu + disk + transfer + extra + blocks * c.block_overhead_s + requests * c.request_s) / p
+}
+
+/// Every strategy with its predicted seconds, cheapest first.
+pub fn ranking(c: &Calibration, shape: &Shape) -> Vec<(Strategy, f64)> {
+    let mut all: Vec<(Strategy, f64)> = [
+        Strategy::Pull,
+        Strategy::Merged,
+        Strategy::Push,
+        Strategy::TwoLevel,
+    ]
+    .into_iter()
+    .map(|s| (s, predict(c, shape, s)))
+    .collect();
+    all.sort_by(|a, b| a.1.total_cmp(&b.1));
+    all
+}
+
+/// The shape of an exchange from its first wave of committed maps.
+fn shape_of(wave: &[MapDone], workers: usize, partitions: u32, maps: usize) -> Shape {
+    let bytes: u64 = wave
+        .iter()
+        .flat_map(|d| &d.blocks)
+        .map(|b| b.meta.bytes)
+        .sum();
+    let spilled: u64 = wave.iter().map(|d| d.spilled_bytes).sum();
+    let seen = wave.len().max(1);
+    let maps = maps.max(seen);
+    Shape {
+        workers,
+        maps,
+        partitions,
+        bytes: bytes as f64 * maps as f64 / seen as f64,
+        spill_fraction: if bytes > 0 {
+            spilled as f64 / bytes as f64
+        } else {
+            0.0
+        },
+    }
+}
+
+/// The map side of an `auto` exchange: the first wave as pull, then the predicted best.
+pub async fn map_side(
+    driver: &Arc<Driver>,
+    spec: &ShuffleSpec,
+    inputs: impl Stream<Item = MapInput> + Unpin,
+    opts: StrategyOptions,
+) -> Result<pull::Mapped> {
+    let calibration = driver.calibration().await?;
+    let submitted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let exhausted = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (counted, ended) = (submitted.clone(), exhausted.clone());
+    let inputs = inputs
+        .inspect(move |_| {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        })
+        .chain(futures::stream::poll_fn(move |_| {
+            ended.store(true, std::sync::atomic::Ordering::SeqCst);
+            std::task::Poll::Ready(None)
+        }));
+    let (tx, mut rx) = mpsc::unbounded_channel::<MapDone>();
+    let maps = pull::run_maps_observed(driver, spec, inputs, 0, opts, move |done| {
+        let _ = tx.send(done.clone());
+    });
+    let decide = async {
+        let n = driver.num_workers();
+        let mut wave = Vec::new();
+        while wave.len() < n {
+            match rx.recv().await {
+                Some(d) => wave.push(d),
+                None => break,
+            }
+        }
+        let maps_so_far = submitted.load(std::sync::atomic::Ordering::SeqCst);
+        let shape = shape_of(&wave, n, spec.partitions, maps_so_far);
+        let mut ranked = ranking(&calibration, &shape);
+        // Every map has already run in place: only pull and merged are still open.
+        let all_ran =
+            exhausted.load(std::sync::atomic::Ordering::SeqCst) && maps_so_far <= wave.len();
+        if all_ran {
+            ranked.retain(|(s, _)| matches!(s, Strategy::Pull | Strategy::Merged));
+        }
+        let pick = ranked[0].0;
+        let predicted: Vec<String> = ranked
+            .iter()
+            .map(|(s, t)| format!("{s} {t:.3} s"))
+            .collect();
+        let note = format!(
+            "auto: {pick} (predicted for {:.1} MB, {} maps seen: {})",
+            shape.bytes / 1e6,
+            shape.maps,
+            predicted.join(", ")
+        );
+        tracing::info!(shuffle = %spec.id, %note, "strategy chosen");
+        driver.note_choice(spec.id, note);
+        match pick {
+            Strategy::Pull => {
+                while rx.recv().await.is_some() {}
+                Ok(Vec::new())
+            }
+            other => {
+                if other != Strategy::Merged {
+                    let placement = if other == Strategy::Push {
+                        Placement::Owner
+                    } else {
+                        Placement::Grid
+                    };
+                    driver.place_maps(spec.id, placement);
+                }
+                let rest = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
+                let commits = futures::stream::iter(wave).chain(rest);
+                merged::merge(driver, spec, commits, opts).await
+            }
+        }
+    };
+    let (mut mapped, merges) = futures::future::try_join(maps, decide).await?;
+    mapped.merges = merges;
+    driver.seal(spec.id).await?;
+    Ok(mapped)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn machine() -> Calibration {
+        Calibration {
+            partition_bytes_per_s: 1.5e9,
+            encode_bytes_per_s: 3e9,
+            decode_bytes_per_s: 3e9,
+            block_overhead_s: 60e-6,
+            disk_write_bytes_per_s: 1e9,
+            disk_read_bytes_per_s: 3e9,
+            request_s: 200e-6,
+            network_bytes_per_s: 2e9,
+            parallelism: 2,
+        }
+    }
+
+    fn shape(partitions: u32, maps: usize) -> Shape {
+        Shape {
+            workers: 4,
+            maps,
+            partitions,
+            bytes: 600e6,
+            spill_fraction: 0.0,
+        }
+    }
+
+    #[test]
+    fn few_large_blocks_pull_many_small_blocks_merge() {
+        let c = machine();
+        // 64 maps x 16 partitions: 600 KB blocks, merging only adds work.
+        assert_eq!(ranking(&c, &shape(16, 64))[0].0, Strategy::Pull);
+        // 1000 maps x 1000 partitions: 600-byte blocks, a million of them.
+        assert_ne!(ranking(&c, &shape(1000, 1000))[0].0, Strategy::Pull);
+        // Predictions grow with bytes.
+        let big = Shape {
+            bytes: 6e9,
+            ..shape(16, 64)
+        };
+        assert!(predict(&c, &big, Strategy::Pull) > predict(&c, &shape(16, 64), Strategy::Pull));
+    }
+}
