@@ -92,6 +92,24 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
         reduces_per_worker: (cfg.partitions as usize).div_ceil(workers.max(1)),
         ..opts
     };
+    // `auto` calibrates when its cluster starts, not inside the timed shuffle.
+    let calibration = if cfg.strategy == crate::strategy::Strategy::Auto {
+        let c = driver.calibration().await?;
+        Some(json!({
+            "partition_bytes_per_s": c.partition_bytes_per_s,
+            "encode_bytes_per_s": c.encode_bytes_per_s,
+            "decode_bytes_per_s": c.decode_bytes_per_s,
+            "block_overhead_s": c.block_overhead_s,
+            "remote_block_s": c.remote_block_s,
+            "disk_write_bytes_per_s": c.disk_write_bytes_per_s,
+            "disk_read_bytes_per_s": c.disk_read_bytes_per_s,
+            "request_s": c.request_s,
+            "network_bytes_per_s": c.network_bytes_per_s,
+            "parallelism": c.parallelism,
+        }))
+    } else {
+        None
+    };
     let start = Instant::now();
     let map_side = async {
         let m = strategy::map_side(&driver, &spec, futures::stream::iter(inputs), opts).await?;
@@ -116,6 +134,7 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
         });
     }
     let stats = driver.stats().await?;
+    let choice = driver.choice(spec.id);
     driver.drop_shuffle(spec.id).await?;
     cluster.stop();
     if output != mapped.input || output.rows != cfg.rows {
@@ -142,6 +161,8 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
         "workers": workers,
         "partitions": cfg.partitions,
         "strategy": cfg.strategy.to_string(),
+        "strategy_choice": choice,
+        "calibration": calibration,
         "reducers_start": if sequential { "after the map side is sealed" } else { "with the maps" },
         "maps": maps,
         "blocks": blocks,

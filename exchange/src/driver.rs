@@ -352,14 +352,14 @@ impl Driver {
     /// This machine's calibration for the `auto` strategy, measured on first use: the
     /// first live worker's rates ([`crate::calibrate`]), the median latency of a few small
     /// requests, and the transport rate of a 16 MiB request.
-    pub async fn calibration(&self) -> Result<proto::Calibration> {
+    pub async fn calibration(self: &Arc<Self>) -> Result<proto::Calibration> {
         self.calibration
             .get_or_try_init(|| self.calibrate())
             .await
             .cloned()
     }
 
-    async fn calibrate(&self) -> Result<proto::Calibration> {
+    async fn calibrate(self: &Arc<Self>) -> Result<proto::Calibration> {
         let w = (0..self.workers.len())
             .find(|&w| self.is_alive(w))
             .ok_or_else(|| Error::Cluster("no live worker to calibrate on".into()))?;
@@ -399,8 +399,58 @@ impl Driver {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let n = self.workers.len();
         c.parallelism = if loopback { n.min(cores) } else { n } as u32;
+        c.remote_block_s = self.remote_block_cost(w, request_s).await?;
         tracing::info!(?c, "calibrated");
         Ok(c)
+    }
+
+    /// Seconds per small block read from worker `from` inside partition streams: a probe
+    /// shuffle of 8 maps x 64 partitions of ~8 rows per block, read back on the driver.
+    async fn remote_block_cost(self: &Arc<Self>, from: usize, request_s: f64) -> Result<f64> {
+        const MAPS: u64 = 8;
+        const PARTITIONS: u32 = 64;
+        let spec = ShuffleSpec {
+            id: ShuffleId::random(),
+            schema: crate::gen::lineitem_schema(),
+            partitions: PARTITIONS,
+            partitioner: crate::partitioner::hash(&["l_orderkey"]),
+            checksum_inputs: false,
+        };
+        self.create_shuffle(&spec).await?;
+        let probe = async {
+            let rows = 8 * PARTITIONS as u64;
+            let maps = (0..MAPS).map(|m| {
+                let slice = crate::gen::LineitemSlice {
+                    first_attempt_delay_ms: 0,
+                    first: m * rows,
+                    rows,
+                    seed: 7,
+                    batch_rows: rows as usize,
+                };
+                let source = proto::TaskSource {
+                    kind: crate::gen::LINEITEM_SOURCE.into(),
+                    payload: serde_json::to_vec(&slice).unwrap_or_default(),
+                };
+                self.submit_map(spec.id, m as u32, from, MapInput::Source(source))
+            });
+            for done in futures::future::join_all(maps).await {
+                done.map_err(|e| Error::Cluster(format!("calibration probe: {e}")))??;
+            }
+            self.seal(spec.id).await?;
+            let start = std::time::Instant::now();
+            for p in 0..PARTITIONS {
+                let mut s = self.read_partition(spec.id, p, true).await?;
+                while let Some(b) = s.next().await {
+                    b?;
+                }
+            }
+            let blocks = self.blocks_of(spec.id).len().max(1) as f64;
+            let secs = start.elapsed().as_secs_f64() - PARTITIONS as f64 * request_s;
+            Ok::<_, Error>((secs / blocks).max(0.0))
+        };
+        let out = probe.await;
+        let _ = self.drop_shuffle(spec.id).await;
+        out
     }
 
     pub fn placement(&self, shuffle: ShuffleId) -> Placement {

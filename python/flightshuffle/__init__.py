@@ -399,6 +399,12 @@ class Cluster:
         rows, bytes, blocks, spill and time per exchange."""
         return self._native.explain(query, analyze, strategy)
 
+    def calibration(self) -> dict[str, float]:
+        """What the ``auto`` strategy measured on this machine (on first use, or when the
+        cluster started with ``strategy="auto"``): per-core partition, encode and decode rates,
+        the cost of one small block, disk write/read rates, request latency, transport rate."""
+        return json.loads(self._native.calibration_json())
+
     def stats(self) -> list[dict[str, int]]:
         """Per-worker block store figures: memory, spilled and restored bytes, peak RSS."""
         return json.loads(self._native.stats_json())

@@ -32,8 +32,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    """Exoshuffle Figure 4 at this machine's scale: job time against the number of
-    partitions, per strategy, each point one shuffle-bench run (output checked)."""
+    """Exoshuffle Figure 4 at this machine's scale: throughput against the number of
+    partitions (with ``--maps 0``, M = R at each point), per strategy and per memory budget,
+    each point one shuffle-bench run (output checked)."""
     try:
         parts = [int(p) for p in args.partitions.split(",")]
     except ValueError:
@@ -41,56 +42,102 @@ def _sweep(args: argparse.Namespace) -> int:
             f"--partitions takes comma-separated counts such as 16,64,256, not {args.partitions!r}"
         ) from None
     strategies = args.strategies.split(",")
+    for s in strategies:
+        if s not in STRATEGIES:
+            raise ValueError(f"unknown strategy {s!r} in --strategies; choose from {STRATEGIES}")
+    budgets = args.memory_budget.split(",")
     points = []
-    for partitions in parts:
-        for strategy in strategies:
-            report = json.loads(
-                shuffle_bench(
-                    args.rows,
-                    args.workers,
-                    partitions,
-                    parse_bytes(args.memory_budget),
-                    args.maps,
-                    65_536,
-                    42,
-                    "auto",
-                    worker_command(),
-                    True,  # reducers after the seal for every strategy: the same shape
-                    strategy,
+    for budget in budgets:
+        for partitions in parts:
+            maps = args.maps or partitions
+            for strategy in strategies:
+                report = json.loads(
+                    shuffle_bench(
+                        args.rows,
+                        args.workers,
+                        partitions,
+                        parse_bytes(budget),
+                        maps,
+                        65_536,
+                        42,
+                        "auto",
+                        worker_command(),
+                        True,  # reducers after the seal for every strategy: the same shape
+                        strategy,
+                    )
                 )
-            )
-            point = {
-                "partitions": partitions,
-                "strategy": strategy,
-                "seconds": report["seconds"],
-                "map_seconds": report["map_seconds"],
-                "reduce_seconds": report["reduce_tail_seconds"],
-                "blocks_read": report["blocks"],
-                "map_blocks": report["map_blocks"],
-                "bytes_per_block_read": report["bytes"] // max(1, report["blocks"]),
-                "spilled_bytes": report["spilled_bytes"],
-                "same_pipeline_bound_seconds": report["same_pipeline_bound_seconds"],
-            }
-            points.append(point)
-            print(
-                f"R={partitions:5d} {strategy:7s} {point['seconds']:7.2f} s "
-                f"(map {point['map_seconds']:.2f} + reduce {point['reduce_seconds']:.2f}), "
-                f"{point['blocks_read']} blocks of {point['bytes_per_block_read']} B",
-                file=sys.stderr,
-            )
+                point = {
+                    "memory_budget": budget,
+                    "maps": maps,
+                    "partitions": partitions,
+                    "strategy": strategy,
+                    "choice": report.get("strategy_choice"),
+                    "bytes": report["bytes"],
+                    "seconds": report["seconds"],
+                    "throughput_gb_s": report["throughput_gb_s"],
+                    "map_seconds": report["map_seconds"],
+                    "reduce_seconds": report["reduce_tail_seconds"],
+                    "blocks_read": report["blocks"],
+                    "map_blocks": report["map_blocks"],
+                    "bytes_per_block_read": report["bytes"] // max(1, report["blocks"]),
+                    "spilled_bytes": report["spilled_bytes"],
+                    "same_pipeline_bound_seconds": report["same_pipeline_bound_seconds"],
+                }
+                if report.get("calibration"):
+                    point["calibration"] = report["calibration"]
+                points.append(point)
+                print(
+                    f"{budget:>6} M={maps:5d} R={partitions:5d} {strategy:9s} "
+                    f"{point['seconds']:7.2f} s (map {point['map_seconds']:.2f} + reduce "
+                    f"{point['reduce_seconds']:.2f}), {point['blocks_read']} blocks of "
+                    f"{point['bytes_per_block_read']} B"
+                    + (f" [{point['choice']}]" if point["choice"] else ""),
+                    file=sys.stderr,
+                    flush=True,
+                )
     out = {
         "rows": args.rows,
         "workers": args.workers,
-        "maps": args.maps,
-        "memory_budget": args.memory_budget,
+        "maps": args.maps or "= partitions",
+        "memory_budgets": budgets,
         "points": points,
     }
     text = json.dumps(out, indent=1)
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
+    if args.plot:
+        _plot_sweep(out, args.plot)
     print(text)
     return 0
+
+
+def _plot_sweep(sweep: dict, path: str) -> None:
+    """Throughput against partitions, one line per strategy, one panel per budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = sweep["memory_budgets"]
+    fig, axes = plt.subplots(1, len(budgets), figsize=(5.5 * len(budgets), 4), squeeze=False)
+    for ax, budget in zip(axes[0], budgets, strict=True):
+        pts = [p for p in sweep["points"] if p["memory_budget"] == budget]
+        for strategy in dict.fromkeys(p["strategy"] for p in pts):
+            line = sorted(
+                (p["partitions"], p["throughput_gb_s"]) for p in pts if p["strategy"] == strategy
+            )
+            ax.plot([x for x, _ in line], [y for _, y in line], marker="o", label=strategy)
+        ax.set_xscale("log")
+        ax.set_xlabel(
+            "partitions R (maps M = R)" if sweep["maps"] == "= partitions" else "partitions R"
+        )
+        ax.set_ylabel("throughput, GB/s")
+        ax.set_title(f"{sweep['rows']:,} rows, {sweep['workers']} workers, budget {budget}/worker")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def _tables(specs: list[str]) -> dict[str, str]:
@@ -404,11 +451,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     w.add_argument("--rows", type=int, default=4_000_000)
     w.add_argument("--workers", type=int, default=4)
-    w.add_argument("--maps", type=int, default=64)
-    w.add_argument("--partitions", default="16,64,256,1024")
-    w.add_argument("--strategies", default="pull,merged")
-    w.add_argument("--memory-budget", default="2GiB")
+    w.add_argument("--maps", type=int, default=0, help="map tasks (0: as many as partitions)")
+    w.add_argument("--partitions", default="50,100,250,500,1000")
+    w.add_argument("--strategies", default=",".join(STRATEGIES))
+    w.add_argument(
+        "--memory-budget",
+        default="2GiB",
+        help="per worker; several comma-separated: one panel each",
+    )
     w.add_argument("--json", help="also write the points to this file")
+    w.add_argument("--plot", help="also draw throughput vs partitions to this PNG")
     w.set_defaults(run=_sweep)
 
     q = sub.add_parser("sql", help="run one SQL query on a local cluster")

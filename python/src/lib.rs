@@ -153,7 +153,16 @@ impl NativeCluster {
             timeout_secs,
         );
         let cluster = py
-            .detach(|| rt.block_on(LocalCluster::start(cfg)))
+            .detach(|| {
+                rt.block_on(async {
+                    let cluster = LocalCluster::start(cfg).await?;
+                    // `auto` as the default: calibrate now, not in the first exchange.
+                    if strategy == exchange::strategy::Strategy::Auto {
+                        cluster.driver.calibration().await?;
+                    }
+                    Ok::<_, exchange::Error>(cluster)
+                })
+            })
             .map_err(to_py)?;
         Ok(NativeCluster {
             rt: Arc::new(rt),
@@ -389,6 +398,27 @@ impl NativeCluster {
                 .block_on(ctx.explain_with(&query, analyze, strategy))
         })
         .map_err(sql::df_err)
+    }
+
+    /// This machine's calibration for the `auto` strategy (measured on first use), as JSON.
+    fn calibration_json(&self, py: Python<'_>) -> PyResult<String> {
+        let driver = self.driver()?;
+        let c = py
+            .detach(|| self.rt.block_on(driver.calibration()))
+            .map_err(to_py)?;
+        Ok(serde_json::json!({
+            "partition_bytes_per_s": c.partition_bytes_per_s,
+            "encode_bytes_per_s": c.encode_bytes_per_s,
+            "decode_bytes_per_s": c.decode_bytes_per_s,
+            "block_overhead_s": c.block_overhead_s,
+            "remote_block_s": c.remote_block_s,
+            "disk_write_bytes_per_s": c.disk_write_bytes_per_s,
+            "disk_read_bytes_per_s": c.disk_read_bytes_per_s,
+            "request_s": c.request_s,
+            "network_bytes_per_s": c.network_bytes_per_s,
+            "parallelism": c.parallelism,
+        })
+        .to_string())
     }
 
     /// Stop every worker process. Safe to call more than once.

@@ -47,35 +47,59 @@ pub fn predict(c: &Calibration, shape: &Shape, strategy: Strategy) -> f64 {
     let r = shape.partitions.max(1) as f64;
     let b = shape.bytes.max(0.0);
     let spilled = b * shape.spill_fraction.clamp(0.0, 1.0);
-    let cross = b * (n - 1.0) / n;
-    let cpu = b / rate(c.partition_bytes_per_s)
-        + b / rate(c.encode_bytes_per_s)
-        + b / rate(c.decode_bytes_per_s);
-    let disk = spilled / rate(c.disk_write_bytes_per_s) + spilled / rate(c.disk_read_bytes_per_s);
-    let transfer = cross / rate(c.network_bytes_per_s);
-    // Blocks a reducer reads per partition after a merge: one per worker holding some.
-    let merged_blocks = |holders: f64| r * holders.min(m);
-    let merge_cost = b / rate(c.decode_bytes_per_s)
-        + b / rate(c.encode_bytes_per_s)
-        + spilled / rate(c.disk_write_bytes_per_s);
+    let remote = (n - 1.0) / n;
     let cols = n.sqrt().ceil();
-    let (blocks, requests, transfer, extra) = match strategy {
-        Strategy::Pull | Strategy::Auto => (m * r, r * n, transfer, 0.0),
-        Strategy::Merged => (merged_blocks(n), r * n, transfer, merge_cost),
-        Strategy::Push => (
-            merged_blocks(1.0),
-            m * (n - 1.0) + r,
-            transfer * 0.5,
-            merge_cost,
-        ),
-        Strategy::TwoLevel => (
-            merged_blocks(cols),
-            m * cols + r * cols,
-            2.0 * transfer,
-            merge_cost,
-        ),
+    let (local_block, remote_block) =
+        (c.block_overhead_s, c.remote_block_s.max(c.block_overhead_s));
+    // Every strategy: partition and encode on the map side, decode on the reduce side, write
+    // the M x R map blocks, spill what does not fit.
+    let common = b / rate(c.partition_bytes_per_s)
+        + b / rate(c.encode_bytes_per_s)
+        + b / rate(c.decode_bytes_per_s)
+        + m * r * local_block
+        + spilled / rate(c.disk_write_bytes_per_s)
+        + spilled / rate(c.disk_read_bytes_per_s);
+    let transfer = b * remote / rate(c.network_bytes_per_s);
+    // A merge decodes and re-encodes every byte and reads the M x R blocks locally (and
+    // writes the merged bytes to disk again when spilling).
+    let merge = b / rate(c.decode_bytes_per_s)
+        + b / rate(c.encode_bytes_per_s)
+        + m * r * local_block
+        + spilled / rate(c.disk_write_bytes_per_s);
+    // Reducers read R partitions, each as one block per worker holding some (after a merge).
+    let reads = |holders: f64| r * holders.min(m);
+    let specific = match strategy {
+        // Every reducer streams its M blocks from N workers.
+        Strategy::Pull | Strategy::Auto => {
+            m * r * (remote * remote_block + local_block / n) + r * n * c.request_s + transfer
+        }
+        Strategy::Merged => {
+            merge
+                + reads(n) * (remote * remote_block + local_block / n)
+                + r * n * c.request_s
+                + transfer
+        }
+        // Blocks cross once, as pushes (half the transfer overlaps the map side); a reducer
+        // reads its own store.
+        Strategy::Push => {
+            m * r * remote * remote_block
+                + m * (n - 1.0) * c.request_s
+                + merge
+                + reads(1.0) * local_block
+                + r * c.request_s
+                + 0.5 * transfer
+        }
+        // Pushes within a row, reads within a column: bytes cross up to twice.
+        Strategy::TwoLevel => {
+            m * r * (1.0 - 1.0 / cols) * remote_block
+                + m * cols * c.request_s
+                + merge
+                + reads(cols) * remote_block
+                + r * cols * c.request_s
+                + 2.0 * transfer
+        }
     };
-    (cpu + disk + transfer + extra + blocks * c.block_overhead_s + requests * c.request_s) / p
+    (common + specific) / p
 }
 
 /// Every strategy with its predicted seconds, cheapest first.
@@ -124,6 +148,8 @@ pub async fn map_side(
     opts: StrategyOptions,
 ) -> Result<pull::Mapped> {
     let calibration = driver.calibration().await?;
+    // The number of maps, where the input says it (SQL stages, benchmarks).
+    let expected_maps = inputs.size_hint().1;
     let submitted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let exhausted = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (counted, ended) = (submitted.clone(), exhausted.clone());
@@ -149,7 +175,12 @@ pub async fn map_side(
             }
         }
         let maps_so_far = submitted.load(std::sync::atomic::Ordering::SeqCst);
-        let shape = shape_of(&wave, n, spec.partitions, maps_so_far);
+        let shape = shape_of(
+            &wave,
+            n,
+            spec.partitions,
+            expected_maps.unwrap_or(0).max(maps_so_far),
+        );
         let mut ranked = ranking(&calibration, &shape);
         // Every map has already run in place: only pull and merged are still open.
         let all_ran =
@@ -211,6 +242,7 @@ mod tests {
             request_s: 200e-6,
             network_bytes_per_s: 2e9,
             parallelism: 2,
+            remote_block_s: 150e-6,
         }
     }
 
