@@ -496,8 +496,15 @@ impl Driver {
             .get(&shuffle)
             .copied()
             .unwrap_or_else(|| self.placement(shuffle));
-        let partitions = lock(&self.partitions).get(&shuffle).copied().unwrap_or(0);
+        let partitions = lock(&self.partitions).get(&shuffle).copied();
         let pushes = placement != Placement::Local;
+        let partitions = match partitions {
+            Some(p) => p,
+            None if pushes => {
+                return tokio::spawn(async move { Err(Error::UnknownShuffle(shuffle)) })
+            }
+            None => 0,
+        };
         let task = proto::MapTask {
             shuffle_id: shuffle.0,
             map_id: map,
@@ -575,6 +582,8 @@ impl Driver {
             let mut commits = vec![(worker, result.blocks.len() as u32)];
             for p in &result.pushed {
                 if p.worker as usize >= n || p.worker as usize == worker {
+                    lock(&me.claims).remove(&(shuffle, map));
+                    me.cancel_on(&holders, &cancel).await;
                     return Err(Error::Cluster(format!(
                         "map {map} reported blocks pushed to worker {} (cluster of {n})",
                         p.worker
@@ -582,20 +591,7 @@ impl Driver {
                 }
                 commits.push((p.worker as usize, p.blocks.len() as u32));
             }
-            let calls = commits.iter().map(|&(w, blocks)| {
-                let commit = proto::CommitTask {
-                    blocks,
-                    ..cancel.clone()
-                };
-                let client = me.workers[w].clone();
-                async move { client.commit(&commit).await }
-            });
-            for r in futures::future::join_all(calls).await {
-                if let Err(e) = r {
-                    lock(&me.claims).remove(&(shuffle, map));
-                    return Err(me.classify(e).await);
-                }
-            }
+            me.commit_on_holders(&commits, &cancel).await?;
             // The committed attempt's lineage (a speculative copy that lost leaves none).
             lock(&me.lineage).insert((shuffle, map), (worker, lineage));
             let mut blocks = me.record_blocks(shuffle, worker, &result, &[])?;
@@ -706,6 +702,63 @@ impl Driver {
         }
         refs.extend(blocks.iter().copied());
         Ok(blocks)
+    }
+
+    /// Commit one claimed attempt on each `(worker, blocks)` holder. Committing the same
+    /// attempt again is a no-op on a worker, so failed commits are retried. If no holder
+    /// committed, the claim is released (another attempt may still commit); once one has,
+    /// the claim stays and a holder that still refuses fails the shuffle
+    /// ([`Error::PartialCommit`]): another attempt committing elsewhere could duplicate rows.
+    async fn commit_on_holders(
+        &self,
+        holders: &[(usize, u32)],
+        attempt: &proto::CommitTask,
+    ) -> Result<()> {
+        let key = (ShuffleId(attempt.shuffle_id), attempt.map_id);
+        let mut left: Vec<(usize, u32)> = holders.to_vec();
+        let mut committed_any = false;
+        let mut last = None;
+        for round in 0..3 {
+            if round > 0 {
+                tokio::time::sleep(Duration::from_millis(100 * round)).await;
+            }
+            let calls = left.iter().map(|&(w, blocks)| {
+                let commit = proto::CommitTask {
+                    blocks,
+                    ..attempt.clone()
+                };
+                let client = self.workers[w].clone();
+                async move { (w, blocks, client.commit(&commit).await) }
+            });
+            let mut failed = Vec::new();
+            for (w, blocks, r) in futures::future::join_all(calls).await {
+                match r {
+                    Ok(()) => committed_any = true,
+                    Err(e) => {
+                        failed.push((w, blocks));
+                        last = Some(e);
+                    }
+                }
+            }
+            left = failed;
+            // With one holder (pull, merged) there is nothing partial to repair.
+            if left.is_empty() || !committed_any {
+                break;
+            }
+        }
+        let Some(err) = last.filter(|_| !left.is_empty()) else {
+            return Ok(());
+        };
+        let err = self.classify(err).await;
+        if !committed_any {
+            lock(&self.claims).remove(&key);
+            return Err(err);
+        }
+        Err(Error::PartialCommit {
+            map: attempt.map_id,
+            attempt: attempt.attempt,
+            reason: err.to_string(),
+        })
     }
 
     /// Abort an attempt on `workers` (best effort: its blocks there are removed; pending

@@ -79,6 +79,16 @@ pub enum Error {
         worker: usize,
     },
 
+    /// An attempt committed on some of the workers holding its blocks but not on all of them
+    /// (push, two-level). No other attempt of the map may commit any more (it could duplicate
+    /// rows), so the shuffle fails.
+    #[error("map {map} attempt {attempt} committed on only some of its holders: {reason}")]
+    PartialCommit {
+        map: u32,
+        attempt: u32,
+        reason: String,
+    },
+
     /// The request conflicts with the shuffle's state (sealed, already committed).
     #[error("refused: {0}")]
     Precondition(String),

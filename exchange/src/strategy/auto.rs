@@ -36,6 +36,11 @@ pub struct Shape {
     pub bytes: f64,
     /// Fraction of the bytes that spill.
     pub spill_fraction: f64,
+    /// Blocks one map writes (at most R; 0: assume R).
+    pub blocks_per_map: f64,
+    /// Maps already run in place when the choice is made: under `auto` they stay where they
+    /// are, so only the others push, and readers keep reading every worker.
+    pub maps_in_place: usize,
 }
 
 /// Predicted seconds of `strategy` for `shape` on the machine `c` describes.
@@ -45,6 +50,16 @@ pub fn predict(c: &Calibration, shape: &Shape, strategy: Strategy) -> f64 {
     let p = (c.parallelism.max(1) as f64).min(n);
     let m = shape.maps.max(1) as f64;
     let r = shape.partitions.max(1) as f64;
+    let per_map = if shape.blocks_per_map > 0.0 {
+        shape.blocks_per_map.min(r)
+    } else {
+        r
+    };
+    // Map blocks: at most R per map.
+    let map_blocks = m * per_map;
+    // Maps that push (the rest ran in place), and whether readers still read every worker.
+    let pushed = ((m - shape.maps_in_place as f64) / m).clamp(0.0, 1.0);
+    let everywhere = shape.maps_in_place > 0;
     let b = shape.bytes.max(0.0);
     let spilled = b * shape.spill_fraction.clamp(0.0, 1.0);
     let remote = (n - 1.0) / n;
@@ -56,7 +71,7 @@ pub fn predict(c: &Calibration, shape: &Shape, strategy: Strategy) -> f64 {
     let common = b / rate(c.partition_bytes_per_s)
         + b / rate(c.encode_bytes_per_s)
         + b / rate(c.decode_bytes_per_s)
-        + m * r * local_block
+        + map_blocks * local_block
         + spilled / rate(c.disk_write_bytes_per_s)
         + spilled / rate(c.disk_read_bytes_per_s);
     let transfer = b * remote / rate(c.network_bytes_per_s);
@@ -64,39 +79,39 @@ pub fn predict(c: &Calibration, shape: &Shape, strategy: Strategy) -> f64 {
     // writes the merged bytes to disk again when spilling).
     let merge = b / rate(c.decode_bytes_per_s)
         + b / rate(c.encode_bytes_per_s)
-        + m * r * local_block
+        + map_blocks * local_block
         + spilled / rate(c.disk_write_bytes_per_s);
     // Reducers read R partitions, each as one block per worker holding some (after a merge).
     let reads = |holders: f64| r * holders.min(m);
+    // Reading `blocks` blocks over `sources` workers per partition, mostly from other workers.
+    let read = |blocks: f64, sources: f64| {
+        blocks * (remote * remote_block + local_block / n) + r * sources * c.request_s
+    };
+    let merged_reads = read(reads(n), n) + transfer;
     let specific = match strategy {
-        // Every reducer streams its M blocks from N workers.
-        Strategy::Pull | Strategy::Auto => {
-            m * r * (remote * remote_block + local_block / n) + r * n * c.request_s + transfer
-        }
-        Strategy::Merged => {
-            merge
-                + reads(n) * (remote * remote_block + local_block / n)
-                + r * n * c.request_s
-                + transfer
-        }
+        // Every reducer streams its blocks from N workers.
+        Strategy::Pull | Strategy::Auto => read(map_blocks, n) + transfer,
+        Strategy::Merged => merge + merged_reads,
         // Blocks cross once, as pushes (half the transfer overlaps the map side); a reducer
-        // reads its own store.
+        // reads its own store (every worker, when some maps ran in place first).
         Strategy::Push => {
-            m * r * remote * remote_block
-                + m * (n - 1.0) * c.request_s
-                + merge
-                + reads(1.0) * local_block
-                + r * c.request_s
-                + 0.5 * transfer
+            let push = map_blocks * remote * remote_block + m * (n - 1.0) * c.request_s;
+            let reduce = if everywhere {
+                merged_reads
+            } else {
+                reads(1.0) * local_block + r * c.request_s + 0.5 * transfer
+            };
+            merge + pushed * push + reduce
         }
         // Pushes within a row, reads within a column: bytes cross up to twice.
         Strategy::TwoLevel => {
-            m * r * (1.0 - 1.0 / cols) * remote_block
-                + m * cols * c.request_s
-                + merge
-                + reads(cols) * remote_block
-                + r * cols * c.request_s
-                + 2.0 * transfer
+            let push = map_blocks * (1.0 - 1.0 / cols) * remote_block + m * cols * c.request_s;
+            let reduce = if everywhere {
+                merged_reads + transfer
+            } else {
+                reads(cols) * remote_block + r * cols * c.request_s + 2.0 * transfer
+            };
+            merge + pushed * push + reduce
         }
     };
     (common + specific) / p
@@ -118,7 +133,13 @@ pub fn ranking(c: &Calibration, shape: &Shape) -> Vec<(Strategy, f64)> {
 }
 
 /// The shape of an exchange from its first wave of committed maps.
-fn shape_of(wave: &[MapDone], workers: usize, partitions: u32, maps: usize) -> Shape {
+fn shape_of(
+    wave: &[MapDone],
+    workers: usize,
+    partitions: u32,
+    maps: usize,
+    in_place: usize,
+) -> Shape {
     let bytes: u64 = wave
         .iter()
         .flat_map(|d| &d.blocks)
@@ -137,6 +158,8 @@ fn shape_of(wave: &[MapDone], workers: usize, partitions: u32, maps: usize) -> S
         } else {
             0.0
         },
+        blocks_per_map: wave.iter().map(|d| d.blocks.len()).sum::<usize>() as f64 / seen as f64,
+        maps_in_place: in_place,
     }
 }
 
@@ -180,12 +203,11 @@ pub async fn map_side(
             n,
             spec.partitions,
             expected_maps.unwrap_or(0).max(maps_so_far),
+            maps_so_far,
         );
         let mut ranked = ranking(&calibration, &shape);
-        // Every map has already run in place: only pull and merged are still open.
-        let all_ran =
-            exhausted.load(std::sync::atomic::Ordering::SeqCst) && maps_so_far <= wave.len();
-        if all_ran {
+        // Every map has been submitted in place already: only pull and merged are open.
+        if exhausted.load(std::sync::atomic::Ordering::SeqCst) {
             ranked.retain(|(s, _)| matches!(s, Strategy::Pull | Strategy::Merged));
         }
         let pick = ranked[0].0;
@@ -253,6 +275,8 @@ mod tests {
             partitions,
             bytes: 600e6,
             spill_fraction: 0.0,
+            blocks_per_map: 0.0,
+            maps_in_place: 0,
         }
     }
 

@@ -43,19 +43,20 @@ impl Mapped {
         (max, median)
     }
 
-    /// The blocks readers see now: those of maps not merged, plus the merge groups'.
+    /// The blocks readers see now: those of maps not merged on the worker holding them, plus
+    /// the merge groups'.
     pub fn live_blocks(&self) -> usize {
-        let merged: std::collections::HashSet<u32> = self
+        let merged: std::collections::HashSet<(usize, u32)> = self
             .merges
             .iter()
-            .flat_map(|(_, maps)| maps.iter().copied())
+            .flat_map(|(g, maps)| maps.iter().map(move |&m| (g.worker, m)))
             .collect();
         let maps: usize = self
             .maps
             .iter()
-            .filter(|m| !merged.contains(&m.map))
-            .map(|m| m.blocks.len())
-            .sum();
+            .flat_map(|m| &m.blocks)
+            .filter(|b| !merged.contains(&(b.worker, b.meta.id.map)))
+            .count();
         maps + self
             .merges
             .iter()
@@ -165,7 +166,7 @@ pub async fn run_maps_observed(
                         Ok(Err(crate::Error::Superseded { .. })) => continue,
                         // One attempt of a speculated map failed while another still runs:
                         // that one may still finish (a lost worker fails the stage anyway).
-                        Ok(Err(e)) if others_running && !matches!(e, crate::Error::WorkerLost { .. }) => {
+                        Ok(Err(e)) if others_running && !matches!(e, crate::Error::WorkerLost { .. } | crate::Error::PartialCommit { .. }) => {
                             tracing::warn!(shuffle = %spec.id, map, worker, error = %e, "one attempt of a speculated map failed; another is running");
                             continue;
                         }

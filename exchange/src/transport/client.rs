@@ -112,10 +112,16 @@ impl WorkerClient {
                 .await
                 .map_err(|s| self.remote(s))?
                 .into_inner();
-            match stream.message().await.map_err(|s| self.remote(s))? {
-                Some(r) => Ok(r.body),
-                None => Ok(Bytes::new()),
-            }
+            let first = stream.message().await.map_err(|s| self.remote(s))?;
+            // Read the stream to its end: dropping it early resets the HTTP/2 stream, and a
+            // connection that resets many (thousands of task calls) is torn down by h2.
+            while stream
+                .message()
+                .await
+                .map_err(|s| self.remote(s))?
+                .is_some()
+            {}
+            Ok(first.map(|r| r.body).unwrap_or_default())
         };
         tokio::time::timeout(timeout, call)
             .await
@@ -228,7 +234,10 @@ impl WorkerClient {
         let mut client = self.client.clone();
         let call = async move {
             let mut results = client.do_put(data).await?.into_inner();
-            results.message().await
+            let first = results.message().await?;
+            // To the end, so the stream is not reset (see `action`).
+            while results.message().await?.is_some() {}
+            Ok::<_, tonic::Status>(first)
         };
         tokio::pin!(call);
         let outcome = tokio::time::timeout(self.timeout, async {
@@ -277,7 +286,10 @@ impl WorkerClient {
         let mut client = self.client.clone();
         let call = async move {
             let mut results = client.do_put(data).await?.into_inner();
-            results.message().await
+            let first = results.message().await?;
+            // To the end, so the stream is not reset (see `action`).
+            while results.message().await?.is_some() {}
+            Ok::<_, tonic::Status>(first)
         };
         let put = tokio::time::timeout(self.timeout, call)
             .await

@@ -88,8 +88,9 @@ impl WorkerService {
 
     /// Store blocks another worker's map attempt pushed here (pending until the driver
     /// commits the attempt here). Each block's key must name this attempt, and its bytes must
-    /// match the CRC32C the sender computed. If the stream breaks, the blocks it brought stay
-    /// pending: the driver cancels the attempt or the seal discards them.
+    /// match the CRC32C the sender computed. If the stream breaks, the attempt is failing on
+    /// the sender's side: the blocks it brought are dropped. Blocks of a finished stream whose
+    /// attempt then loses are removed by the driver's cancel (or, at the latest, the seal).
     async fn put_pushed(
         &self,
         push: proto::PushBlocks,
@@ -107,10 +108,12 @@ impl WorkerService {
                     Ok(Some(m)) => m,
                     Ok(None) => break,
                     Err(s) => {
+                        // The sender's attempt fails with its stream: drop what it brought.
+                        self.state.store.abort(shuffle, push.map_id, push.attempt);
                         return Err(Error::Cancelled(format!(
                             "pushed blocks of map {} attempt {} broke off: {s}",
                             push.map_id, push.attempt
-                        )))
+                        )));
                     }
                 },
             };
