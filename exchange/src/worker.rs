@@ -516,7 +516,7 @@ pub async fn serve(
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .http2_keepalive_interval(Some(crate::transport::KEEPALIVE))
-        .http2_keepalive_timeout(Some(crate::transport::KEEPALIVE * 2))
+        .http2_keepalive_timeout(Some(crate::transport::KEEPALIVE_TIMEOUT))
         .add_service(service)
         .serve_with_incoming(incoming)
         .await

@@ -1,7 +1,10 @@
 //! Typed Flight client for one worker, used by the driver and by reducers pulling from peers.
 //! Every call carries the cluster token and has a deadline; streams have an idle timeout.
 
-use super::{actions, bearer, CONNECTION_WINDOW, KEEPALIVE, MAX_MESSAGE_BYTES, STREAM_WINDOW};
+use super::{
+    actions, bearer, CONNECTION_WINDOW, KEEPALIVE, KEEPALIVE_TIMEOUT, MAX_MESSAGE_BYTES,
+    STREAM_WINDOW,
+};
 use crate::block::BlockId;
 use crate::error::{Error, Result};
 use crate::proto;
@@ -58,7 +61,7 @@ impl WorkerClient {
             .connect_timeout(Duration::from_secs(5))
             .tcp_nodelay(true)
             .http2_keep_alive_interval(KEEPALIVE)
-            .keep_alive_timeout(KEEPALIVE * 2)
+            .keep_alive_timeout(KEEPALIVE_TIMEOUT)
             .keep_alive_while_idle(true)
             .initial_stream_window_size(STREAM_WINDOW)
             .initial_connection_window_size(CONNECTION_WINDOW);

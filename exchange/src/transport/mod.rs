@@ -19,7 +19,13 @@ pub const MAX_MESSAGE_BYTES: usize = 1 << 30;
 /// HTTP/2 flow-control windows: large, so one stream can fill loopback.
 pub const STREAM_WINDOW: u32 = 16 << 20;
 pub const CONNECTION_WINDOW: u32 = 64 << 20;
-pub const KEEPALIVE: Duration = Duration::from_secs(5);
+/// HTTP/2 keepalive: a ping this often on every connection ...
+pub const KEEPALIVE: Duration = Duration::from_secs(10);
+/// ... and the connection is closed when its answer takes longer than this. Generous: on a
+/// saturated machine (hundreds of reducers per worker, M = R = 1000 on 2 cores) answers were
+/// seen to take over 10 s, and the closed connection failed every stream on it; a worker that
+/// is really gone is found by the driver's health checks.
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(60);
 
 pub fn bearer(token: &str) -> String {
     format!("Bearer {token}")
