@@ -29,7 +29,7 @@ def as_polars(parts: list) -> list[pl.DataFrame]:
     return [p if isinstance(p, pl.DataFrame) else pl.from_arrow(p) for p in parts]
 
 
-STRATEGIES = ["pull", "merged", "push", "two-level"]
+STRATEGIES = ["pull", "merged", "push", "two-level", "auto"]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

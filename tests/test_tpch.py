@@ -85,6 +85,20 @@ def test_explain_shows_stages_and_analyze_adds_figures(data):
         assert "rows" in analyzed and "bytes spilled" in analyzed
         via_sql = c.sql("EXPLAIN " + sql).column(0).to_pylist()
         assert any("Stage 1" in line for line in via_sql)
+        # auto names its pick and the predicted time of every strategy.
+        analyzed = c.explain(sql, analyze=True, strategy="auto")
+        assert "strategy auto: " in analyzed and "two-level" in analyzed, analyzed
+        cal = c.calibration()
+        for key in ["partition_bytes_per_s", "decode_bytes_per_s", "block_overhead_s"]:
+            assert cal[key] > 0, cal
+        assert cal["remote_block_s"] > 0 and cal["request_s"] > 0, cal
+        c.sql("SET flightshuffle.strategy = 'merged'")
+        c.sql(sql)
+        assert {s["strategy"] for s in c.last_metrics["stages"]} <= {"merged", "pull"}
+        with pytest.raises(ValueError, match="unknown strategy"):
+            c.sql("SET flightshuffle.strategy = 'sideways'")
+        c.sql(sql)
+        assert "merged" in {s["strategy"] for s in c.last_metrics["stages"]}
 
 
 def test_sql_over_arrow_polars_and_duckdb_tables():

@@ -205,18 +205,24 @@ pub async fn map_side(
             expected_maps.unwrap_or(0).max(maps_so_far),
             maps_so_far,
         );
-        let mut ranked = ranking(&calibration, &shape);
-        // Every map has been submitted in place already: only pull and merged are open.
-        if exhausted.load(std::sync::atomic::Ordering::SeqCst) {
-            ranked.retain(|(s, _)| matches!(s, Strategy::Pull | Strategy::Merged));
-        }
-        let pick = ranked[0].0;
+        let ranked = ranking(&calibration, &shape);
+        // Every map has been submitted in place already: only pull and merged are open
+        // (push and two-level are still shown, marked).
+        let in_place = exhausted.load(std::sync::atomic::Ordering::SeqCst);
+        let open = |s: Strategy| !in_place || matches!(s, Strategy::Pull | Strategy::Merged);
+        let pick = ranked
+            .iter()
+            .find(|(s, _)| open(*s))
+            .map_or(Strategy::Pull, |(s, _)| *s);
         let predicted: Vec<String> = ranked
             .iter()
-            .map(|(s, t)| format!("{s} {t:.3} s"))
+            .map(|(s, t)| {
+                let closed = if open(*s) { "" } else { " [maps already ran]" };
+                format!("{s} {t:.3} s{closed}")
+            })
             .collect();
         let note = format!(
-            "auto: {pick} (predicted for {:.1} MB, {} maps seen: {})",
+            "auto: {pick} (predicted for {:.1} MB, {} maps: {})",
             shape.bytes / 1e6,
             shape.maps,
             predicted.join(", ")
