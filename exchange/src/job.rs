@@ -221,6 +221,10 @@ impl ShuffleJob {
         input: Input,
         opts: &ShuffleOptions,
     ) -> Result<Self> {
+        // `auto` calibrates before any map of this job runs (not under its load).
+        if opts.strategy.strategy == strategy::Strategy::Auto {
+            driver.calibration().await?;
+        }
         driver.create_shuffle(&spec).await?;
         let (part_tx, part_rx) = mpsc::channel::<Partition>(1);
         let (mapped_tx, mapped_rx) = watch::channel(None);
@@ -421,6 +425,9 @@ pub async fn run_stage(
     inputs: Vec<MapInput>,
     opts: StrategyOptions,
 ) -> Result<Checksum> {
+    if opts.strategy == strategy::Strategy::Auto {
+        driver.calibration().await?;
+    }
     driver.create_shuffle(spec).await?;
     match strategy::map_side(driver, spec, futures::stream::iter(inputs), opts).await {
         Ok(m) => Ok(m.input),

@@ -306,6 +306,15 @@ impl DistributedContext {
         &self,
         staged: &StagedPlan,
     ) -> Result<(Vec<RecordBatch>, Vec<StageMetrics>)> {
+        // `auto` calibrates the machine once, before any stage of the query runs (a
+        // calibration taken under a running stage's load would be kept for good).
+        if staged
+            .stages
+            .iter()
+            .any(|s| s.writer.strategy == exchange::strategy::Strategy::Auto)
+        {
+            self.driver.calibration().await?;
+        }
         let started = Instant::now();
         let rpcs_before = self.rpcs().await;
         let runs = staged
