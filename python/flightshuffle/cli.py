@@ -151,6 +151,13 @@ def _tables(specs: list[str]) -> dict[str, str]:
     return tables
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    """What the ``auto`` strategy measures on this machine, as JSON."""
+    with Cluster(workers=args.workers, memory_budget=args.memory_budget) as c:
+        print(json.dumps(c.calibration(), indent=1, sort_keys=True))
+    return 0
+
+
 def _sql(args: argparse.Namespace) -> int:
     tables = _tables(args.table)
     with Cluster(workers=args.workers, memory_budget=args.memory_budget) as c:
@@ -462,6 +469,13 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--json", help="also write the points to this file")
     w.add_argument("--plot", help="also draw throughput vs partitions to this PNG")
     w.set_defaults(run=_sweep)
+
+    k = sub.add_parser(
+        "calibrate", help="measure this machine as the auto strategy does; print JSON"
+    )
+    k.add_argument("--workers", type=int, default=2)
+    k.add_argument("--memory-budget", default="1GiB")
+    k.set_defaults(run=_calibrate)
 
     q = sub.add_parser("sql", help="run one SQL query on a local cluster")
     q.add_argument("query")
