@@ -95,18 +95,7 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
     // `auto` calibrates when its cluster starts, not inside the timed shuffle.
     let calibration = if cfg.strategy == crate::strategy::Strategy::Auto {
         let c = driver.calibration().await?;
-        Some(json!({
-            "partition_bytes_per_s": c.partition_bytes_per_s,
-            "encode_bytes_per_s": c.encode_bytes_per_s,
-            "decode_bytes_per_s": c.decode_bytes_per_s,
-            "block_overhead_s": c.block_overhead_s,
-            "remote_block_s": c.remote_block_s,
-            "disk_write_bytes_per_s": c.disk_write_bytes_per_s,
-            "disk_read_bytes_per_s": c.disk_read_bytes_per_s,
-            "request_s": c.request_s,
-            "network_bytes_per_s": c.network_bytes_per_s,
-            "parallelism": c.parallelism,
-        }))
+        Some(crate::calibrate::to_json(&c))
     } else {
         None
     };

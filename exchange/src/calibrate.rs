@@ -8,12 +8,15 @@
 //! transport ([`crate::driver::Driver::calibration`]). Takes a few hundred milliseconds.
 
 use crate::block::{decode_block, BlockId, EncodedBlock, ShuffleId};
+use crate::driver::{Driver, MapInput, ShuffleSpec};
 use crate::error::{Error, Result};
 use crate::gen::{lineitem_batch, lineitem_schema};
 use crate::proto;
 use crate::store::{BlockStore, ShuffleInfo, StoreConfig};
+use futures::StreamExt;
 use std::io::{Read, Write};
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Each rate is measured in this many windows of [`WINDOW`]; the fastest window counts (on a
@@ -86,27 +89,20 @@ fn small_block_cost(spill_dir: &Path) -> Result<f64> {
     })?;
     let small = lineitem_batch(0, 16, 7)?;
     let start = Instant::now();
+    let id = |partition| BlockId {
+        shuffle,
+        map: 0,
+        partition,
+        attempt: 0,
+        seq: 0,
+    };
     for p in 0..SMALL_BLOCKS {
         let data = EncodedBlock::encode(&schema, std::slice::from_ref(&small), Default::default())?;
-        let id = BlockId {
-            shuffle,
-            map: 0,
-            partition: p,
-            attempt: 0,
-            seq: 0,
-        };
-        store.put(id, 16, data.into_bytes())?;
+        store.put(id(p), 16, data.into_bytes())?;
     }
     store.commit(shuffle, 0, 0, None)?;
     for p in 0..SMALL_BLOCKS {
-        let id = BlockId {
-            shuffle,
-            map: 0,
-            partition: p,
-            attempt: 0,
-            seq: 0,
-        };
-        store.read_batches(&id)?;
+        store.read_batches(&id(p))?;
     }
     let secs = start.elapsed().as_secs_f64() / SMALL_BLOCKS as f64;
     store.drop_shuffle(shuffle)?;
@@ -141,4 +137,114 @@ fn disk(dir: &Path, bytes: u64) -> Result<(f64, f64)> {
     })();
     let _ = std::fs::remove_file(&path);
     result
+}
+
+/// Calibrate on a running cluster (see the module doc); [`Driver::calibration`] caches it.
+pub(crate) async fn on_cluster(driver: &Arc<Driver>) -> Result<proto::Calibration> {
+    let w = (0..driver.num_workers())
+        .find(|&w| driver.is_alive(w))
+        .ok_or_else(|| Error::Cluster("no live worker to calibrate on".into()))?;
+    let client = driver.worker(w);
+    let mut latencies = Vec::new();
+    for _ in 0..7 {
+        let t = std::time::Instant::now();
+        client.health(driver.config().health_timeout).await?;
+        latencies.push(t.elapsed().as_secs_f64());
+    }
+    latencies.sort_by(f64::total_cmp);
+    let request_s = latencies[latencies.len() / 2];
+    const BALLAST: usize = 16 << 20;
+    let t = std::time::Instant::now();
+    client
+        .calibrate(&proto::CalibrateTask {
+            measure: false,
+            disk_bytes: 0,
+            ballast: vec![0u8; BALLAST],
+        })
+        .await?;
+    let transfer = (t.elapsed().as_secs_f64() - request_s).max(1e-6);
+    let mut c = client
+        .calibrate(&proto::CalibrateTask {
+            measure: true,
+            disk_bytes: 32 << 20,
+            ballast: vec![],
+        })
+        .await?;
+    c.request_s = request_s;
+    c.network_bytes_per_s = BALLAST as f64 / transfer;
+    let loopback = driver
+        .addresses()
+        .iter()
+        .all(|a| a.starts_with("127.") || a.starts_with("localhost") || a.starts_with("[::1]"));
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let n = driver.num_workers();
+    c.parallelism = if loopback { n.min(cores) } else { n } as u32;
+    c.remote_block_s = remote_block_cost(driver, w, request_s).await?;
+    tracing::info!(?c, "calibrated");
+    Ok(c)
+}
+
+/// Seconds per small block read from worker `from` inside partition streams: a probe
+/// shuffle of 8 maps x 64 partitions of ~8 rows per block, read back on the driver.
+async fn remote_block_cost(driver: &Arc<Driver>, from: usize, request_s: f64) -> Result<f64> {
+    const MAPS: u64 = 8;
+    const PARTITIONS: u32 = 64;
+    let spec = ShuffleSpec {
+        id: ShuffleId::random(),
+        schema: crate::gen::lineitem_schema(),
+        partitions: PARTITIONS,
+        partitioner: crate::partitioner::hash(&["l_orderkey"]),
+        checksum_inputs: false,
+    };
+    driver.create_shuffle(&spec).await?;
+    let probe = async {
+        let rows = 8 * PARTITIONS as u64;
+        let maps = (0..MAPS).map(|m| {
+            let slice = crate::gen::LineitemSlice {
+                first_attempt_delay_ms: 0,
+                first: m * rows,
+                rows,
+                seed: 7,
+                batch_rows: rows as usize,
+            };
+            let source = proto::TaskSource {
+                kind: crate::gen::LINEITEM_SOURCE.into(),
+                payload: serde_json::to_vec(&slice).unwrap_or_default(),
+            };
+            driver.submit_map(spec.id, m as u32, from, MapInput::Source(source))
+        });
+        for done in futures::future::join_all(maps).await {
+            done.map_err(|e| Error::Cluster(format!("calibration probe: {e}")))??;
+        }
+        driver.seal(spec.id).await?;
+        let start = std::time::Instant::now();
+        for p in 0..PARTITIONS {
+            let mut s = driver.read_partition(spec.id, p, true).await?;
+            while let Some(b) = s.next().await {
+                b?;
+            }
+        }
+        let blocks = driver.blocks_of(spec.id).len().max(1) as f64;
+        let secs = start.elapsed().as_secs_f64() - PARTITIONS as f64 * request_s;
+        Ok::<_, Error>((secs / blocks).max(0.0))
+    };
+    let out = probe.await;
+    let _ = driver.drop_shuffle(spec.id).await;
+    out
+}
+
+/// A calibration as JSON (benchmark reports, `Cluster.calibration()`).
+pub fn to_json(c: &proto::Calibration) -> serde_json::Value {
+    serde_json::json!({
+        "partition_bytes_per_s": c.partition_bytes_per_s,
+        "encode_bytes_per_s": c.encode_bytes_per_s,
+        "decode_bytes_per_s": c.decode_bytes_per_s,
+        "block_overhead_s": c.block_overhead_s,
+        "remote_block_s": c.remote_block_s,
+        "disk_write_bytes_per_s": c.disk_write_bytes_per_s,
+        "disk_read_bytes_per_s": c.disk_read_bytes_per_s,
+        "request_s": c.request_s,
+        "network_bytes_per_s": c.network_bytes_per_s,
+        "parallelism": c.parallelism,
+    })
 }

@@ -1,121 +1,21 @@
 //! End-to-end tests of the data plane with real worker processes on loopback.
 
 use arrow::array::{Array, Int64Array, RecordBatch, StringArray};
-use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
+use arrow::datatypes::{DataType, Field, Schema};
 use arrow_flight::flight_service_client::FlightServiceClient;
 use arrow_flight::{Action, Ticket};
 use exchange::checksum::Checksum;
-use exchange::cluster::{LocalCluster, LocalClusterConfig};
+use exchange::cluster::LocalCluster;
 use exchange::driver::{MapInput, ShuffleSpec};
 use exchange::strategy::{pull, StrategyOptions};
 use exchange::{partitioner, proto, Error, ShuffleId};
 use futures::TryStreamExt;
 use prost::Message;
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-fn config(workers: usize, budget: u64) -> LocalClusterConfig {
-    let mut c = LocalClusterConfig::new(
-        workers,
-        vec![env!("CARGO_BIN_EXE_flightshuffle-worker").to_string()],
-    );
-    c.memory_budget = budget;
-    c
-}
-
-fn schema() -> SchemaRef {
-    Arc::new(Schema::new(vec![
-        Field::new("k", DataType::Int64, false),
-        Field::new("v", DataType::Utf8, true),
-    ]))
-}
-
-fn batches(n: usize, per: usize) -> Vec<RecordBatch> {
-    (0..n)
-        .map(|b| {
-            let keys: Int64Array = (0..per).map(|i| ((b * per + i) % 997) as i64).collect();
-            let vals: StringArray = (0..per)
-                .map(|i| (i % 11 != 0).then(|| format!("value-{b}-{i}")))
-                .collect();
-            RecordBatch::try_new(schema(), vec![Arc::new(keys), Arc::new(vals)]).unwrap()
-        })
-        .collect()
-}
-
-fn checksum(batches: &[RecordBatch]) -> Checksum {
-    let mut c = Checksum::default();
-    for b in batches {
-        c.add(Checksum::of_batch(b).unwrap());
-    }
-    c
-}
-
-/// Shuffle `input` from the driver in `maps` map tasks; return every partition's batches.
-async fn shuffle(
-    cluster: &LocalCluster,
-    input: &[RecordBatch],
-    maps: usize,
-    partitions: u32,
-) -> exchange::Result<Vec<Vec<RecordBatch>>> {
-    let driver = cluster.driver.clone();
-    let spec = ShuffleSpec {
-        id: ShuffleId::random(),
-        schema: schema(),
-        partitions,
-        partitioner: partitioner::hash(&["k"]),
-        checksum_inputs: true,
-    };
-    driver.create_shuffle(&spec).await?;
-    let chunk = input.len().div_ceil(maps);
-    let inputs: Vec<MapInput> = input
-        .chunks(chunk)
-        .map(|c| {
-            let owned: Vec<RecordBatch> = c.to_vec();
-            let s = futures::stream::iter(owned.into_iter().map(Ok));
-            MapInput::Stream(Box::pin(s))
-        })
-        .collect();
-    let mapped = pull::map_side(
-        &driver,
-        &spec,
-        futures::stream::iter(inputs),
-        StrategyOptions::default(),
-    )
-    .await?;
-    assert_eq!(mapped.input, checksum(input));
-    let mut out = Vec::new();
-    for p in 0..partitions {
-        let s = driver.read_partition(spec.id, p, true).await?;
-        out.push(s.try_collect::<Vec<_>>().await?);
-    }
-    let reduced =
-        pull::reduce_on_workers(&driver, &spec, "checksum", StrategyOptions::default()).await?;
-    let mut on_workers = Checksum::default();
-    for r in reduced {
-        on_workers.add(Checksum {
-            rows: r.input_rows,
-            sum: r.input_checksum,
-        });
-    }
-    assert_eq!(
-        on_workers, mapped.input,
-        "reducers on workers see the same multiset"
-    );
-    Ok(out)
-}
-
-fn assert_keys_not_split(parts: &[Vec<RecordBatch>]) {
-    let mut home: HashMap<i64, usize> = HashMap::new();
-    for (p, batches) in parts.iter().enumerate() {
-        for b in batches {
-            let k = b.column(0).as_any().downcast_ref::<Int64Array>().unwrap();
-            for key in k.values() {
-                assert_eq!(*home.entry(*key).or_insert(p), p, "key {key} split");
-            }
-        }
-    }
-}
+mod common;
+use common::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pull_shuffle_preserves_the_multiset_in_memory_and_spilling() {
@@ -398,52 +298,6 @@ async fn streaming_rounds_fold_to_the_exact_multiset() {
     cluster.stop();
 }
 
-/// Sum the `(rows, checksum)` rows a checksum reducer emits.
-fn checksum_rows(batches: &[RecordBatch]) -> Checksum {
-    use arrow::array::UInt64Array;
-    let mut c = Checksum::default();
-    for b in batches {
-        let rows = b.column(0).as_any().downcast_ref::<UInt64Array>().unwrap();
-        let sums = b.column(1).as_any().downcast_ref::<UInt64Array>().unwrap();
-        for i in 0..b.num_rows() {
-            c.add(Checksum {
-                rows: rows.value(i),
-                sum: sums.value(i),
-            });
-        }
-    }
-    c
-}
-
-fn lineitem_task(rows: u64) -> proto::TaskSource {
-    lineitem_slice(0, rows, 4096, 0)
-}
-
-/// A lineitem source task: `rows` rows from `first`; attempt 0 waits `delay_ms` first.
-fn lineitem_slice(first: u64, rows: u64, batch_rows: usize, delay_ms: u64) -> proto::TaskSource {
-    let slice = exchange::gen::LineitemSlice {
-        first_attempt_delay_ms: delay_ms,
-        first,
-        rows,
-        seed: 7,
-        batch_rows,
-    };
-    proto::TaskSource {
-        kind: exchange::gen::LINEITEM_SOURCE.into(),
-        payload: serde_json::to_vec(&slice).unwrap(),
-    }
-}
-
-fn lineitem_spec(checksum_inputs: bool) -> ShuffleSpec {
-    ShuffleSpec {
-        id: ShuffleId::random(),
-        schema: exchange::gen::lineitem_schema(),
-        partitions: 3,
-        partitioner: partitioner::hash(&["l_orderkey"]),
-        checksum_inputs,
-    }
-}
-
 /// Small replies are not held back by Nagle + delayed ACK (≈40 ms each on Linux): two
 /// concurrent actions on one connection come back in well under a millisecond typically;
 /// the bound leaves room for a loaded CI machine yet fails with delayed ACKs.
@@ -673,133 +527,4 @@ async fn shuffle_jobs_keep_the_multiset_with_every_partitioner() {
     .unwrap();
     let err = job::conform(narrow, &schema()).err().unwrap();
     assert!(err.to_string().contains("columns"), "{err}");
-}
-
-/// The merged strategy keeps the multiset, in memory and spilling, and reducers read fewer,
-/// larger blocks than with pull: each worker's small map outputs became a few per partition.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn merged_shuffle_reads_fewer_blocks_and_keeps_the_multiset() {
-    use exchange::job::{self, ShuffleJob, ShuffleOptions};
-    let input = batches(48, 400);
-    let want = checksum(&input);
-    for budget in [1 << 30, 64 << 10] {
-        let cluster = LocalCluster::start(config(2, budget)).await.unwrap();
-        let mut blocks = HashMap::new();
-        for name in ["pull", "merged"] {
-            let opts = ShuffleOptions {
-                by: vec!["k".into()],
-                partitions: 4,
-                partitioner: job::PartitionerKind::Hash,
-                map_bytes: 1, // one map task per batch: many small blocks
-                strategy: StrategyOptions::named(name).unwrap(),
-            };
-            let it: job::Input = Box::new(input.clone().into_iter().map(Ok));
-            let (spec, it) = job::prepare(&schema(), it, &opts).unwrap();
-            let job = ShuffleJob::start(cluster.driver.clone(), spec, it, &opts)
-                .await
-                .unwrap();
-            let mut parts = Vec::new();
-            while let Some(p) = job.next_partition().await {
-                parts.push(p.unwrap().1);
-            }
-            let summary = job.mapped().await.unwrap();
-            assert_eq!(summary.maps, 48);
-            assert_eq!(checksum(&parts.concat()), want, "{name}, budget {budget}");
-            assert_keys_not_split(&parts);
-            if name == "merged" {
-                assert!(summary.merges > 0, "{summary:?}");
-            }
-            blocks.insert(name, summary.blocks);
-            job.close().await.unwrap();
-        }
-        assert!(
-            blocks["merged"] * 4 <= blocks["pull"],
-            "budget {budget}: {blocks:?}"
-        );
-    }
-}
-
-/// Speculative execution: a map whose first attempt straggles (it waits 60 s before its first
-/// batch; fault injection) gets a second attempt on the other worker once the others are
-/// done; the copy commits, the straggler is aborted, and the output multiset is exact (no rows
-/// from the aborted attempt). Without speculation the shuffle would wait the full minute.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_straggling_map_is_copied_and_the_first_commit_wins() {
-    let cluster = LocalCluster::start(config(2, 1 << 30)).await.unwrap();
-    let driver = cluster.driver.clone();
-    let spec = lineitem_spec(true);
-    driver.create_shuffle(&spec).await.unwrap();
-    let inputs = (0..6u64).map(|m| {
-        let delay = if m == 2 { 60_000 } else { 0 };
-        MapInput::Source(lineitem_slice(m * 5000, 5000, 1024, delay))
-    });
-    let opts = StrategyOptions {
-        speculation: Some(2.0),
-        ..StrategyOptions::default()
-    };
-    let mapped = pull::map_side(&driver, &spec, futures::stream::iter(inputs), opts)
-        .await
-        .unwrap();
-    let straggler = mapped.maps.iter().find(|m| m.map == 2).unwrap();
-    assert_eq!(straggler.attempt, 1, "the copy committed");
-    assert_eq!(mapped.input.rows, 30_000);
-    let mut out = Vec::new();
-    for p in 0..spec.partitions {
-        let s = driver.read_partition(spec.id, p, true).await.unwrap();
-        out.extend(s.try_collect::<Vec<_>>().await.unwrap());
-    }
-    let mut got = Checksum::default();
-    for b in &out {
-        got.add(Checksum::of_batch(b).unwrap());
-    }
-    assert_eq!(got, mapped.input);
-    driver.drop_shuffle(spec.id).await.unwrap();
-}
-
-/// Every strategy: the exact multiset, and blocks where the strategy says (push: on the
-/// partition's owner; two-level: in the owner's grid column), merged into fewer blocks.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn every_strategy_keeps_the_multiset_and_places_its_blocks() {
-    use exchange::strategy::{map_side, Placement};
-    use futures::StreamExt;
-    let cluster = LocalCluster::start(config(3, 1 << 30)).await.unwrap();
-    let driver = cluster.driver.clone();
-    let mut blocks = HashMap::new();
-    for name in ["pull", "merged", "push", "two-level", "auto"] {
-        let spec = ShuffleSpec {
-            partitions: 7,
-            ..lineitem_spec(true)
-        };
-        driver.create_shuffle(&spec).await.unwrap();
-        let inputs = (0..12u64).map(|m| MapInput::Source(lineitem_slice(m * 2_000, 2_000, 500, 0)));
-        let opts = StrategyOptions::named(name).unwrap();
-        let mapped = map_side(&driver, &spec, futures::stream::iter(inputs), opts)
-            .await
-            .unwrap();
-        for b in driver.blocks_of(spec.id) {
-            let p = b.meta.id.partition;
-            match name {
-                "push" => assert_eq!(b.worker, Placement::owner(p, 3), "{name}: {b:?}"),
-                "two-level" => assert!(
-                    Placement::Grid.readers(p, 3).contains(&b.worker),
-                    "{name}: {b:?}"
-                ),
-                _ => {}
-            }
-        }
-        let mut out = Checksum::default();
-        for p in 0..spec.partitions {
-            let mut s = driver.read_partition(spec.id, p, true).await.unwrap();
-            while let Some(b) = s.next().await {
-                out.add(Checksum::of_batch(&b.unwrap()).unwrap());
-            }
-        }
-        assert_eq!(out, mapped.input, "{name}");
-        assert_eq!(out.rows, 24_000, "{name}");
-        blocks.insert(name, driver.blocks_of(spec.id).len());
-        driver.drop_shuffle(spec.id).await.unwrap();
-    }
-    for name in ["merged", "push", "two-level"] {
-        assert!(blocks[name] * 2 <= blocks["pull"], "{blocks:?}");
-    }
 }

@@ -406,19 +406,7 @@ impl NativeCluster {
         let c = py
             .detach(|| self.rt.block_on(driver.calibration()))
             .map_err(to_py)?;
-        Ok(serde_json::json!({
-            "partition_bytes_per_s": c.partition_bytes_per_s,
-            "encode_bytes_per_s": c.encode_bytes_per_s,
-            "decode_bytes_per_s": c.decode_bytes_per_s,
-            "block_overhead_s": c.block_overhead_s,
-            "remote_block_s": c.remote_block_s,
-            "disk_write_bytes_per_s": c.disk_write_bytes_per_s,
-            "disk_read_bytes_per_s": c.disk_read_bytes_per_s,
-            "request_s": c.request_s,
-            "network_bytes_per_s": c.network_bytes_per_s,
-            "parallelism": c.parallelism,
-        })
-        .to_string())
+        Ok(exchange::calibrate::to_json(&c).to_string())
     }
 
     /// Stop every worker process. Safe to call more than once.

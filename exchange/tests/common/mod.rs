@@ -1,0 +1,166 @@
+//! Helpers shared by the end-to-end tests: clusters, inputs, checksums, lineitem tasks.
+#![allow(dead_code)]
+
+use arrow::array::{Array, Int64Array, RecordBatch, StringArray};
+use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
+use exchange::checksum::Checksum;
+use exchange::cluster::{LocalCluster, LocalClusterConfig};
+use exchange::driver::{MapInput, ShuffleSpec};
+use exchange::strategy::{pull, StrategyOptions};
+use exchange::{partitioner, proto, ShuffleId};
+use futures::TryStreamExt;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+pub fn config(workers: usize, budget: u64) -> LocalClusterConfig {
+    let mut c = LocalClusterConfig::new(
+        workers,
+        vec![env!("CARGO_BIN_EXE_flightshuffle-worker").to_string()],
+    );
+    c.memory_budget = budget;
+    c
+}
+
+pub fn schema() -> SchemaRef {
+    Arc::new(Schema::new(vec![
+        Field::new("k", DataType::Int64, false),
+        Field::new("v", DataType::Utf8, true),
+    ]))
+}
+
+pub fn batches(n: usize, per: usize) -> Vec<RecordBatch> {
+    (0..n)
+        .map(|b| {
+            let keys: Int64Array = (0..per).map(|i| ((b * per + i) % 997) as i64).collect();
+            let vals: StringArray = (0..per)
+                .map(|i| (i % 11 != 0).then(|| format!("value-{b}-{i}")))
+                .collect();
+            RecordBatch::try_new(schema(), vec![Arc::new(keys), Arc::new(vals)]).unwrap()
+        })
+        .collect()
+}
+
+pub fn checksum(batches: &[RecordBatch]) -> Checksum {
+    let mut c = Checksum::default();
+    for b in batches {
+        c.add(Checksum::of_batch(b).unwrap());
+    }
+    c
+}
+
+/// Shuffle `input` from the driver in `maps` map tasks; return every partition's batches.
+pub async fn shuffle(
+    cluster: &LocalCluster,
+    input: &[RecordBatch],
+    maps: usize,
+    partitions: u32,
+) -> exchange::Result<Vec<Vec<RecordBatch>>> {
+    let driver = cluster.driver.clone();
+    let spec = ShuffleSpec {
+        id: ShuffleId::random(),
+        schema: schema(),
+        partitions,
+        partitioner: partitioner::hash(&["k"]),
+        checksum_inputs: true,
+    };
+    driver.create_shuffle(&spec).await?;
+    let chunk = input.len().div_ceil(maps);
+    let inputs: Vec<MapInput> = input
+        .chunks(chunk)
+        .map(|c| {
+            let owned: Vec<RecordBatch> = c.to_vec();
+            let s = futures::stream::iter(owned.into_iter().map(Ok));
+            MapInput::Stream(Box::pin(s))
+        })
+        .collect();
+    let mapped = pull::map_side(
+        &driver,
+        &spec,
+        futures::stream::iter(inputs),
+        StrategyOptions::default(),
+    )
+    .await?;
+    assert_eq!(mapped.input, checksum(input));
+    let mut out = Vec::new();
+    for p in 0..partitions {
+        let s = driver.read_partition(spec.id, p, true).await?;
+        out.push(s.try_collect::<Vec<_>>().await?);
+    }
+    let reduced =
+        pull::reduce_on_workers(&driver, &spec, "checksum", StrategyOptions::default()).await?;
+    let mut on_workers = Checksum::default();
+    for r in reduced {
+        on_workers.add(Checksum {
+            rows: r.input_rows,
+            sum: r.input_checksum,
+        });
+    }
+    assert_eq!(
+        on_workers, mapped.input,
+        "reducers on workers see the same multiset"
+    );
+    Ok(out)
+}
+
+pub fn assert_keys_not_split(parts: &[Vec<RecordBatch>]) {
+    let mut home: HashMap<i64, usize> = HashMap::new();
+    for (p, batches) in parts.iter().enumerate() {
+        for b in batches {
+            let k = b.column(0).as_any().downcast_ref::<Int64Array>().unwrap();
+            for key in k.values() {
+                assert_eq!(*home.entry(*key).or_insert(p), p, "key {key} split");
+            }
+        }
+    }
+}
+
+/// Sum the `(rows, checksum)` rows a checksum reducer emits.
+pub fn checksum_rows(batches: &[RecordBatch]) -> Checksum {
+    use arrow::array::UInt64Array;
+    let mut c = Checksum::default();
+    for b in batches {
+        let rows = b.column(0).as_any().downcast_ref::<UInt64Array>().unwrap();
+        let sums = b.column(1).as_any().downcast_ref::<UInt64Array>().unwrap();
+        for i in 0..b.num_rows() {
+            c.add(Checksum {
+                rows: rows.value(i),
+                sum: sums.value(i),
+            });
+        }
+    }
+    c
+}
+
+pub fn lineitem_task(rows: u64) -> proto::TaskSource {
+    lineitem_slice(0, rows, 4096, 0)
+}
+
+/// A lineitem source task: `rows` rows from `first`; attempt 0 waits `delay_ms` first.
+pub fn lineitem_slice(
+    first: u64,
+    rows: u64,
+    batch_rows: usize,
+    delay_ms: u64,
+) -> proto::TaskSource {
+    let slice = exchange::gen::LineitemSlice {
+        first_attempt_delay_ms: delay_ms,
+        first,
+        rows,
+        seed: 7,
+        batch_rows,
+    };
+    proto::TaskSource {
+        kind: exchange::gen::LINEITEM_SOURCE.into(),
+        payload: serde_json::to_vec(&slice).unwrap(),
+    }
+}
+
+pub fn lineitem_spec(checksum_inputs: bool) -> ShuffleSpec {
+    ShuffleSpec {
+        id: ShuffleId::random(),
+        schema: exchange::gen::lineitem_schema(),
+        partitions: 3,
+        partitioner: partitioner::hash(&["l_orderkey"]),
+        checksum_inputs,
+    }
+}
