@@ -78,12 +78,21 @@ def slow_reader(batches: int, rows: int, delay: float) -> pa.RecordBatchReader:
     return pa.RecordBatchReader.from_batches(schema, gen())
 
 
-def test_killed_worker_fails_within_30s_naming_it(pids_gone):
+@pytest.mark.parametrize("strategy", ["pull", "push", "two-level"])
+def test_killed_worker_fails_within_30s_naming_it(pids_gone, strategy):
     c = fs.Cluster(workers=3, timeout=60)
     pids = c.worker_pids
     victim = 1
     try:
-        result = c.shuffle(slow_reader(400, 20_000, 0.02), by="key", partitions=6, map_bytes="1MiB")
+        # With push, the failure first shows on a worker pushing to the victim: the driver
+        # still names the victim.
+        result = c.shuffle(
+            slow_reader(400, 20_000, 0.02),
+            by="key",
+            partitions=6,
+            map_bytes="1MiB",
+            strategy=strategy,
+        )
         threading.Timer(1.0, os.kill, args=(pids[victim], signal.SIGKILL)).start()
         start = time.monotonic()
         with pytest.raises(fs.WorkerLostError) as err:

@@ -252,7 +252,12 @@ impl Driver {
             return self.lost(worker, err.to_string());
         }
         match self.workers[worker].health(self.cfg.health_timeout).await {
-            Ok(_) => err,
+            // The worker that answered is alive, but the failure may be a peer's it was
+            // talking to (a push, a read): name a lost peer as the cause when there is one.
+            Ok(_) => match self.first_dead().await {
+                Some((w, reason)) => self.lost(w, format!("{reason}; after: {err}")),
+                None => err,
+            },
             Err(h) => self.lost(worker, format!("{err}; health check: {h}")),
         }
     }
