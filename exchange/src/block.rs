@@ -40,6 +40,41 @@ pub struct BlockId {
     pub seq: u32,
 }
 
+/// A part of one reduce partition for a skew split: the reader of slice `index` of `count`
+/// reads only the blocks [`Slice::contains`] assigns to it, so `count` readers of the same
+/// partition together read each of its blocks exactly once. Blocks are dealt round-robin by
+/// (map + sequence), which spreads every map's blocks evenly over the slices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Slice {
+    pub index: u32,
+    pub count: u32,
+}
+
+impl Slice {
+    /// The whole partition.
+    pub const WHOLE: Slice = Slice { index: 0, count: 1 };
+
+    /// Slice `index` of `count`; an index outside `0..count` is an error.
+    pub fn new(index: u32, count: u32) -> crate::Result<Slice> {
+        let count = count.max(1);
+        if index >= count {
+            return Err(crate::Error::invalid(format!(
+                "slice {index} of {count}: the index must be below the count"
+            )));
+        }
+        Ok(Slice { index, count })
+    }
+
+    pub fn is_whole(&self) -> bool {
+        self.count <= 1
+    }
+
+    /// Whether block `id` belongs to this slice.
+    pub fn contains(&self, id: &BlockId) -> bool {
+        self.is_whole() || id.map.wrapping_add(id.seq) % self.count == self.index
+    }
+}
+
 impl fmt::Display for BlockId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
@@ -295,6 +330,37 @@ mod tests {
     use super::*;
     use arrow::array::{Int64Array, StringViewArray};
     use arrow::datatypes::Field;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The slices of a skew split cover every block exactly once, and evenly: each map's
+        /// blocks of one partition differ by at most one between slices.
+        #[test]
+        fn slices_partition_the_blocks(maps in 1u32..6, blocks in 0u32..40, count in 1u32..9) {
+            let mut per_slice = vec![vec![0u32; maps as usize]; count as usize];
+            for map in 0..maps {
+                for seq in 0..blocks {
+                    let id = BlockId { shuffle: ShuffleId(1), map, partition: 3, attempt: 0, seq };
+                    let owners: Vec<u32> = (0..count)
+                        .filter(|&i| Slice::new(i, count).unwrap().contains(&id))
+                        .collect();
+                    prop_assert_eq!(owners.len(), 1);
+                    per_slice[owners[0] as usize][map as usize] += 1;
+                    prop_assert!(Slice::WHOLE.contains(&id));
+                }
+            }
+            for map in 0..maps as usize {
+                let n: Vec<u32> = per_slice.iter().map(|s| s[map]).collect();
+                prop_assert!(n.iter().max().unwrap() - n.iter().min().unwrap() <= 1);
+            }
+        }
+    }
+
+    #[test]
+    fn a_slice_index_beyond_its_count_is_refused() {
+        assert!(Slice::new(3, 3).is_err());
+        assert_eq!(Slice::new(0, 0).unwrap(), Slice::WHOLE);
+    }
 
     fn batch() -> RecordBatch {
         let schema = Arc::new(Schema::new(vec![

@@ -5,7 +5,7 @@
 //! lost when a call to it fails and a health check with a short timeout confirms it; the error
 //! then names the worker and counts the blocks it held.
 
-use crate::block::{encode_schema, BlockId, BlockMeta, ShuffleId};
+use crate::block::{encode_schema, BlockId, BlockMeta, ShuffleId, Slice};
 use crate::checksum::Checksum;
 use crate::error::{Error, Result};
 use crate::proto;
@@ -705,9 +705,9 @@ impl Driver {
         let readers = self
             .placement(shuffle)
             .readers(partition, self.workers.len());
-        let opens = readers
-            .iter()
-            .map(|&w| self.workers[w].read_partition(shuffle.0, partition, wait_sealed));
+        let opens = readers.iter().map(|&w| {
+            self.workers[w].read_partition(shuffle.0, partition, wait_sealed, Slice::WHOLE)
+        });
         let mut streams = Vec::new();
         for r in futures::future::join_all(opens).await {
             match r {

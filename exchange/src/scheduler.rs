@@ -7,17 +7,23 @@
 //! it; a stage is sealed when all its maps are committed, which ends its readers' streams.
 //! Blocks still land in the block store (spilling and re-reading work as for one stage).
 //!
+//! A stage may instead be *deferred* on a stage it reads ([`Deferred`]): it starts once that
+//! stage is sealed, with map inputs chosen from its partition sizes (a skew split).
+//!
 //! No deadlock: every stage has its own task allowance (`maps_per_worker` per stage), so a
 //! consumer's tasks that wait for a producer never hold a slot that producer needs, and a
 //! waiting reader is an idle future on the worker, not a blocked thread. The price is that
 //! up to (stages × `maps_per_worker`) tasks share a worker's cores at once.
 
+use crate::block::ShuffleId;
 use crate::driver::{Driver, MapInput, ShuffleSpec};
 use crate::error::Result;
 use crate::strategy::{self, Strategy, StrategyOptions};
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
+use tokio::sync::watch;
 
 /// One stage to run: the shuffle it writes, one input per map task, and the strategy of its
 /// exchange.
@@ -25,7 +31,22 @@ pub struct StageRun {
     pub spec: ShuffleSpec,
     pub inputs: Vec<MapInput>,
     pub strategy: Strategy,
+    /// Inputs decided late, from what an earlier stage wrote (see [`Deferred`]); replaces
+    /// `inputs`.
+    pub deferred: Option<Deferred>,
 }
+
+/// A stage whose map inputs depend on the partition sizes of a stage it reads (a skew split
+/// of a hot partition): it starts once that stage is sealed, not pipelined with it.
+pub struct Deferred {
+    /// The shuffle whose sizes decide (a stage of the same run).
+    pub after: ShuffleId,
+    /// Gets the bytes of each of `after`'s partitions; returns the map inputs and a note for
+    /// the stage's report (empty: nothing to say).
+    pub decide: DecideInputs,
+}
+
+pub type DecideInputs = Box<dyn FnOnce(&[u64]) -> Result<(Vec<MapInput>, String)> + Send>;
 
 /// How a stage went, with times in seconds since the query started.
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -63,9 +84,38 @@ pub async fn run_pipelined<T>(
         watch: false,
         ..opts
     };
+    // Each stage publishes its partition sizes once sealed, for the stages deferred on it.
+    let sizes: HashMap<ShuffleId, watch::Sender<Option<Arc<Vec<u64>>>>> = stages
+        .iter()
+        .map(|s| (s.spec.id, watch::channel(None).0))
+        .collect();
+    for s in &stages {
+        if let Some(d) = &s.deferred {
+            if !sizes.contains_key(&d.after) {
+                return Err(crate::Error::invalid(format!(
+                    "stage of shuffle {} waits for shuffle {}, which is not in the run",
+                    s.spec.id, d.after
+                )));
+            }
+        }
+    }
+    let sizes = &sizes;
     let runs = stages.into_iter().map(|s| async move {
+        let (inputs, note) = match s.deferred {
+            None => (s.inputs, String::new()),
+            Some(d) => {
+                let mut rx = sizes[&d.after].subscribe();
+                let bytes = rx
+                    .wait_for(|b| b.is_some())
+                    .await
+                    .map_err(|_| crate::Error::Cluster("a producing stage ended".into()))?
+                    .clone()
+                    .unwrap_or_default();
+                (d.decide)(&bytes)?
+            }
+        };
         let start_s = started.elapsed().as_secs_f64();
-        let inputs = futures::stream::iter(s.inputs);
+        let inputs = futures::stream::iter(inputs);
         let opts = StrategyOptions {
             strategy: s.strategy,
             ..opts
@@ -74,10 +124,19 @@ pub async fn run_pipelined<T>(
         let secs = |t: Option<Instant>| t.map_or(0.0, |t| t.duration_since(started).as_secs_f64());
         let (max_partition_bytes, median_partition_bytes) =
             mapped.partition_bytes(s.spec.partitions);
+        if let Some(tx) = sizes.get(&s.spec.id) {
+            tx.send_replace(Some(Arc::new(
+                mapped.bytes_per_partition(s.spec.partitions),
+            )));
+        }
+        let mut strategy = driver
+            .choice(s.spec.id)
+            .unwrap_or_else(|| s.strategy.to_string());
+        if !note.is_empty() {
+            strategy = format!("{strategy}; {note}");
+        }
         Ok::<_, crate::Error>(StageReport {
-            strategy: driver
-                .choice(s.spec.id)
-                .unwrap_or_else(|| s.strategy.to_string()),
+            strategy,
             max_partition_bytes,
             median_partition_bytes,
             tasks: mapped.maps.len(),

@@ -3,7 +3,7 @@
 //! which engines fold blocks into a running reduce state (streaming strategy).
 
 use crate::block::{
-    same_columns, schema_summary, BlockId, BlockMeta, Compression, EncodedBlock, ShuffleId,
+    same_columns, schema_summary, BlockId, BlockMeta, Compression, EncodedBlock, ShuffleId, Slice,
 };
 use crate::checksum::Checksum;
 use crate::error::{Error, Result};
@@ -24,7 +24,17 @@ pub type BatchStream = Pin<Box<dyn Stream<Item = Result<RecordBatch>> + Send>>;
 /// in commit order, following new commits until the shuffle is sealed), or the output of one
 /// map. Implemented by [`crate::transport::peers::PeerReader`] for workers and the driver.
 pub trait ShuffleReader: Send + Sync {
-    fn read_partition(&self, peers: &[String], shuffle: ShuffleId, partition: u32) -> BatchStream;
+    fn read_partition(&self, peers: &[String], shuffle: ShuffleId, partition: u32) -> BatchStream {
+        self.read_partition_slice(peers, shuffle, partition, Slice::WHOLE)
+    }
+    /// One slice of a reduce partition's blocks (a skew split, see [`Slice`]).
+    fn read_partition_slice(
+        &self,
+        peers: &[String],
+        shuffle: ShuffleId,
+        partition: u32,
+        slice: Slice,
+    ) -> BatchStream;
     fn read_map_output(&self, peers: &[String], shuffle: ShuffleId, map: u32) -> BatchStream;
 }
 

@@ -4,6 +4,7 @@ use arrow::array::{Array, Int64Array, RecordBatch, StringArray};
 use arrow::datatypes::{DataType, Field, Schema};
 use arrow_flight::flight_service_client::FlightServiceClient;
 use arrow_flight::{Action, Ticket};
+use exchange::block::Slice;
 use exchange::checksum::Checksum;
 use exchange::cluster::LocalCluster;
 use exchange::driver::{MapInput, ShuffleSpec};
@@ -158,7 +159,12 @@ async fn bad_requests_get_clear_statuses() {
     );
     // Unknown shuffle.
     assert_eq!(
-        code(w.read_partition(42, 0, false).await.err().unwrap()),
+        code(
+            w.read_partition(42, 0, false, Slice::WHOLE)
+                .await
+                .err()
+                .unwrap()
+        ),
         tonic::Code::NotFound
     );
     assert_eq!(
@@ -349,7 +355,10 @@ async fn map_tasks_checksum_only_when_the_shuffle_asks() {
 async fn rows_visible(w: &exchange::transport::client::WorkerClient, spec: &ShuffleSpec) -> usize {
     let mut rows = 0;
     for p in 0..spec.partitions {
-        let s = w.read_partition(spec.id.0, p, false).await.unwrap();
+        let s = w
+            .read_partition(spec.id.0, p, false, Slice::WHOLE)
+            .await
+            .unwrap();
         let batches: Vec<RecordBatch> = s.try_collect().await.unwrap();
         rows += batches.iter().map(|b| b.num_rows()).sum::<usize>();
     }

@@ -193,7 +193,14 @@ def _tpch(args: argparse.Namespace) -> int:
     ) as c:
         for name, path in tpch.table_paths(root).items():
             c.register_parquet(name, path)
-        print(f"strategy {args.strategy}, {args.workers} workers, SF{args.sf:g}")
+        for setting in args.set:
+            name, sep, value = setting.partition("=")
+            if not sep or not name.strip():
+                print(f"--set wants NAME=VALUE, got {setting!r}", file=sys.stderr)
+                return 2
+            c.sql(f"SET {name.strip()} = '{value.strip()}'")
+        settings = "".join(f", {s}" for s in args.set)
+        print(f"strategy {args.strategy}, {args.workers} workers, SF{args.sf:g}{settings}")
         print(
             f"{'query':>5} {'cluster s':>10} {'1-proc DF s':>11} {'ratio':>6} {'duckdb s':>9} "
             f"{'stages':>6} {'shuffled MB':>12} {'calls':>6}  answer"
@@ -251,6 +258,7 @@ def _tpch(args: argparse.Namespace) -> int:
                 "sf": args.sf,
                 "workers": args.workers,
                 "strategy": args.strategy,
+                "settings": args.set,
                 "repeat": args.repeat,
                 "queries": rows,
                 "total_cluster_s": total,
@@ -507,6 +515,13 @@ def main(argv: list[str] | None = None) -> int:
         default="pull",
         choices=list(STRATEGIES),
         help="exchange strategy of every query (default pull)",
+    )
+    t.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a session setting for every query, e.g. flightshuffle.skew_factor=0 (repeatable)",
     )
     t.add_argument(
         "--no-check", dest="check", action="store_false", help="skip the DuckDB answer check"

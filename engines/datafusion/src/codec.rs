@@ -7,6 +7,7 @@ use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::TaskContext;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion_proto::physical_plan::{PhysicalExtensionCodec, PhysicalProtoConverterExtension};
+use exchange::block::Slice;
 use exchange::block::{decode_schema, encode_schema};
 use exchange::strategy::Strategy;
 use exchange::ShuffleId;
@@ -25,6 +26,9 @@ struct ReaderNode {
     schema_ipc: Vec<u8>,
     #[prost(uint32, tag = "5")]
     partitions: u32,
+    /// A skew layout as (partition, slice index, slice count) triples, flattened.
+    #[prost(uint32, repeated, tag = "6")]
+    layout: Vec<u32>,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -74,13 +78,30 @@ impl PhysicalExtensionCodec for ExchangeCodec {
                 _ => return Err(bad("unknown reader mode")),
             };
             let schema = decode_schema(&r.schema_ipc).map_err(|e| bad(&e.to_string()))?;
-            return Ok(Arc::new(ShuffleReaderExec::new(
+            let reader = ShuffleReaderExec::new(
                 r.stage,
                 ShuffleId(r.shuffle),
                 mode,
                 schema,
                 r.partitions as usize,
-            )));
+            );
+            if r.layout.is_empty() {
+                return Ok(Arc::new(reader));
+            }
+            if r.layout.len() % 3 != 0 || r.layout.len() / 3 != r.partitions as usize {
+                return Err(bad("skew layout does not match the partition count"));
+            }
+            let layout = r
+                .layout
+                .chunks(3)
+                .map(|t| {
+                    Ok((
+                        t[0],
+                        Slice::new(t[1], t[2]).map_err(|e| bad(&e.to_string()))?,
+                    ))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            return Ok(Arc::new(reader.with_layout(Arc::new(layout))?));
         }
         if let Some(w) = node.writer {
             let input = inputs
@@ -126,6 +147,12 @@ impl PhysicalExtensionCodec for ExchangeCodec {
                         .map_err(|e| DataFusionError::External(Box::new(e)))?
                         .to_vec(),
                     partitions: r.partitions() as u32,
+                    layout: r
+                        .layout
+                        .iter()
+                        .flat_map(|l| l.iter())
+                        .flat_map(|(p, s)| [*p, s.index, s.count])
+                        .collect(),
                 }),
                 writer: None,
             }

@@ -7,8 +7,10 @@
 use crate::broadcast::BroadcastJoins;
 use crate::codec::ExchangeCodec;
 use crate::planner::{plan_stages_with, StagedPlan, SMALL_GATHER_ROWS};
+use crate::skew::{self, SkewConfig};
 use crate::source::StageTask;
-use crate::{ExchangeContext, Result, STAGE_SOURCE};
+use crate::writer::ShuffleWriterExec;
+use crate::{Error, ExchangeContext, Result, STAGE_SOURCE};
 use arrow::array::{RecordBatch, StringArray};
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use datafusion::execution::session_state::SessionStateBuilder;
@@ -19,7 +21,7 @@ use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
 use datafusion_proto::bytes::physical_plan_to_bytes_with_extension_codec;
 use exchange::driver::{Driver, MapInput, ShuffleSpec};
 use exchange::proto;
-use exchange::scheduler::{run_pipelined, StageRun};
+use exchange::scheduler::{run_pipelined, Deferred, StageRun};
 use exchange::strategy::{Strategy, StrategyOptions};
 use prost::Message;
 use std::sync::Arc;
@@ -317,10 +319,11 @@ impl DistributedContext {
         }
         let started = Instant::now();
         let rpcs_before = self.rpcs().await;
+        let skew = self.skew_config();
         let runs = staged
             .stages
             .iter()
-            .map(|s| self.stage_run(s))
+            .map(|s| self.stage_run(s, &skew))
             .collect::<Result<Vec<_>>>()?;
         let root = async {
             collect(staged.root.clone(), self.task_ctx())
@@ -375,8 +378,9 @@ impl DistributedContext {
     }
 
     /// One stage as the scheduler runs it: its shuffle and its map tasks, one per worker
-    /// ([`crate::writer::ShuffleWriterExec::task_groups`]).
-    fn stage_run(&self, stage: &crate::planner::Stage) -> Result<StageRun> {
+    /// ([`crate::writer::ShuffleWriterExec::task_groups`]). A stage that can split a skewed
+    /// probe side ([`crate::skew`]) is deferred until its probe producer is sealed.
+    fn stage_run(&self, stage: &crate::planner::Stage, skew: &SkewConfig) -> Result<StageRun> {
         let writer = &stage.writer;
         let spec = ShuffleSpec {
             id: writer.shuffle,
@@ -385,42 +389,101 @@ impl DistributedContext {
             partitioner: writer.partitioner(),
             checksum_inputs: false,
         };
-        let plan = physical_plan_to_bytes_with_extension_codec(
-            writer.clone() as Arc<dyn ExecutionPlan>,
-            &ExchangeCodec,
-        )?
-        .to_vec();
-        let workers = self.driver.addresses();
-        let timeout_secs = self.driver.config().rpc_timeout.as_secs();
-        let batch_size = self.ctx.copied_config().batch_size() as u32;
-        let inputs = writer
-            .task_groups(workers.len())
-            .into_iter()
-            .map(|partitions| {
-                let task = StageTask {
-                    plan: plan.clone(),
-                    partitions,
-                    workers: workers.clone(),
-                    timeout_secs,
-                    batch_size,
-                };
-                MapInput::Source(proto::TaskSource {
-                    kind: STAGE_SOURCE.into(),
-                    payload: task.encode_to_vec(),
-                })
-            })
-            .collect();
+        let tasks = TaskBuilder {
+            workers: self.driver.addresses(),
+            timeout_secs: self.driver.config().rpc_timeout.as_secs(),
+            batch_size: self.ctx.copied_config().batch_size() as u32,
+        };
         // A sorted-run exchange's readers read each map output as one run: merging runs would
         // break them, so such an exchange moves its blocks with pull whatever it asks for.
         let strategy = match writer.kind {
             crate::writer::WriterKind::Merge => exchange::strategy::Strategy::Pull,
             _ => writer.strategy,
         };
+        let split = skew.enabled().then(|| skew::candidate(writer)).flatten();
+        let Some((probe_stage, probe)) = split else {
+            return Ok(StageRun {
+                spec,
+                inputs: tasks.inputs(writer)?,
+                strategy,
+                deferred: None,
+            });
+        };
+        let (writer, skew) = (writer.clone(), *skew);
+        let decide = move |bytes: &[u64]| {
+            let task_err = |e: Error| exchange::Error::Task(e.to_string());
+            match skew::decide(bytes, &skew) {
+                None => Ok((tasks.inputs(&writer).map_err(task_err)?, String::new())),
+                Some((layout, note)) => {
+                    let split =
+                        skew::apply(&writer, probe, &layout).map_err(|e| task_err(e.into()))?;
+                    let inputs = tasks.inputs(&split).map_err(task_err)?;
+                    Ok((inputs, format!("{note}, reading stage {probe_stage}")))
+                }
+            }
+        };
         Ok(StageRun {
             spec,
-            inputs,
+            inputs: vec![],
             strategy,
+            deferred: Some(Deferred {
+                after: probe,
+                decide: Box::new(decide),
+            }),
         })
+    }
+
+    /// Skew-split settings of the session (`SET flightshuffle.skew_factor` and
+    /// `flightshuffle.skew_min_bytes`).
+    pub fn skew_config(&self) -> SkewConfig {
+        let state = self.ctx.state();
+        let defaults = crate::FlightshuffleOptions::default();
+        let o = state
+            .config()
+            .options()
+            .extensions
+            .get::<crate::FlightshuffleOptions>()
+            .unwrap_or(&defaults);
+        SkewConfig {
+            factor: o.skew_factor,
+            min_bytes: o.skew_min_bytes,
+            max_splits: 2 * self.driver.num_workers() as u32,
+        }
+    }
+}
+
+/// Builds a stage's map tasks: one per worker, each running a group of the stage's partitions.
+#[derive(Clone)]
+struct TaskBuilder {
+    workers: Vec<String>,
+    timeout_secs: u64,
+    batch_size: u32,
+}
+
+impl TaskBuilder {
+    fn inputs(&self, writer: &Arc<ShuffleWriterExec>) -> Result<Vec<MapInput>> {
+        let plan = physical_plan_to_bytes_with_extension_codec(
+            writer.clone() as Arc<dyn ExecutionPlan>,
+            &ExchangeCodec,
+        )?
+        .to_vec();
+        Ok(writer
+            .task_groups(self.workers.len())
+            .into_iter()
+            .map(|partitions| {
+                let task = StageTask {
+                    plan: plan.clone(),
+                    partitions,
+                    workers: self.workers.clone(),
+                    timeout_secs: self.timeout_secs,
+                    batch_size: self.batch_size,
+                };
+                MapInput::Source(proto::TaskSource {
+                    kind: STAGE_SOURCE.into(),
+                    payload: task.encode_to_vec(),
+                })
+            })
+            .collect())
     }
 }
 

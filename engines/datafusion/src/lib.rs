@@ -13,6 +13,7 @@ pub mod codec;
 pub mod context;
 pub mod planner;
 pub mod reader;
+pub mod skew;
 pub mod source;
 pub mod writer;
 
@@ -59,6 +60,12 @@ datafusion::common::extensions_options! {
         /// Strategy of every exchange of the following queries: `pull`, `merged`, `push`,
         /// `two-level` or `auto` (empty: the cluster's default).
         pub strategy: String, default = String::new()
+        /// Skew splits of join probe sides: a partition over this many times the median
+        /// (and over `skew_min_bytes`) is split across several tasks; 0 turns them off. A
+        /// stage that could split waits for its probe side's producer to finish.
+        pub skew_factor: f64, default = 5.0
+        /// Partitions under this many bytes are never split.
+        pub skew_min_bytes: u64, default = 64 * 1024 * 1024
     }
 }
 

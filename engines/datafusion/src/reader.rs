@@ -13,6 +13,7 @@ use datafusion::physical_expr::{EquivalenceProperties, Partitioning, PhysicalExp
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties};
+use exchange::block::Slice;
 use exchange::ShuffleId;
 use futures::StreamExt;
 use std::fmt;
@@ -24,6 +25,11 @@ pub enum ReadMode {
     MapOutput = 1,
 }
 
+/// Which part of the producer's output each output partition of a reader reads, when a skew
+/// split changed the stage's partitions ([`crate::skew`]): output partition i reads reduce
+/// partition `layout[i].0`, only the blocks of slice `layout[i].1`.
+pub type Layout = Arc<Vec<(u32, Slice)>>;
+
 #[derive(Debug)]
 pub struct ShuffleReaderExec {
     pub stage: u32,
@@ -31,6 +37,8 @@ pub struct ShuffleReaderExec {
     pub mode: ReadMode,
     schema: SchemaRef,
     properties: Arc<PlanProperties>,
+    /// `None`: output partition p reads reduce partition p whole.
+    pub layout: Option<Layout>,
 }
 
 impl ShuffleReaderExec {
@@ -53,6 +61,41 @@ impl ShuffleReaderExec {
             mode,
             schema,
             properties: Arc::new(properties),
+            layout: None,
+        }
+    }
+
+    /// This reader with its output partitions laid out by `layout` (a `Partition`-mode reader
+    /// only; the partition count becomes the layout's length).
+    pub fn with_layout(&self, layout: Layout) -> Result<Self> {
+        if self.mode != ReadMode::Partition {
+            return Err(DataFusionError::Internal(
+                "only a partition reader can be split".into(),
+            ));
+        }
+        let mut r = ShuffleReaderExec::new(
+            self.stage,
+            self.shuffle,
+            self.mode,
+            self.schema.clone(),
+            layout.len(),
+        );
+        r.layout = Some(layout);
+        Ok(r)
+    }
+
+    /// The reduce partition and slice output partition `i` reads.
+    fn part(&self, i: usize) -> Result<(u32, Slice)> {
+        match &self.layout {
+            None => u32::try_from(i)
+                .map(|p| (p, Slice::WHOLE))
+                .map_err(|_| DataFusionError::Execution(format!("partition {i} too large"))),
+            Some(l) => l.get(i).copied().ok_or_else(|| {
+                DataFusionError::Execution(format!(
+                    "partition {i} out of range: the reader has {}",
+                    l.len()
+                ))
+            }),
         }
     }
 
@@ -72,7 +115,20 @@ impl DisplayAs for ShuffleReaderExec {
             "ShuffleReaderExec: stage={}, partitions={}, {mode}",
             self.stage,
             self.partitions()
-        )
+        )?;
+        if let Some(l) = &self.layout {
+            let split: Vec<String> = l
+                .iter()
+                .filter(|(_, s)| s.index == 0 && !s.is_whole())
+                .map(|(p, s)| format!("{p} in {}", s.count))
+                .collect();
+            if split.is_empty() {
+                write!(f, ", skew layout (whole partitions)")?;
+            } else {
+                write!(f, ", skew split: partition {}", split.join(", "))?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -135,10 +191,12 @@ impl ExecutionPlan for ShuffleReaderExec {
                         .into(),
                 )
             })?;
-        let p = u32::try_from(partition)
-            .map_err(|_| DataFusionError::Execution(format!("partition {partition} too large")))?;
+        let (p, slice) = self.part(partition)?;
         let stream = match self.mode {
-            ReadMode::Partition => ectx.reader.read_partition(&ectx.workers, self.shuffle, p),
+            ReadMode::Partition => {
+                ectx.reader
+                    .read_partition_slice(&ectx.workers, self.shuffle, p, slice)
+            }
             ReadMode::MapOutput => ectx.reader.read_map_output(&ectx.workers, self.shuffle, p),
         };
         let schema = self.schema.clone();

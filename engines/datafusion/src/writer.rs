@@ -80,6 +80,15 @@ impl ShuffleWriterExec {
         }
     }
 
+    /// This writer over another input (same stage, shuffle and strategy).
+    pub fn with_input(&self, input: Arc<dyn ExecutionPlan>) -> Self {
+        ShuffleWriterExec {
+            input,
+            keys: self.keys.clone(),
+            ..*self
+        }
+    }
+
     pub fn input(&self) -> &Arc<dyn ExecutionPlan> {
         &self.input
     }

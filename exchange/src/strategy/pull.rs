@@ -31,16 +31,22 @@ impl Mapped {
     /// Bytes of the largest reduce partition and the median partition's (skew shows as a
     /// largest partition far above the median).
     pub fn partition_bytes(&self, partitions: u32) -> (u64, u64) {
+        let mut bytes = self.bytes_per_partition(partitions);
+        bytes.sort_unstable();
+        let max = bytes.last().copied().unwrap_or(0);
+        let median = bytes.get(bytes.len() / 2).copied().unwrap_or(0);
+        (max, median)
+    }
+
+    /// Bytes of each reduce partition, summed over the committed maps' blocks.
+    pub fn bytes_per_partition(&self, partitions: u32) -> Vec<u64> {
         let mut bytes = vec![0u64; partitions as usize];
         for b in self.maps.iter().flat_map(|m| &m.blocks) {
             if let Some(p) = bytes.get_mut(b.meta.id.partition as usize) {
                 *p += b.meta.bytes;
             }
         }
-        bytes.sort_unstable();
-        let max = bytes.last().copied().unwrap_or(0);
-        let median = bytes.get(bytes.len() / 2).copied().unwrap_or(0);
-        (max, median)
+        bytes
     }
 
     /// The blocks readers see now: those of maps not merged on the worker holding them, plus

@@ -337,12 +337,13 @@ impl WorkerClient {
         Ok(Box::pin(batches))
     }
 
-    /// Stream every block of one reduce partition this worker holds.
+    /// Stream every block of one reduce partition this worker holds (of one slice of it).
     pub async fn read_partition(
         &self,
         shuffle: u64,
         partition: u32,
         wait_sealed: bool,
+        slice: crate::block::Slice,
     ) -> Result<BatchStream> {
         let ticket = proto::Ticket {
             kind: Some(proto::ticket::Kind::Partition(proto::PartitionTicket {
@@ -350,6 +351,8 @@ impl WorkerClient {
                 partition,
                 wait_sealed,
                 timeout_ms: self.timeout.as_millis() as u64,
+                slice: slice.index,
+                slices: slice.count,
             })),
         };
         self.get(ticket, format!("partition {partition}")).await

@@ -3,7 +3,7 @@
 //! own worker are read straight from its block store, not over loopback.
 
 use super::client::WorkerClient;
-use crate::block::{BlockId, ShuffleId};
+use crate::block::{BlockId, ShuffleId, Slice};
 use crate::error::{Error, Result};
 use crate::store::BlockStore;
 use crate::task::{BatchStream, ShuffleReader};
@@ -113,17 +113,25 @@ enum Peer {
 }
 
 impl ShuffleReader for PeerReader {
-    fn read_partition(&self, peers: &[String], shuffle: ShuffleId, partition: u32) -> BatchStream {
+    fn read_partition_slice(
+        &self,
+        peers: &[String],
+        shuffle: ShuffleId,
+        partition: u32,
+        slice: Slice,
+    ) -> BatchStream {
         let timeout = self.timeout;
         self.read_every_peer(peers, move |peer| async move {
             match peer {
                 Peer::Local(store) => {
                     let ids = store
                         .clone()
-                        .follow_partition(shuffle, partition, true, timeout);
+                        .follow_partition(shuffle, partition, true, timeout)
+                        .try_filter(move |id| futures::future::ready(slice.contains(id)))
+                        .boxed();
                     Ok(PeerReader::local_blocks(store, ids))
                 }
-                Peer::Remote(c) => c.read_partition(shuffle.0, partition, true).await,
+                Peer::Remote(c) => c.read_partition(shuffle.0, partition, true, slice).await,
             }
         })
     }

@@ -3,7 +3,7 @@
 //! message is validated on receipt; a bad one is `InvalidArgument`, never a panic.
 
 use super::{actions, client::decode, ipc_to_flight};
-use crate::block::{BlockId, ShuffleId};
+use crate::block::{BlockId, ShuffleId, Slice};
 use crate::error::{Error, Result};
 use crate::proto;
 use crate::worker::WorkerState;
@@ -228,12 +228,14 @@ impl FlightService for WorkerService {
                     0 => self.state.read_timeout,
                     ms => Duration::from_millis(ms),
                 };
-                let ids = self.state.store.clone().follow_partition(
-                    shuffle,
-                    p.partition,
-                    p.wait_sealed,
-                    timeout,
-                );
+                let slice = Slice::new(p.slice, p.slices)?;
+                let ids = self
+                    .state
+                    .store
+                    .clone()
+                    .follow_partition(shuffle, p.partition, p.wait_sealed, timeout)
+                    .try_filter(move |id| futures::future::ready(slice.contains(id)))
+                    .boxed();
                 self.serve_blocks(shuffle, ids)?
             }
             Some(proto::ticket::Kind::MapOutput(m)) => {
