@@ -66,6 +66,7 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
         partitions: cfg.partitions,
         partitioner: partitioner::hash(&["l_orderkey"]),
         checksum_inputs: true,
+        combine: None,
     };
     driver.create_shuffle(&spec).await?;
     let inputs = (0..maps).map(|m| {

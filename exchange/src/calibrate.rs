@@ -86,6 +86,7 @@ fn small_block_cost(spill_dir: &Path) -> Result<f64> {
         schema: schema.clone(),
         partitions: SMALL_BLOCKS,
         partitioner: crate::partitioner::round_robin(),
+        combiner: None,
     })?;
     let small = lineitem_batch(0, 16, 7)?;
     let start = Instant::now();
@@ -195,6 +196,7 @@ async fn remote_block_cost(driver: &Arc<Driver>, from: usize, request_s: f64) ->
         partitions: PARTITIONS,
         partitioner: crate::partitioner::hash(&["l_orderkey"]),
         checksum_inputs: false,
+        combine: None,
     };
     driver.create_shuffle(&spec).await?;
     let probe = async {

@@ -51,6 +51,9 @@ pub struct ShuffleSpec {
     /// Map tasks checksum their input rows (for end-to-end multiset checks); engines that do
     /// not compare checksums turn it off to save the CPU.
     pub checksum_inputs: bool,
+    /// A combiner workers apply to the shuffle's rows before they write or merge blocks
+    /// (see [`crate::combine`]), by kind and payload.
+    pub combine: Option<proto::TaskSource>,
 }
 
 /// Where a block is and how big it is.
@@ -322,6 +325,7 @@ impl Driver {
             schema_ipc: encode_schema(&spec.schema)?.to_vec(),
             partitions: spec.partitions,
             partitioner: Some(spec.partitioner.clone()),
+            combine: spec.combine.clone(),
         };
         lock(&self.blocks).entry(spec.id).or_default();
         lock(&self.schemas).insert(spec.id, (spec.schema.clone(), spec.checksum_inputs));

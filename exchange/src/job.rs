@@ -191,6 +191,7 @@ pub fn prepare(
         partitions: opts.partitions,
         partitioner,
         checksum_inputs: true,
+        combine: None,
     };
     Ok((spec, input))
 }
@@ -414,6 +415,7 @@ pub fn stage_spec(schema: SchemaRef, partitions: u32, keys: &[String]) -> Shuffl
             partitioner::hash(&keys)
         },
         checksum_inputs: false,
+        combine: None,
     }
 }
 

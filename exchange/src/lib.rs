@@ -9,6 +9,7 @@ pub mod block;
 pub mod calibrate;
 pub mod checksum;
 pub mod cluster;
+pub mod combine;
 pub mod driver;
 pub mod error;
 pub mod gen;

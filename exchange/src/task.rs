@@ -122,11 +122,12 @@ impl Reducer for ChecksumReducer {
     }
 }
 
-/// Sources and reducers a worker knows, by kind name.
+/// Sources, reducers and combiners a worker knows, by kind name.
 #[derive(Clone, Default)]
 pub struct SourceRegistry {
     sources: HashMap<String, Arc<dyn BatchSource>>,
     reducers: HashMap<String, Arc<dyn Reducer>>,
+    combiners: HashMap<String, Arc<dyn crate::combine::CombinerKind>>,
 }
 
 impl SourceRegistry {
@@ -150,6 +151,29 @@ impl SourceRegistry {
             known.sort();
             Error::invalid(format!("unknown reducer {kind:?} (known: {known:?})"))
         })
+    }
+
+    pub fn register_combiner(&mut self, kind: &str, c: Arc<dyn crate::combine::CombinerKind>) {
+        self.combiners.insert(kind.to_string(), c);
+    }
+
+    /// The combiner a shuffle's spec names, built from its payload.
+    pub fn combiner(
+        &self,
+        spec: &crate::proto::TaskSource,
+        schema: &SchemaRef,
+    ) -> Result<crate::combine::CombinerRef> {
+        let kind = self.combiners.get(&spec.kind).ok_or_else(|| {
+            let mut known: Vec<&str> = self.combiners.keys().map(|s| s.as_str()).collect();
+            known.sort();
+            Error::invalid(format!(
+                "unknown combiner {:?} (known: {known:?})",
+                spec.kind
+            ))
+        })?;
+        Ok(crate::combine::CombinerRef(
+            kind.open(&spec.payload, schema)?,
+        ))
     }
 
     pub fn register(&mut self, kind: &str, source: Arc<dyn BatchSource>) {
@@ -242,6 +266,54 @@ struct PartitionBuffer {
     seq: u32,
 }
 
+/// In-exchange combining of one map task's buffers (see [`crate::combine`]).
+struct Combining {
+    combiner: Option<crate::combine::CombinerRef>,
+    /// Combines in a row that removed under a tenth of the rows.
+    useless: u32,
+}
+
+impl Combining {
+    /// Combine `buf` in place. Returns the bytes it freed when the combined rows are at most
+    /// [`crate::combine::KEEP_RATIO`] of the rows (they stay buffered, absorbing more);
+    /// otherwise the buffer holds the combined rows and `None` says to write them. After
+    /// [`crate::combine::GIVE_UP_AFTER`] combines in a row that remove under a tenth of the
+    /// rows (keys do not repeat), the task stops combining.
+    fn combine(&mut self, buf: &mut PartitionBuffer, info: &ShuffleInfo) -> Result<Option<usize>> {
+        let Some(c) = self.combiner.as_ref() else {
+            return Ok(None);
+        };
+        if buf.batches.is_empty() {
+            return Ok(None);
+        }
+        let combined = c.0.combine(&buf.batches)?;
+        let combined = combined
+            .into_iter()
+            .map(|b| {
+                crate::job::conform(b, &info.schema).and_then(|b| crate::block::compact_views(&b))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let rows: u64 = combined.iter().map(|b| b.num_rows() as u64).sum();
+        let ratio = rows as f64 / buf.rows.max(1) as f64;
+        self.useless = if ratio > 0.9 { self.useless + 1 } else { 0 };
+        if self.useless >= crate::combine::GIVE_UP_AFTER {
+            self.combiner = None;
+        }
+        let bytes: usize = combined.iter().map(|b| b.get_array_memory_size()).sum();
+        buf.rows = rows;
+        buf.batches = combined;
+        if ratio <= crate::combine::KEEP_RATIO {
+            let freed = buf.bytes.saturating_sub(bytes);
+            buf.bytes -= freed;
+            Ok(Some(freed))
+        } else {
+            // The caller's count of buffered bytes still holds `buf.bytes` for this buffer,
+            // which the flush that follows frees.
+            Ok(None)
+        }
+    }
+}
+
 /// Run one map task: read `input`, partition every batch, store the blocks.
 pub async fn run_map(
     store: &BlockStore,
@@ -271,6 +343,10 @@ pub async fn run_map(
         .map(|p| push.as_ref().and_then(|x| x.remote_holder(p)))
         .collect();
     type Outgoing = Vec<(u32, BlockMeta, bytes::Bytes)>;
+    let mut combining = Combining {
+        combiner: info.combiner.clone(),
+        useless: 0,
+    };
     let flush = |p: usize,
                  bufs: &mut Vec<PartitionBuffer>,
                  out: &mut MapOutput,
@@ -336,11 +412,19 @@ pub async fn run_map(
                 buf.batches.push(piece);
                 buffered += size;
                 if bufs[p as usize].bytes >= cfg.block_bytes {
+                    if let Some(freed) = combining.combine(&mut bufs[p as usize], info)? {
+                        buffered -= freed;
+                        continue;
+                    }
                     buffered -= flush(p as usize, &mut bufs, &mut out, &mut outgoing)?;
                 }
             }
             while buffered > cfg.buffer_bytes {
                 let largest = (0..bufs.len()).max_by_key(|&i| bufs[i].bytes).unwrap_or(0);
+                if let Some(freed) = combining.combine(&mut bufs[largest], info)? {
+                    buffered -= freed;
+                    continue;
+                }
                 buffered -= flush(largest, &mut bufs, &mut out, &mut outgoing)?;
             }
             Ok(())
@@ -349,6 +433,8 @@ pub async fn run_map(
     }
     tokio::task::block_in_place(|| -> Result<()> {
         for p in 0..bufs.len() {
+            // Whatever is left is combined once more (if combining still pays) and written.
+            let _ = combining.combine(&mut bufs[p], info)?;
             flush(p, &mut bufs, &mut out, &mut outgoing)?;
         }
         Ok(())
@@ -430,6 +516,14 @@ pub fn run_merge(
         |partition: u32, batches: &mut Vec<RecordBatch>, out: &mut MapOutput| -> Result<()> {
             if batches.is_empty() {
                 return Ok(());
+            }
+            // A combined shuffle's merge also combines across the maps it merges.
+            if let Some(c) = &info.combiner {
+                let combined = c.0.combine(batches)?;
+                *batches = combined
+                    .into_iter()
+                    .map(|b| crate::job::conform(b, &info.schema))
+                    .collect::<Result<Vec<_>>>()?;
             }
             let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
             let batches_out = coalesce(&info.schema, batches, cfg.batch_rows)?;

@@ -102,11 +102,16 @@ impl WorkerState {
             .ok_or_else(|| Error::invalid("create_shuffle needs a partitioner"))?;
         // Validate the partitioner against the schema now rather than in every map task.
         Partitioner::from_proto(&partitioner, &schema, m.partitions, 0)?;
+        let combiner = match &m.combine {
+            Some(c) => Some(self.sources.combiner(c, &schema)?),
+            None => None,
+        };
         self.store.create_shuffle(ShuffleInfo {
             id: ShuffleId(m.shuffle_id),
             schema,
             partitions: m.partitions,
             partitioner,
+            combiner,
         })
     }
 

@@ -49,6 +49,7 @@ async fn killed_worker_fails_the_shuffle_quickly_and_names_it() {
         partitions: 8,
         partitioner: partitioner::hash(&["l_orderkey"]),
         checksum_inputs: true,
+        combine: None,
     };
     driver.create_shuffle(&spec).await.unwrap();
     let inputs = (0..60u64).map(|m| {
@@ -199,6 +200,7 @@ async fn bad_requests_get_clear_statuses() {
         partitions: 2,
         partitioner: partitioner::hash(&["k"]),
         checksum_inputs: true,
+        combine: None,
     };
     cluster.driver.create_shuffle(&spec).await.unwrap();
     let other = Arc::new(Schema::new(vec![Field::new("k", DataType::Utf8, false)]));
@@ -266,6 +268,7 @@ async fn streaming_rounds_fold_to_the_exact_multiset() {
             partitions: 3,
             partitioner: partitioner::hash(&["k"]),
             checksum_inputs: true,
+            combine: None,
         },
         weights: vec![500; inputs.len()],
         inputs,

@@ -541,6 +541,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     t.set_defaults(run=_tpch)
 
+    from flightshuffle import skewbench
+
+    skewbench.add_parser(sub)
+
     o = sub.add_parser(
         "online",
         help="online aggregation: estimates with 95%% intervals that refine every round",

@@ -320,10 +320,11 @@ impl DistributedContext {
         let started = Instant::now();
         let rpcs_before = self.rpcs().await;
         let skew = self.skew_config();
+        let combine = self.options().combine;
         let runs = staged
             .stages
             .iter()
-            .map(|s| self.stage_run(s, &skew))
+            .map(|s| self.stage_run(s, &skew, combine))
             .collect::<Result<Vec<_>>>()?;
         let root = async {
             collect(staged.root.clone(), self.task_ctx())
@@ -380,7 +381,12 @@ impl DistributedContext {
     /// One stage as the scheduler runs it: its shuffle and its map tasks, one per worker
     /// ([`crate::writer::ShuffleWriterExec::task_groups`]). A stage that can split a skewed
     /// probe side ([`crate::skew`]) is deferred until its probe producer is sealed.
-    fn stage_run(&self, stage: &crate::planner::Stage, skew: &SkewConfig) -> Result<StageRun> {
+    fn stage_run(
+        &self,
+        stage: &crate::planner::Stage,
+        skew: &SkewConfig,
+        combine: bool,
+    ) -> Result<StageRun> {
         let writer = &stage.writer;
         let spec = ShuffleSpec {
             id: writer.shuffle,
@@ -388,6 +394,10 @@ impl DistributedContext {
             partitions: writer.partitions,
             partitioner: writer.partitioner(),
             checksum_inputs: false,
+            combine: match combine {
+                true => crate::combine::spec_for(writer)?,
+                false => None,
+            },
         };
         let tasks = TaskBuilder {
             workers: self.driver.addresses(),
@@ -436,19 +446,26 @@ impl DistributedContext {
     /// Skew-split settings of the session (`SET flightshuffle.skew_factor` and
     /// `flightshuffle.skew_min_bytes`).
     pub fn skew_config(&self) -> SkewConfig {
-        let state = self.ctx.state();
-        let defaults = crate::FlightshuffleOptions::default();
-        let o = state
-            .config()
-            .options()
-            .extensions
-            .get::<crate::FlightshuffleOptions>()
-            .unwrap_or(&defaults);
+        let o = self.options();
         SkewConfig {
             factor: o.skew_factor,
             min_bytes: o.skew_min_bytes,
             max_splits: 2 * self.driver.num_workers() as u32,
         }
+    }
+}
+
+impl DistributedContext {
+    /// The session's `flightshuffle.*` settings.
+    fn options(&self) -> crate::FlightshuffleOptions {
+        let state = self.ctx.state();
+        state
+            .config()
+            .options()
+            .extensions
+            .get::<crate::FlightshuffleOptions>()
+            .cloned()
+            .unwrap_or_default()
     }
 }
 

@@ -10,6 +10,7 @@
 
 pub mod broadcast;
 pub mod codec;
+pub mod combine;
 pub mod context;
 pub mod planner;
 pub mod reader;
@@ -63,9 +64,12 @@ datafusion::common::extensions_options! {
         /// Skew splits of join probe sides: a partition over this many times the median
         /// (and over `skew_min_bytes`) is split across several tasks; 0 turns them off. A
         /// stage that could split waits for its probe side's producer to finish.
-        pub skew_factor: f64, default = 5.0
+        pub skew_factor: f64, default = 3.0
         /// Partitions under this many bytes are never split.
         pub skew_min_bytes: u64, default = 64 * 1024 * 1024
+        /// In-exchange combining: exchanges of partial aggregates combine rows with equal
+        /// group keys in map buffers and merges (`crate::combine`).
+        pub combine: bool, default = true
     }
 }
 
@@ -77,6 +81,10 @@ impl datafusion::config::ConfigExtension for FlightshuffleOptions {
 pub fn worker_sources() -> SourceRegistry {
     let mut r = SourceRegistry::with_builtin();
     r.register(STAGE_SOURCE, Arc::new(source::StageSource::default()));
+    r.register_combiner(
+        combine::PARTIAL_REDUCE,
+        Arc::new(combine::PartialReduceKind),
+    );
     r
 }
 

@@ -42,6 +42,8 @@ pub struct ShuffleInfo {
     pub schema: SchemaRef,
     pub partitions: u32,
     pub partitioner: proto::Partitioner,
+    /// Rows with equal keys are combined before blocks are written or merged.
+    pub combiner: Option<crate::combine::CombinerRef>,
 }
 
 #[derive(Debug, Clone)]

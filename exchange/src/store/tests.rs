@@ -20,6 +20,7 @@ fn info(id: u64, partitions: u32) -> ShuffleInfo {
         schema: Arc::new(Schema::new(vec![Field::new("a", DataType::Int32, false)])),
         partitions,
         partitioner: crate::partitioner::round_robin(),
+        combiner: None,
     }
 }
 

@@ -62,6 +62,7 @@ pub async fn shuffle(
         partitions,
         partitioner: partitioner::hash(&["k"]),
         checksum_inputs: true,
+        combine: None,
     };
     driver.create_shuffle(&spec).await?;
     let chunk = input.len().div_ceil(maps);
@@ -162,5 +163,6 @@ pub fn lineitem_spec(checksum_inputs: bool) -> ShuffleSpec {
         partitions: 3,
         partitioner: partitioner::hash(&["l_orderkey"]),
         checksum_inputs,
+        combine: None,
     }
 }
