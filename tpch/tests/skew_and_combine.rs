@@ -75,6 +75,7 @@ async fn cluster(data: &Path) -> (LocalCluster, DistributedContext) {
     ctx.sql("SET flightshuffle.skew_min_bytes = 100000")
         .await
         .unwrap();
+    ctx.sql("SET flightshuffle.skew_factor = 3").await.unwrap();
     (cluster, ctx)
 }
 

@@ -62,9 +62,11 @@ datafusion::common::extensions_options! {
         /// `two-level` or `auto` (empty: the cluster's default).
         pub strategy: String, default = String::new()
         /// Skew splits of join probe sides: a partition over this many times the median
-        /// (and over `skew_min_bytes`) is split across several tasks; 0 turns them off. A
-        /// stage that could split waits for its probe side's producer to finish.
-        pub skew_factor: f64, default = 3.0
+        /// (and over `skew_min_bytes`) is split across several tasks (3 is a good value);
+        /// 0, the default, turns them off. A stage that could split waits for its probe
+        /// side's producer to finish instead of pipelining with it, which cost more than the
+        /// split saved in `flightshuffle skew-bench` on 2 cores (docs/bench/strategies.md).
+        pub skew_factor: f64, default = 0.0
         /// Partitions under this many bytes are never split.
         pub skew_min_bytes: u64, default = 64 * 1024 * 1024
         /// In-exchange combining: exchanges of partial aggregates combine rows with equal

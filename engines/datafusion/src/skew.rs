@@ -19,9 +19,11 @@
 //! The decision needs the probe producer's partition sizes, so a stage that can split starts
 //! once that producer is sealed (see `exchange::scheduler::Deferred`) instead of pipelining
 //! with it; splits are then made where a partition is over `factor` × the median and over
-//! `min_bytes` ([`decide`]). The default factor is 3, not Spark's 5: a stage has only two
+//! `min_bytes` ([`decide`]). A factor of 3 suits, not Spark's 5: a stage has only two
 //! partitions per worker here, so the median is a large share of the total (one key on half
-//! the rows of 4 partitions is exactly 5× the median).
+//! the rows of 4 partitions is exactly 5× the median). Splits are off by default
+//! (`SET flightshuffle.skew_factor = 3` turns them on): the deferral costs the stage its
+//! pipelining, and on 2 cores that cost more than the balance won (`flightshuffle skew-bench`).
 
 use crate::reader::{Layout, ReadMode, ShuffleReaderExec};
 use crate::writer::{ShuffleWriterExec, WriterKind};
