@@ -105,25 +105,37 @@ def test_killed_worker_fails_within_30s_naming_it(pids_gone, strategy):
     pids_gone(pids)
 
 
-def test_dropping_the_driver_stops_its_workers(pids_gone, tmp_path):
+def test_dropping_the_driver_stops_its_workers_and_leaves_no_spill_files(pids_gone, tmp_path):
+    """A driver killed with SIGKILL mid-use: its workers exit and remove their spill
+    directories, and the next local cluster sweeps the dead driver's spill root."""
     import subprocess
     import sys
 
     script = (
-        "import flightshuffle as fs, os, sys\n"
-        "c = fs.Cluster(workers=2)\n"
+        "import flightshuffle as fs, os, sys, pyarrow as pa\n"
+        "c = fs.Cluster(workers=2, memory_budget=0)\n"
+        "t = pa.table({'k': list(range(20000)), 'v': ['x' * 50] * 20000})\n"
+        "job = c.shuffle(t, by=['k'], partitions=4)\n"
+        "next(iter(job))\n"
+        "print(c.spill_root, flush=True)\n"
         "print(' '.join(map(str, c.worker_pids)), flush=True)\n"
         "os.kill(os.getpid(), 9)\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
     )
-    pids = [int(p) for p in out.stdout.split()]
-    assert len(pids) == 2
+    lines = out.stdout.split("\n")
+    root, pids = lines[0], [int(p) for p in lines[1].split()]
+    assert len(pids) == 2, out.stderr
+    assert os.path.isdir(root), "the killed driver could not remove its own root"
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
         time.sleep(0.1)
     pids_gone(pids)
+    assert not glob.glob(os.path.join(root, "worker-*")), "workers left spill directories"
+    with fs.Cluster(workers=1) as c:
+        assert not os.path.exists(root), "the next cluster sweeps the dead driver's root"
+        assert os.path.isdir(c.spill_root)
 
 
 def test_dropping_an_unfinished_shuffle_after_close_does_not_hang():

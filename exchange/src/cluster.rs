@@ -7,7 +7,7 @@ use crate::driver::{Driver, DriverConfig};
 use crate::error::{Error, Result};
 use crate::worker::{READY_LINE, TOKEN_ENV};
 use std::io::BufRead;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -57,6 +57,42 @@ pub struct LocalCluster {
     _tempdir: Option<tempfile::TempDir>,
 }
 
+/// In a default spill root, the pid of the process that owns it.
+const OWNER_FILE: &str = "owner.pid";
+
+/// Remove default spill roots (`flightshuffle-*` in `tmp`, other than `keep`) whose owner
+/// process is gone: a driver killed with SIGKILL cannot remove its own (its workers remove
+/// their directories inside it when they see it go). Roots without an owner file are left
+/// alone.
+pub fn sweep_stale_roots(tmp: &Path, keep: &Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(tmp) else {
+        return 0;
+    };
+    let mut swept = 0;
+    for e in entries.flatten() {
+        let path = e.path();
+        let named = e
+            .file_name()
+            .to_string_lossy()
+            .starts_with("flightshuffle-");
+        if !named || path == keep || !path.is_dir() {
+            continue;
+        }
+        let Ok(owner) = std::fs::read_to_string(path.join(OWNER_FILE)) else {
+            continue;
+        };
+        let alive = match owner.trim().parse::<u32>() {
+            Ok(pid) => Path::new(&format!("/proc/{pid}")).exists(),
+            Err(_) => true,
+        };
+        if !alive && std::fs::remove_dir_all(&path).is_ok() {
+            tracing::info!(path = %path.display(), "removed the spill root of a dead driver");
+            swept += 1;
+        }
+    }
+    swept
+}
+
 impl LocalCluster {
     pub async fn start(cfg: LocalClusterConfig) -> Result<Self> {
         if cfg.workers == 0 {
@@ -75,6 +111,10 @@ impl LocalCluster {
                     .tempdir()
                     .map_err(|e| Error::io(std::env::temp_dir(), e))?;
                 let p = t.path().to_path_buf();
+                sweep_stale_roots(&std::env::temp_dir(), &p);
+                let owner = p.join(OWNER_FILE);
+                std::fs::write(&owner, std::process::id().to_string())
+                    .map_err(|e| Error::io(&owner, e))?;
                 (Some(t), p)
             }
         };

@@ -568,10 +568,14 @@ pub fn main_with_args(argv: Vec<String>, sources: SourceRegistry) -> Result<()> 
     init_logging();
     let token = std::env::var(TOKEN_ENV).unwrap_or_default();
     if args.exit_with_stdin {
-        std::thread::spawn(|| {
+        let spill_dir = args.spill_dir.clone();
+        std::thread::spawn(move || {
             let mut sink = Vec::new();
             let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
             tracing::info!("standard input closed: the driver is gone, exiting");
+            // Nobody will read these blocks again; a driver killed without cleaning up leaves
+            // no spill files behind (its own directory is swept by the next local cluster).
+            let _ = std::fs::remove_dir_all(&spill_dir);
             std::process::exit(0);
         });
     }
