@@ -1,0 +1,165 @@
+//! The driver's side of committing: merge groups (merged strategy and the holders of push
+//! and two-level shuffles), commits of one attempt on every worker holding its blocks, and
+//! cancels; plus recording the committed blocks.
+
+use super::{lock, BlockRef, Driver, Lineage, MapDone};
+use crate::block::ShuffleId;
+use crate::checksum::Checksum;
+use crate::error::{Error, Result};
+use crate::proto;
+use std::time::Duration;
+
+impl Driver {
+    /// Merge the committed outputs of `maps` held by `worker` into few large blocks per
+    /// partition (merged strategy), as a new attempt of merge group `group`, and commit it: the
+    /// maps' blocks are retired by the same commit. On any failure (the worker refuses once
+    /// readers have started or the shuffle is sealed) the group's attempt is aborted and the
+    /// maps' blocks stay readable.
+    pub async fn merge(
+        &self,
+        shuffle: ShuffleId,
+        group: u32,
+        worker: usize,
+        maps: Vec<u32>,
+    ) -> Result<MapDone> {
+        let client = self.workers.get(worker).cloned().ok_or_else(|| {
+            Error::invalid(format!(
+                "no worker {worker} in a cluster of {}",
+                self.workers.len()
+            ))
+        })?;
+        let attempt = self.next_attempt(shuffle, group);
+        let task = proto::MergeTask {
+            shuffle_id: shuffle.0,
+            group,
+            attempt,
+            maps: maps.clone(),
+        };
+        let result = match client.merge(&task).await {
+            Ok(r) => r,
+            Err(e) => return Err(self.classify(e).await),
+        };
+        let mut commit = proto::CommitTask {
+            shuffle_id: shuffle.0,
+            map_id: group,
+            attempt,
+            blocks: result.blocks.len() as u32,
+            merged_maps: maps.clone(),
+        };
+        if let Err(e) = client.commit(&commit).await {
+            commit.merged_maps.clear();
+            let _ = client.cancel(&commit).await;
+            return Err(self.classify(e).await);
+        }
+        let blocks = self.record_blocks(shuffle, worker, &result, &maps)?;
+        lock(&self.lineage).insert((shuffle, group), (worker, Lineage::Merge(maps)));
+        Ok(MapDone {
+            map: group,
+            attempt,
+            worker,
+            blocks,
+            input: Checksum {
+                rows: result.input_rows,
+                sum: 0,
+            },
+            input_bytes: result.input_bytes,
+            spilled_bytes: result.spilled_bytes,
+            committed_at: std::time::Instant::now(),
+        })
+    }
+
+    /// Record the blocks a committed attempt on `worker` reported, replacing the refs of the
+    /// maps it `retired` there (a merge group's maps); returns the new refs.
+    pub(super) fn record_blocks(
+        &self,
+        shuffle: ShuffleId,
+        worker: usize,
+        result: &proto::TaskResult,
+        retired: &[u32],
+    ) -> Result<Vec<BlockRef>> {
+        let blocks = result
+            .blocks
+            .iter()
+            .map(|m| {
+                Ok(BlockRef {
+                    meta: m.try_into()?,
+                    worker,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut all = lock(&self.blocks);
+        let refs = all.entry(shuffle).or_default();
+        if !retired.is_empty() {
+            refs.retain(|b| !(b.worker == worker && retired.contains(&b.meta.id.map)));
+        }
+        refs.extend(blocks.iter().copied());
+        Ok(blocks)
+    }
+
+    /// Commit one claimed attempt on each `(worker, blocks)` holder. Committing the same
+    /// attempt again is a no-op on a worker, so failed commits are retried. If no holder
+    /// committed, the claim is released (another attempt may still commit); once one has,
+    /// the claim stays and a holder that still refuses fails the shuffle
+    /// ([`Error::PartialCommit`]): another attempt committing elsewhere could duplicate rows.
+    pub(super) async fn commit_on_holders(
+        &self,
+        holders: &[(usize, u32)],
+        attempt: &proto::CommitTask,
+    ) -> Result<()> {
+        let key = (ShuffleId(attempt.shuffle_id), attempt.map_id);
+        let mut left: Vec<(usize, u32)> = holders.to_vec();
+        let mut committed_any = false;
+        let mut last = None;
+        for round in 0..3 {
+            if round > 0 {
+                tokio::time::sleep(Duration::from_millis(100 * round)).await;
+            }
+            let calls = left.iter().map(|&(w, blocks)| {
+                let commit = proto::CommitTask {
+                    blocks,
+                    ..attempt.clone()
+                };
+                let client = self.workers[w].clone();
+                async move { (w, blocks, client.commit(&commit).await) }
+            });
+            let mut failed = Vec::new();
+            for (w, blocks, r) in futures::future::join_all(calls).await {
+                match r {
+                    Ok(()) => committed_any = true,
+                    Err(e) => {
+                        failed.push((w, blocks));
+                        last = Some(e);
+                    }
+                }
+            }
+            left = failed;
+            // With one holder (pull, merged) there is nothing partial to repair.
+            if left.is_empty() || !committed_any {
+                break;
+            }
+        }
+        let Some(err) = last.filter(|_| !left.is_empty()) else {
+            return Ok(());
+        };
+        let err = self.classify(err).await;
+        if !committed_any {
+            lock(&self.claims).remove(&key);
+            return Err(err);
+        }
+        Err(Error::PartialCommit {
+            map: attempt.map_id,
+            attempt: attempt.attempt,
+            reason: err.to_string(),
+        })
+    }
+
+    /// Abort an attempt on `workers` (best effort: its blocks there are removed; pending
+    /// blocks a worker still holds are dropped at the seal anyway).
+    pub(super) async fn cancel_on(&self, workers: &[usize], cancel: &proto::CommitTask) {
+        let calls = workers
+            .iter()
+            .filter(|&&w| self.is_alive(w))
+            .map(|&w| self.workers[w].cancel(cancel));
+        futures::future::join_all(calls).await;
+    }
+}
