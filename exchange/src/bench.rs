@@ -83,11 +83,13 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
             payload: serde_json::to_vec(&slice).unwrap_or_default(),
         })
     });
+    let sequential = cfg.sequential || cfg.strategy != crate::strategy::Strategy::Pull;
     let opts = StrategyOptions {
         strategy: cfg.strategy,
+        // Reducers of every strategy but pull start after the seal.
+        pack: sequential,
         ..StrategyOptions::default()
     };
-    let sequential = cfg.sequential || cfg.strategy != crate::strategy::Strategy::Pull;
     // Every reducer runs from the start, following its partition as map outputs commit.
     let reduce_opts = StrategyOptions {
         reduces_per_worker: (cfg.partitions as usize).div_ceil(workers.max(1)),

@@ -118,6 +118,8 @@ pub struct Driver {
     /// Where map tasks of a shuffle send blocks when it differs from where readers read
     /// (`auto` switching to push after its first maps ran in place).
     map_placements: Mutex<HashMap<ShuffleId, Placement>>,
+    /// Shuffles whose maps write packed blocks from now on.
+    packing: Mutex<std::collections::HashSet<ShuffleId>>,
     /// How each shuffle's strategy was chosen (`auto`: its pick and predicted times).
     choices: Mutex<HashMap<ShuffleId, String>>,
     /// This machine's calibration, measured on first use (`auto`).
@@ -157,6 +159,7 @@ impl Driver {
             claims: Mutex::new(HashMap::new()),
             placements: Mutex::new(HashMap::new()),
             map_placements: Mutex::new(HashMap::new()),
+            packing: Mutex::new(Default::default()),
             choices: Mutex::new(HashMap::new()),
             calibration: tokio::sync::OnceCell::new(),
         }))
@@ -351,6 +354,12 @@ impl Driver {
         lock(&self.map_placements).insert(shuffle, placement);
     }
 
+    /// Make the map tasks of `shuffle` submitted from now on write packed blocks
+    /// ([`crate::packed`]): for strategies that merge every map's blocks before any reader.
+    pub fn pack_maps(&self, shuffle: ShuffleId) {
+        lock(&self.packing).insert(shuffle);
+    }
+
     /// Record how `shuffle`'s strategy was chosen (shown by `EXPLAIN ANALYZE`).
     pub fn note_choice(&self, shuffle: ShuffleId, note: String) {
         lock(&self.choices).insert(shuffle, note);
@@ -437,6 +446,7 @@ impl Driver {
                 vec![]
             },
             worker_index: worker as u32,
+            pack: lock(&self.packing).contains(&shuffle),
         };
         // The workers this attempt may have left blocks on (to cancel it everywhere).
         let holders: Vec<usize> = if pushes {
@@ -627,6 +637,7 @@ impl Driver {
         lock(&self.claims).retain(|(s, _), _| *s != shuffle);
         lock(&self.placements).remove(&shuffle);
         lock(&self.map_placements).remove(&shuffle);
+        lock(&self.packing).remove(&shuffle);
         lock(&self.choices).remove(&shuffle);
         lock(&self.partitions).remove(&shuffle);
         let calls = self

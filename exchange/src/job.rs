@@ -371,6 +371,8 @@ async fn run(
     out: mpsc::Sender<Partition>,
     mapped_tx: watch::Sender<Option<std::result::Result<MapSummary, String>>>,
 ) {
+    // Partitions are read after the seal: merging strategies may pack.
+    let opts = StrategyOptions { pack: true, ..opts };
     let mapped = match strategy::map_side(&driver, &spec, maps, opts).await {
         Ok(m) => m,
         Err(e) => {
@@ -431,6 +433,8 @@ pub async fn run_stage(
         driver.calibration().await?;
     }
     driver.create_shuffle(spec).await?;
+    // Read once sealed (the caller reads after this returns): merging strategies may pack.
+    let opts = StrategyOptions { pack: true, ..opts };
     match strategy::map_side(driver, spec, futures::stream::iter(inputs), opts).await {
         Ok(m) => Ok(m.input),
         Err(e) => {

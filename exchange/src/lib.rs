@@ -14,6 +14,7 @@ pub mod driver;
 pub mod error;
 pub mod gen;
 pub mod job;
+pub mod packed;
 pub mod partitioner;
 pub mod push;
 pub mod scheduler;

@@ -70,6 +70,16 @@ impl Pusher {
         }))
     }
 
+    /// This worker's index among the peers.
+    pub fn me(&self) -> u32 {
+        self.me
+    }
+
+    /// The holder of `partition` (this worker's index for the partitions it keeps).
+    pub fn holder(&self, partition: u32) -> u32 {
+        self.to.get(partition as usize).copied().unwrap_or(self.me)
+    }
+
     /// The holder of `partition` when it is another worker (None: store it here).
     pub fn remote_holder(&self, partition: u32) -> Option<u32> {
         let to = *self.to.get(partition as usize)?;

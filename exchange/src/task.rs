@@ -215,6 +215,9 @@ pub struct MapConfig {
     /// Small per-partition pieces are coalesced into batches of up to this many rows before
     /// a block is encoded (fewer IPC messages, full-size batches for the reader).
     pub batch_rows: usize,
+    /// Write packed blocks, one per holder per flush ([`crate::packed`]), where the strategy
+    /// merges them before anyone reads (not with a combiner).
+    pub pack: bool,
 }
 
 impl Default for MapConfig {
@@ -225,6 +228,7 @@ impl Default for MapConfig {
             compression: Compression::None,
             checksum: true,
             batch_rows: 8192,
+            pack: false,
         }
     }
 }
@@ -324,6 +328,9 @@ pub async fn run_map(
     cfg: MapConfig,
     mut push: Option<crate::push::Pusher>,
 ) -> Result<MapOutput> {
+    if cfg.pack && info.combiner.is_none() {
+        return crate::packed::run_map(store, info, map, attempt, input, cfg, push).await;
+    }
     let start = Instant::now();
     let mut part =
         Partitioner::from_proto(&info.partitioner, &info.schema, info.partitions, map as u64)?;
@@ -448,7 +455,7 @@ pub async fn run_map(
 }
 
 /// Send the blocks `outgoing` holds to their holders (a no-op without a pusher).
-async fn send_pushed(
+pub(crate) async fn send_pushed(
     push: &mut Option<crate::push::Pusher>,
     outgoing: &mut Vec<(u32, BlockMeta, bytes::Bytes)>,
 ) -> Result<()> {
@@ -500,6 +507,8 @@ pub const MERGED_BLOCK_BYTES: usize = 8 << 20;
 /// `store`, partition by partition, rewritten as few large blocks (each up to
 /// [`MERGED_BLOCK_BYTES`] of rows) of map id `group`, attempt `attempt`, pending until the
 /// driver commits the group. Rows are not re-partitioned: a block's rows stay in its partition.
+/// Packed blocks ([`crate::packed`]) are decoded once and cut by partition (slices, no copy
+/// before the merged block is built); blocks of one partition are read partition by partition.
 pub fn run_merge(
     store: &BlockStore,
     info: &ShuffleInfo,
@@ -546,23 +555,43 @@ pub fn run_merge(
             batches.clear();
             Ok(())
         };
-    let mut current: Option<u32> = None;
-    let mut batches = Vec::new();
-    let mut bytes = 0usize;
-    for id in ids {
-        if current != Some(id.partition) || bytes >= MERGED_BLOCK_BYTES {
-            if let Some(p) = current {
-                flush(p, &mut batches, &mut out)?;
+    // The rows of every packed block, by partition, with their estimated encoded bytes.
+    let r = info.partitions as usize;
+    let mut packed: Vec<Vec<(RecordBatch, usize)>> = vec![Vec::new(); r];
+    let split = ids.partition_point(|id| id.partition != crate::packed::PACKED);
+    for id in &ids[split..] {
+        let meta = store.meta(id)?;
+        let bytes_per_row = meta.bytes as f64 / meta.rows.max(1) as f64;
+        let (batches, ends) = store.read_packed(id)?;
+        for p in ends.non_empty() {
+            for piece in crate::packed::slice_partition(&batches, &ends, p) {
+                let est = (piece.num_rows() as f64 * bytes_per_row) as usize;
+                packed[p as usize].push((piece, est));
             }
-            current = Some(id.partition);
-            bytes = 0;
         }
-        // Counted by encoded size: decoded arrays share the block's buffer, so their memory
-        // sizes would count it once per column.
-        bytes += store.meta(&id)?.bytes as usize;
-        batches.extend(store.read_batches(&id)?);
     }
-    if let Some(p) = current {
+    let mut plain = ids[..split].iter().peekable();
+    let mut batches = Vec::new();
+    for p in 0..r as u32 {
+        let mut bytes = 0usize;
+        // Blocks of this partition alone (counted by encoded size: decoded arrays share the
+        // block's buffer, so their memory sizes would count it once per column).
+        while let Some(id) = plain.next_if(|id| id.partition == p) {
+            if bytes >= MERGED_BLOCK_BYTES {
+                flush(p, &mut batches, &mut out)?;
+                bytes = 0;
+            }
+            bytes += store.meta(id)?.bytes as usize;
+            batches.extend(store.read_batches(id)?);
+        }
+        for (piece, est) in std::mem::take(&mut packed[p as usize]) {
+            if bytes >= MERGED_BLOCK_BYTES {
+                flush(p, &mut batches, &mut out)?;
+                bytes = 0;
+            }
+            bytes += est;
+            batches.push(piece);
+        }
         flush(p, &mut batches, &mut out)?;
     }
     out.seconds = start.elapsed().as_secs_f64();
@@ -571,7 +600,7 @@ pub fn run_merge(
 
 /// Check a batch against the shuffle's schema; equal columns with other field metadata or
 /// nullability are relabelled with the shuffle's schema.
-fn conform(info: &ShuffleInfo, batch: RecordBatch) -> Result<RecordBatch> {
+pub(crate) fn conform(info: &ShuffleInfo, batch: RecordBatch) -> Result<RecordBatch> {
     if batch.schema() == info.schema {
         return Ok(batch);
     }

@@ -128,6 +128,7 @@ impl WorkerState {
         let info = self.store.shuffle_info(shuffle)?;
         let cfg = MapConfig {
             checksum: !task.skip_checksum,
+            pack: task.pack,
             ..self.map_cfg
         };
         let push = crate::push::Pusher::for_task(&task, info.partitions, self.reader.clone())?;

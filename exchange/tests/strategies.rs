@@ -139,3 +139,70 @@ async fn every_strategy_keeps_the_multiset_and_places_its_blocks() {
         assert!(blocks[name] * 2 <= blocks["pull"], "{blocks:?}");
     }
 }
+
+/// Packed map blocks ([`exchange::packed`]): the maps of merged, push and two-level shuffles
+/// write one block per holder, not one per partition, and the output multiset is exact both
+/// when merges cut them by partition and when best-effort merging gives up at once (a zero
+/// merge timeout), so readers get each partition's rows sliced out of the packed blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn packed_map_blocks_keep_the_multiset_merged_or_not() {
+    use exchange::packed::PACKED;
+    use exchange::strategy::map_side;
+    use futures::StreamExt;
+    let cluster = LocalCluster::start(config(3, 1 << 30)).await.unwrap();
+    let driver = cluster.driver.clone();
+    for name in ["merged", "push", "two-level", "auto"] {
+        for merge_timeout in [
+            std::time::Duration::from_secs(10),
+            std::time::Duration::ZERO,
+        ] {
+            let spec = ShuffleSpec {
+                partitions: 40,
+                ..lineitem_spec(true)
+            };
+            driver.create_shuffle(&spec).await.unwrap();
+            let inputs =
+                (0..12u64).map(|m| MapInput::Source(lineitem_slice(m * 2_000, 2_000, 500, 0)));
+            let opts = StrategyOptions {
+                pack: true,
+                merge_timeout,
+                ..StrategyOptions::named(name).unwrap()
+            };
+            let mapped = map_side(&driver, &spec, futures::stream::iter(inputs), opts)
+                .await
+                .unwrap();
+            let what = format!("{name}, merge timeout {merge_timeout:?}");
+            // Every map packed (auto: those submitted after its pick, if it picked a
+            // merging strategy): at most one block per holder.
+            let packed: Vec<_> = mapped
+                .maps
+                .iter()
+                .filter(|m| m.blocks.iter().all(|b| b.meta.id.partition == PACKED))
+                .collect();
+            if name != "auto" {
+                assert_eq!(packed.len(), 12, "{what}: {packed:?}");
+            }
+            assert!(packed.iter().all(|m| m.blocks.len() <= 3), "{what}");
+            let mut out = Checksum::default();
+            for p in 0..spec.partitions {
+                let mut s = driver.read_partition(spec.id, p, true).await.unwrap();
+                while let Some(b) = s.next().await {
+                    let b = b.unwrap();
+                    assert_eq!(b.schema(), spec.schema, "{what}");
+                    out.add(Checksum::of_batch(&b).unwrap());
+                }
+            }
+            assert_eq!(out, mapped.input, "{what}");
+            assert_eq!(out.rows, 24_000, "{what}");
+            let unmerged = driver
+                .blocks_of(spec.id)
+                .iter()
+                .filter(|b| b.meta.id.partition == PACKED)
+                .count();
+            if merge_timeout.is_zero() && name != "auto" {
+                assert!(unmerged > 0, "{what}: readers read packed blocks");
+            }
+            driver.drop_shuffle(spec.id).await.unwrap();
+        }
+    }
+}

@@ -10,16 +10,16 @@
 //! attempt never shifts what a waiting reader has still to read. A map commits at most one
 //! attempt; a sealed shuffle takes no more puts or commits and discards what is still pending.
 
+mod read;
 pub mod segment;
 
 use crate::block::{BlockId, BlockMeta, EncodedBlock, ShuffleId};
 use crate::error::{Error, Result};
 use crate::proto;
-use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use bytes::Bytes;
 use segment::{Segment, SegmentWriter};
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -58,6 +58,8 @@ struct Entry {
     location: Location,
     /// Put as an [`EncodedBlock`]: decoded without re-validation once its CRC matches.
     encoded_here: bool,
+    /// A packed block's partition ends ([`crate::packed`]).
+    ends: Option<crate::packed::Ends>,
 }
 
 struct ShuffleState {
@@ -190,7 +192,7 @@ impl BlockStore {
 
     /// [`BlockStore::put`], also telling whether the block was spilled.
     pub fn put_where(&self, id: BlockId, rows: u64, data: Bytes) -> Result<(BlockMeta, bool)> {
-        self.insert(id, rows, data, false)
+        self.insert(id, rows, data, false, None)
     }
 
     /// Store a block this process encoded (see [`EncodedBlock`]); tells whether it spilled.
@@ -200,15 +202,29 @@ impl BlockStore {
         rows: u64,
         block: EncodedBlock,
     ) -> Result<(BlockMeta, bool)> {
-        self.insert(id, rows, block.into_bytes(), true)
+        self.insert(id, rows, block.into_bytes(), true, None)
     }
 
+    /// [`BlockStore::put_encoded`] with the partition ends of a packed block (None for a
+    /// block of one partition).
+    pub fn put_encoded_with(
+        &self,
+        id: BlockId,
+        rows: u64,
+        block: EncodedBlock,
+        ends: Option<crate::packed::Ends>,
+    ) -> Result<(BlockMeta, bool)> {
+        self.insert(id, rows, block.into_bytes(), true, ends)
+    }
+
+    /// Store a block; a packed one without its `ends` has them read from its bytes.
     fn insert(
         &self,
         id: BlockId,
         rows: u64,
         data: Bytes,
         encoded_here: bool,
+        ends: Option<crate::packed::Ends>,
     ) -> Result<(BlockMeta, bool)> {
         let meta = BlockMeta {
             id,
@@ -216,13 +232,19 @@ impl BlockStore {
             bytes: data.len() as u64,
             crc32c: crc32c::crc32c(&data),
         };
-        {
+        let partitions = {
             let st = lock(&self.state);
             let sh = st
                 .get(&id.shuffle)
                 .ok_or(Error::UnknownShuffle(id.shuffle))?;
             check_put(sh, &id)?;
-        }
+            sh.info.partitions
+        };
+        let ends = match (id.partition == crate::packed::PACKED, ends) {
+            (false, _) => None,
+            (true, Some(e)) => Some(e),
+            (true, None) => Some(crate::packed::Ends::of_block(&data, partitions, rows)?),
+        };
         let fits = self
             .memory_bytes
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |used| {
@@ -256,6 +278,7 @@ impl BlockStore {
                 meta,
                 location,
                 encoded_here,
+                ends,
             },
         );
         sh.pending.entry((id.map, id.attempt)).or_default().push(id);
@@ -330,7 +353,19 @@ fn commit_locked(
         }
         let ids = sh.pending.remove(&(map, attempt)).unwrap_or_default();
         for id in &ids {
-            sh.by_partition[id.partition as usize].push(*id);
+            // A packed block is listed in every partition it has rows of.
+            match sh.blocks.get(id).and_then(|e| e.ends.as_ref()) {
+                Some(ends) => {
+                    for p in ends.non_empty() {
+                        sh.by_partition[p as usize].push(*id);
+                    }
+                }
+                None => {
+                    if let Some(list) = sh.by_partition.get_mut(id.partition as usize) {
+                        list.push(*id);
+                    }
+                }
+            }
         }
         let metas = ids
             .iter()
@@ -481,64 +516,6 @@ impl BlockStore {
         Ok(())
     }
 
-    /// Read a block and check its CRC32C.
-    pub fn get(&self, id: &BlockId) -> Result<Bytes> {
-        self.get_checked(id).map(|(data, _)| data)
-    }
-
-    /// Read a block, check its CRC32C and decode it: without arrow's second validation when
-    /// this process encoded it ([`EncodedBlock`]), with it otherwise.
-    pub fn read_batches(&self, id: &BlockId) -> Result<Vec<RecordBatch>> {
-        match self.get_checked(id)? {
-            (data, true) => {
-                self.unvalidated_decodes.fetch_add(1, Ordering::Relaxed);
-                crate::block::decode_encoded_here(&data)
-            }
-            (data, false) => crate::block::decode_block(&data).map(|(_, b)| b),
-        }
-    }
-
-    /// Blocks [`BlockStore::read_batches`] decoded without re-validation so far.
-    pub fn unvalidated_decodes(&self) -> u64 {
-        self.unvalidated_decodes.load(Ordering::Relaxed)
-    }
-
-    /// The block's bytes with their CRC32C checked, and whether it was encoded here.
-    fn get_checked(&self, id: &BlockId) -> Result<(Bytes, bool)> {
-        let entry = {
-            let st = lock(&self.state);
-            let sh = st
-                .get(&id.shuffle)
-                .ok_or(Error::UnknownShuffle(id.shuffle))?;
-            sh.blocks
-                .get(id)
-                .cloned()
-                .ok_or(Error::BlockNotFound(*id))?
-        };
-        let in_memory = matches!(entry.location, Location::Memory(_));
-        let data = match entry.location {
-            Location::Memory(b) => b,
-            Location::Spilled { segment, offset } => {
-                let buf = segment.read(offset, entry.meta.bytes)?;
-                self.restored_bytes
-                    .fetch_add(entry.meta.bytes, Ordering::SeqCst);
-                self.restored_blocks.fetch_add(1, Ordering::SeqCst);
-                Bytes::from(buf)
-            }
-        };
-        let actual = crc32c::crc32c(&data);
-        if actual != entry.meta.crc32c {
-            return Err(Error::Checksum {
-                block: *id,
-                expected: entry.meta.crc32c,
-                actual,
-            });
-        }
-        // Only blocks held in memory skip re-validation: bytes read back from a spill file
-        // could have been changed on disk in a way the CRC32C does not catch.
-        Ok((data, entry.encoded_here && in_memory))
-    }
-
     /// Remove the pending blocks of one map attempt (it failed, was cancelled or lost the
     /// race to commit). A committed attempt is left alone: readers may be reading it. Returns
     /// how many blocks were removed. Spilled bytes stay in their segment until the shuffle is
@@ -563,138 +540,6 @@ impl BlockStore {
                 if matches!(e.location, Location::Memory(_)) {
                     self.memory_bytes.fetch_sub(e.meta.bytes, Ordering::SeqCst);
                 }
-            }
-        }
-    }
-
-    /// Metadata of a committed block (pending blocks are not visible).
-    pub fn meta(&self, id: &BlockId) -> Result<BlockMeta> {
-        let st = lock(&self.state);
-        let sh = st
-            .get(&id.shuffle)
-            .ok_or(Error::UnknownShuffle(id.shuffle))?;
-        match (sh.blocks.get(id), sh.committed.get(&id.map)) {
-            (Some(e), Some((a, _))) if *a == id.attempt => Ok(e.meta),
-            _ => Err(Error::BlockNotFound(*id)),
-        }
-    }
-
-    /// Blocks of a partition from position `from` on, whether the shuffle is sealed, and a
-    /// receiver that changes when either does.
-    pub fn partition_since(
-        &self,
-        shuffle: ShuffleId,
-        partition: u32,
-        from: usize,
-    ) -> Result<(Vec<BlockId>, bool, watch::Receiver<u64>)> {
-        let mut st = lock(&self.state);
-        let sh = st.get_mut(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
-        sh.reads_started = true;
-        let list = sh.by_partition.get(partition as usize).ok_or_else(|| {
-            Error::invalid(format!(
-                "partition {partition} out of range: shuffle {shuffle} has {}",
-                sh.info.partitions
-            ))
-        })?;
-        let rx = sh.version.subscribe();
-        Ok((list.get(from..).unwrap_or(&[]).to_vec(), sh.sealed, rx))
-    }
-
-    /// The committed blocks of one partition in commit order, as a stream; with `wait`, it
-    /// follows new commits until the shuffle is sealed (each wait bounded by `timeout`).
-    pub fn follow_partition(
-        self: Arc<Self>,
-        shuffle: ShuffleId,
-        partition: u32,
-        wait: bool,
-        timeout: std::time::Duration,
-    ) -> futures::stream::BoxStream<'static, Result<BlockId>> {
-        use futures::StreamExt;
-        let init = (0usize, VecDeque::<BlockId>::new(), false);
-        futures::stream::unfold(init, move |(mut pos, mut queue, mut done)| {
-            let store = self.clone();
-            async move {
-                loop {
-                    if let Some(id) = queue.pop_front() {
-                        return Some((Ok(id), (pos, queue, done)));
-                    }
-                    if done {
-                        return None;
-                    }
-                    let (ids, sealed, mut rx) = match store.partition_since(shuffle, partition, pos)
-                    {
-                        Ok(x) => x,
-                        Err(e) => return Some((Err(e), (pos, queue, true))),
-                    };
-                    pos += ids.len();
-                    queue.extend(ids);
-                    if sealed || !wait {
-                        done = true;
-                        continue;
-                    }
-                    if queue.is_empty()
-                        && tokio::time::timeout(timeout, rx.changed()).await.is_err()
-                    {
-                        let e = Error::Timeout {
-                            what: format!("shuffle {shuffle} to be sealed (partition {partition})"),
-                            seconds: timeout.as_secs_f64(),
-                        };
-                        return Some((Err(e), (pos, queue, true)));
-                    }
-                }
-            }
-        })
-        .boxed()
-    }
-
-    /// The committed blocks of one map, in (partition, seq) order, once this store knows the
-    /// answer: `Some` when the map committed here or the shuffle is sealed (then an absent map
-    /// ran elsewhere: `Some(empty)`), `None` while it may still commit here; with a receiver
-    /// that changes when either does.
-    pub fn map_output(
-        &self,
-        shuffle: ShuffleId,
-        map: u32,
-    ) -> Result<(Option<Vec<BlockId>>, watch::Receiver<u64>)> {
-        let mut st = lock(&self.state);
-        let sh = st.get_mut(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
-        sh.reads_started = true;
-        if let Some(group) = sh.merged_into.get(&map) {
-            return Err(Error::Precondition(format!(
-                "map {map} of shuffle {shuffle} was merged into group {group}: read its \
-                 partitions, not its map output"
-            )));
-        }
-        let rx = sh.version.subscribe();
-        let ids = match sh.committed.get(&map) {
-            Some((_, ids)) => {
-                let mut ids = ids.clone();
-                ids.sort_by_key(|b| (b.partition, b.seq));
-                Some(ids)
-            }
-            None if sh.sealed => Some(Vec::new()),
-            None => None,
-        };
-        Ok((ids, rx))
-    }
-
-    /// [`BlockStore::map_output`], waiting (at most `timeout` between changes) for the answer.
-    pub async fn wait_map_output(
-        &self,
-        shuffle: ShuffleId,
-        map: u32,
-        timeout: std::time::Duration,
-    ) -> Result<Vec<BlockId>> {
-        loop {
-            let (ids, mut rx) = self.map_output(shuffle, map)?;
-            if let Some(ids) = ids {
-                return Ok(ids);
-            }
-            if tokio::time::timeout(timeout, rx.changed()).await.is_err() {
-                return Err(Error::Timeout {
-                    what: format!("map {map} of shuffle {shuffle} to commit"),
-                    seconds: timeout.as_secs_f64(),
-                });
             }
         }
     }
@@ -765,7 +610,7 @@ impl BlockStore {
 
 /// Whether `id` may be put into `sh` now.
 fn check_put(sh: &ShuffleState, id: &BlockId) -> Result<()> {
-    if id.partition >= sh.info.partitions {
+    if id.partition >= sh.info.partitions && id.partition != crate::packed::PACKED {
         return Err(Error::invalid(format!(
             "block {id}: partition out of range (shuffle has {})",
             sh.info.partitions

@@ -1,4 +1,5 @@
 use super::*;
+use arrow::array::RecordBatch;
 use arrow::datatypes::{DataType, Field, Schema};
 use proptest::prelude::*;
 use std::sync::Arc;
@@ -550,4 +551,163 @@ fn merges_are_refused_once_reading_started_or_sealed() {
         assert_eq!(maps, vec![0, 1], "seal first: {seal_first}");
         assert_eq!(s.metrics().memory_bytes, 20);
     }
+}
+
+/// Rows `keys` of an Int32 column "a", as the one-column shuffles here expect.
+fn ints(keys: &[i32]) -> RecordBatch {
+    RecordBatch::try_new(
+        info(0, 1).schema,
+        vec![Arc::new(arrow::array::Int32Array::from(keys.to_vec()))],
+    )
+    .unwrap()
+}
+
+fn values(batches: &[RecordBatch]) -> Vec<i32> {
+    let mut v: Vec<i32> = batches
+        .iter()
+        .flat_map(|b| {
+            let a = b
+                .column(0)
+                .as_any()
+                .downcast_ref::<arrow::array::Int32Array>();
+            a.unwrap().values().to_vec()
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// A packed block holding key k in partition k % 3 (k in 0..20, key 5 missing so partition 2
+/// holds 4..), put as the map task or a push would put it.
+fn put_packed(s: &BlockStore, shuffle: u64, map: u32, pushed: bool) -> BlockId {
+    let keys: Vec<i32> = (0..20).filter(|k| *k != 5).collect();
+    let assignment: Vec<u32> = keys.iter().map(|k| (*k % 3) as u32).collect();
+    let sorted = crate::packed::sort_by_holder(&ints(&keys), &assignment, 3, &[0, 0, 0]).unwrap();
+    let (_, rows, ends) = sorted.into_iter().next().unwrap();
+    let ends = crate::packed::Ends::new(ends, 3, rows.num_rows() as u64).unwrap();
+    let block =
+        crate::packed::encode(&info(0, 1).schema, &rows, &ends, crate::Compression::None).unwrap();
+    let id = aid(shuffle, map, crate::packed::PACKED, 0, 0);
+    let n = rows.num_rows() as u64;
+    if pushed {
+        s.put(id, n, block.into_bytes()).unwrap();
+    } else {
+        s.put_encoded_with(id, n, block, Some(ends)).unwrap();
+    }
+    id
+}
+
+#[test]
+fn packed_blocks_are_listed_and_read_per_partition_and_merged() {
+    for budget in [u64::MAX, 0] {
+        let (_dir, s) = store(budget, 1 << 20);
+        s.create_shuffle(info(9, 3)).unwrap();
+        let a = put_packed(&s, 9, 0, false);
+        let b = put_packed(&s, 9, 1, true);
+        // A plain block of partition 1 beside them.
+        let plain = aid(9, 2, 1, 0, 0);
+        let data = crate::block::encode_block(
+            &info(0, 1).schema,
+            &[ints(&[100, 103])],
+            crate::Compression::None,
+        )
+        .unwrap();
+        s.put(plain, 2, data).unwrap();
+        for m in 0..3 {
+            s.commit(ShuffleId(9), m, 0, Some(1)).unwrap();
+        }
+        // Each packed block is listed in the partitions it has rows of; a reader of a
+        // partition gets only that partition's rows, from the store or as bytes.
+        for p in 0..3u32 {
+            let (ids, _, _) = s.partition_since(ShuffleId(9), p, 0).unwrap();
+            assert!(ids.contains(&a) && ids.contains(&b));
+            let mut expect: Vec<i32> = (0..20).filter(|k| *k != 5 && k % 3 == p as i32).collect();
+            expect.extend(expect.clone());
+            let got: Vec<RecordBatch> = [a, b]
+                .iter()
+                .flat_map(|id| s.read_part(id, Some(p)).unwrap())
+                .collect();
+            assert_eq!(values(&got), {
+                expect.sort();
+                expect.clone()
+            });
+            let bytes = s.get_part(&a, Some(p)).unwrap();
+            let (schema, batches) = crate::block::decode_block(&bytes).unwrap();
+            assert_eq!(schema, info(0, 1).schema);
+            assert_eq!(values(&batches).len(), expect.len() / 2);
+        }
+        // A map output read gets the whole block, with the shuffle's schema.
+        let whole = s.read_batches(&a).unwrap();
+        assert_eq!(
+            (values(&whole).len(), whole[0].schema()),
+            (19, info(0, 1).schema)
+        );
+    }
+}
+
+#[test]
+fn a_merge_cuts_packed_blocks_by_partition() {
+    let (_dir, s) = store(u64::MAX, 1 << 20);
+    s.create_shuffle(info(10, 3)).unwrap();
+    let shuffle = ShuffleId(10);
+    put_packed(&s, 10, 0, false);
+    put_packed(&s, 10, 1, true);
+    let plain = aid(10, 2, 2, 0, 0);
+    let data = crate::block::encode_block(
+        &info(0, 1).schema,
+        &[ints(&[500])],
+        crate::Compression::None,
+    )
+    .unwrap();
+    s.put(plain, 1, data).unwrap();
+    for m in 0..3 {
+        s.commit(shuffle, m, 0, Some(1)).unwrap();
+    }
+    let ids = s.committed_blocks_of(shuffle, &[0, 1, 2]).unwrap();
+    let group = MERGE_GROUP_BASE;
+    let out = crate::task::run_merge(
+        &s,
+        &s.shuffle_info(shuffle).unwrap(),
+        ids,
+        group,
+        0,
+        crate::task::MapConfig::default(),
+    )
+    .unwrap();
+    assert_eq!(out.blocks.len(), 3, "one merged block per partition");
+    s.commit_merge(shuffle, group, 0, Some(3), &[0, 1, 2])
+        .unwrap();
+    for p in 0..3u32 {
+        let (ids, _, _) = s.partition_since(shuffle, p, 0).unwrap();
+        assert_eq!(ids.len(), 1, "partition {p}: only the merged block is left");
+        assert_eq!(ids[0].partition, p);
+        let mut expect: Vec<i32> = (0..20).filter(|k| *k != 5 && k % 3 == p as i32).collect();
+        expect.extend(expect.clone());
+        if p == 2 {
+            expect.push(500);
+        }
+        expect.sort();
+        assert_eq!(values(&s.read_batches(&ids[0]).unwrap()), expect);
+    }
+}
+
+#[test]
+fn a_packed_block_without_valid_ends_is_refused() {
+    let (_dir, s) = store(u64::MAX, 1 << 20);
+    s.create_shuffle(info(11, 3)).unwrap();
+    let plain = crate::block::encode_block(
+        &info(0, 1).schema,
+        &[ints(&[1, 2])],
+        crate::Compression::None,
+    )
+    .unwrap();
+    let id = aid(11, 0, crate::packed::PACKED, 0, 0);
+    let err = s.put(id, 2, plain).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    // Ends that do not fit this shuffle (2 partitions' ends for 3) are refused too.
+    let rows = ints(&[1, 2]);
+    let ends = crate::packed::Ends::new(vec![1, 2], 2, 2).unwrap();
+    let block =
+        crate::packed::encode(&info(0, 1).schema, &rows, &ends, crate::Compression::None).unwrap();
+    assert!(s.put(id, 2, block.into_bytes()).is_err());
 }

@@ -235,6 +235,9 @@ pub async fn map_side(
                 Ok(Vec::new())
             }
             other => {
+                if opts.pack {
+                    driver.pack_maps(spec.id);
+                }
                 if other != Strategy::Merged {
                     let placement = if other == Strategy::Push {
                         Placement::Owner

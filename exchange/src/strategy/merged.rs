@@ -26,10 +26,15 @@ use tokio::sync::mpsc;
 pub const MERGE_TARGET_BYTES: u64 = 4 << 20;
 /// At most this many maps in one merge.
 pub const MAX_FAN_IN: usize = 64;
+/// At most about this many bytes of map output in one merge (a merge of packed blocks holds
+/// its inputs decoded while it cuts them).
+pub const MAX_MERGE_BYTES: u64 = 128 << 20;
 
 /// One committed map output waiting on its worker to be merged.
 struct Waiting {
     map: u32,
+    /// Pieces of partitions: a block of one partition is one, a packed block one per
+    /// partition it holds rows of (at most its rows).
     blocks: u64,
     bytes: u64,
 }
@@ -42,6 +47,9 @@ pub async fn map_side(
     inputs: impl Stream<Item = MapInput> + Unpin,
     opts: StrategyOptions,
 ) -> Result<pull::Mapped> {
+    if opts.pack {
+        driver.pack_maps(spec.id);
+    }
     let (tx, rx) = mpsc::unbounded_channel::<MapDone>();
     let maps = pull::run_maps_observed(driver, spec, inputs, 0, opts, move |done| {
         let _ = tx.send(done.clone());
@@ -55,7 +63,8 @@ pub async fn map_side(
 }
 
 /// How many waiting maps make a merge on a worker: enough for blocks of about
-/// [`MERGE_TARGET_BYTES`]; None when the maps' blocks are that large already.
+/// [`MERGE_TARGET_BYTES`] (within [`MAX_FAN_IN`] and [`MAX_MERGE_BYTES`]); None when the maps'
+/// blocks are that large already.
 fn fan_in(waiting: &[Waiting]) -> Option<usize> {
     let blocks: u64 = waiting.iter().map(|w| w.blocks).sum();
     let bytes: u64 = waiting.iter().map(|w| w.bytes).sum();
@@ -63,8 +72,13 @@ fn fan_in(waiting: &[Waiting]) -> Option<usize> {
         return None;
     }
     let avg = (bytes / blocks).max(1);
-    (avg * 2 <= MERGE_TARGET_BYTES)
-        .then(|| ((MERGE_TARGET_BYTES / avg) as usize).clamp(2, MAX_FAN_IN))
+    let per_map = (bytes / waiting.len() as u64).max(1);
+    let by_bytes = ((MAX_MERGE_BYTES / per_map) as usize).max(2);
+    (avg * 2 <= MERGE_TARGET_BYTES).then(|| {
+        ((MERGE_TARGET_BYTES / avg) as usize)
+            .clamp(2, MAX_FAN_IN)
+            .min(by_bytes)
+    })
 }
 
 /// Merge committed map outputs on their workers while `commits` delivers them; once it closes
@@ -99,7 +113,9 @@ pub(super) async fn merge(
             if busy[w] || !enough {
                 continue;
             }
-            let take = waiting[w].len().min(MAX_FAN_IN);
+            let take = fan_in(&waiting[w])
+                .unwrap_or(MAX_FAN_IN)
+                .min(waiting[w].len());
             let maps: Vec<u32> = waiting[w].drain(..take).map(|m| m.map).collect();
             busy[w] = true;
             let group = next_group;
@@ -126,7 +142,10 @@ pub(super) async fn merge(
                     let mut held: std::collections::BTreeMap<usize, (u64, u64)> = Default::default();
                     for b in &d.blocks {
                         let h = held.entry(b.worker).or_default();
-                        h.0 += 1;
+                        h.0 += match b.meta.id.partition {
+                            crate::packed::PACKED => b.meta.rows.min(spec.partitions as u64),
+                            _ => 1,
+                        };
                         h.1 += b.meta.bytes;
                     }
                     for (w, (blocks, bytes)) in held {
@@ -189,5 +208,12 @@ mod tests {
             "large blocks are not merged"
         );
         assert_eq!(fan_in(&[]), None);
+        // Packed maps of 100 MB in 1000 pieces: the merge would hold too much; two at a time.
+        let packed = |n: u32| Waiting {
+            map: n,
+            blocks: 1000,
+            bytes: 100 << 20,
+        };
+        assert_eq!(fan_in(&[packed(0), packed(1), packed(2)]), Some(2));
     }
 }

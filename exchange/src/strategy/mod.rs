@@ -79,6 +79,12 @@ pub struct StrategyOptions {
     /// median of its finished peers to another worker. Off by default (as in Spark): on a
     /// busy machine a copy competes with the work it should speed up.
     pub speculation: Option<f64>,
+    /// Readers start only after the seal (one-shot shuffles, datasets, benchmarks): strategies
+    /// that merge (merged, push, two-level, and `auto` when it picks one of them) then have
+    /// their maps write packed blocks ([`crate::packed`]), which every merge cuts by
+    /// partition. Off where readers stream during the map side (pipelined SQL stages): merges
+    /// are refused there, and readers would slice every packed block.
+    pub pack: bool,
 }
 
 impl Default for StrategyOptions {
@@ -90,6 +96,7 @@ impl Default for StrategyOptions {
             watch: true,
             merge_timeout: std::time::Duration::from_secs(10),
             speculation: None,
+            pack: false,
         }
     }
 }

@@ -38,7 +38,8 @@ impl Mapped {
         (max, median)
     }
 
-    /// Bytes of each reduce partition, summed over the committed maps' blocks.
+    /// Bytes of each reduce partition, summed over the committed maps' blocks (packed blocks,
+    /// whose split by partition only their holder knows, are not counted).
     pub fn bytes_per_partition(&self, partitions: u32) -> Vec<u64> {
         let mut bytes = vec![0u64; partitions as usize];
         for b in self.maps.iter().flat_map(|m| &m.blocks) {

@@ -64,13 +64,14 @@ impl PeerReader {
     fn local_blocks(
         store: Arc<BlockStore>,
         ids: BoxStream<'static, Result<BlockId>>,
+        partition: Option<u32>,
     ) -> BatchStream {
         let batches = ids
             .map(move |id| {
                 let store = store.clone();
                 async move {
                     let id = id?;
-                    tokio::task::spawn_blocking(move || store.read_batches(&id))
+                    tokio::task::spawn_blocking(move || store.read_part(&id, partition))
                         .await
                         .map_err(|e| Error::Cluster(format!("local block read failed: {e}")))?
                 }
@@ -129,7 +130,7 @@ impl ShuffleReader for PeerReader {
                         .follow_partition(shuffle, partition, true, timeout)
                         .try_filter(move |id| futures::future::ready(slice.contains(id)))
                         .boxed();
-                    Ok(PeerReader::local_blocks(store, ids))
+                    Ok(PeerReader::local_blocks(store, ids, Some(partition)))
                 }
                 Peer::Remote(c) => c.read_partition(shuffle.0, partition, true, slice).await,
             }
@@ -143,7 +144,7 @@ impl ShuffleReader for PeerReader {
                 Peer::Local(store) => {
                     let ids = store.wait_map_output(shuffle, map, timeout).await?;
                     let ids = futures::stream::iter(ids.into_iter().map(Ok)).boxed();
-                    Ok(PeerReader::local_blocks(store, ids))
+                    Ok(PeerReader::local_blocks(store, ids, None))
                 }
                 Peer::Remote(c) => c.read_map_output(shuffle.0, map).await,
             }

@@ -41,6 +41,7 @@ impl WorkerService {
         &self,
         shuffle: ShuffleId,
         ids: BoxStream<'static, Result<BlockId>>,
+        partition: Option<u32>,
     ) -> Result<BoxStream<'static, Result<FlightData, Status>>> {
         let info = self.state.store.shuffle_info(shuffle)?;
         let schema = FlightData::from(SchemaAsIpc::new(&info.schema, &IpcWriteOptions::default()));
@@ -50,7 +51,7 @@ impl WorkerService {
                 let state = state.clone();
                 async move {
                     let id = id?;
-                    tokio::task::spawn_blocking(move || state.store.get(&id))
+                    tokio::task::spawn_blocking(move || state.store.get_part(&id, partition))
                         .await
                         .map_err(|e| Error::Cluster(format!("block read task failed: {e}")))?
                 }
@@ -213,7 +214,7 @@ impl FlightService for WorkerService {
                 let id = BlockId::from(&key);
                 self.state.store.meta(&id)?;
                 let ids = futures::stream::once(async move { Ok(id) }).boxed();
-                self.serve_blocks(id.shuffle, ids)?
+                self.serve_blocks(id.shuffle, ids, None)?
             }
             Some(proto::ticket::Kind::Partition(p)) => {
                 let shuffle = ShuffleId(p.shuffle_id);
@@ -236,7 +237,7 @@ impl FlightService for WorkerService {
                     .follow_partition(shuffle, p.partition, p.wait_sealed, timeout)
                     .try_filter(move |id| futures::future::ready(slice.contains(id)))
                     .boxed();
-                self.serve_blocks(shuffle, ids)?
+                self.serve_blocks(shuffle, ids, Some(p.partition))?
             }
             Some(proto::ticket::Kind::MapOutput(m)) => {
                 let shuffle = ShuffleId(m.shuffle_id);
@@ -246,7 +247,7 @@ impl FlightService for WorkerService {
                     .wait_map_output(shuffle, m.map_id, self.state.read_timeout)
                     .await?;
                 let ids = futures::stream::iter(ids.into_iter().map(Ok)).boxed();
-                self.serve_blocks(shuffle, ids)?
+                self.serve_blocks(shuffle, ids, None)?
             }
             None => return Err(bad("ticket names no block, partition or map output")),
         };
