@@ -172,3 +172,30 @@ def test_skewed_keys_with_nulls_and_strings_under_a_spilling_budget(strategy):
             assert_same_multiset(df, parts)
             assert_keys_not_split(parts, [by] if isinstance(by, str) else by)
         assert sum(w["spilled_bytes"] for w in small.stats()) > 0
+
+
+@pytest.mark.parametrize("kind", ["pyarrow", "polars", "pyarrow_reader"])
+def test_auto_estimates_the_map_count_of_an_in_memory_table(cluster, kind):
+    # auto decides after the first wave; for a table it knows M from the table's bytes over
+    # map_bytes (not the maps submitted so far), and says so in its note. A stream's size is
+    # unknown, and the note says that instead.
+    df = sample_frame(200_000)
+    table = df.to_arrow()
+    data = {
+        "pyarrow": table,
+        "polars": df,
+        "pyarrow_reader": pa.RecordBatchReader.from_batches(
+            table.schema, table.to_batches(max_chunksize=5_000)
+        ),
+    }[kind]
+    size = table.nbytes if kind != "polars" else df.estimated_size()
+    result = cluster.shuffle(data, by="key", partitions=8, map_bytes="128KiB", strategy="auto")
+    parts = as_polars(list(result))
+    assert_same_multiset(df, parts)
+    note = result.wait_mapped()["strategy_choice"]
+    assert note.startswith("auto: "), note
+    if kind == "pyarrow_reader":
+        assert "so far, the input's size unknown" in note, note
+    else:
+        expected = -(-size // (128 << 10))
+        assert f", {expected} maps: " in note, (expected, note)

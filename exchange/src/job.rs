@@ -76,10 +76,12 @@ pub struct MapSummary {
     /// The input's content checksum, as hex.
     pub checksum: String,
     pub bytes: u64,
+    /// How `auto` chose, with its predictions (None for a fixed strategy).
+    pub strategy_choice: Option<String>,
 }
 
 impl MapSummary {
-    fn of(mapped: &Mapped) -> Self {
+    fn of(mapped: &Mapped, choice: Option<String>) -> Self {
         MapSummary {
             maps: mapped.maps.len(),
             blocks: mapped.live_blocks(),
@@ -87,6 +89,7 @@ impl MapSummary {
             rows: mapped.input.rows,
             checksum: format!("{:#018x}", mapped.input.sum),
             bytes: mapped.input_bytes,
+            strategy_choice: choice,
         }
     }
 }
@@ -381,7 +384,8 @@ async fn run(
             return;
         }
     };
-    let _ = mapped_tx.send(Some(Ok(MapSummary::of(&mapped))));
+    let summary = MapSummary::of(&mapped, driver.choice(spec.id));
+    let _ = mapped_tx.send(Some(Ok(summary)));
     for p in 0..spec.partitions {
         let item = read_partition(&driver, spec.id, p).await.map(|b| (p, b));
         let failed = item.is_err();

@@ -555,24 +555,13 @@ pub fn run_merge(
             batches.clear();
             Ok(())
         };
-    // The rows of every packed block, by partition, with their estimated encoded bytes.
-    let r = info.partitions as usize;
-    let mut packed: Vec<Vec<(RecordBatch, usize)>> = vec![Vec::new(); r];
+    // Packed blocks: decoded once, then each partition's rows gathered from all of them by
+    // one `interleave` per merged block (not one slice per block and partition).
     let split = ids.partition_point(|id| id.partition != crate::packed::PACKED);
-    for id in &ids[split..] {
-        let meta = store.meta(id)?;
-        let bytes_per_row = meta.bytes as f64 / meta.rows.max(1) as f64;
-        let (batches, ends) = store.read_packed(id)?;
-        for p in ends.non_empty() {
-            for piece in crate::packed::slice_partition(&batches, &ends, p) {
-                let est = (piece.num_rows() as f64 * bytes_per_row) as usize;
-                packed[p as usize].push((piece, est));
-            }
-        }
-    }
+    let packed = Packed::read(store, &ids[split..], info.partitions)?;
     let mut plain = ids[..split].iter().peekable();
     let mut batches = Vec::new();
-    for p in 0..r as u32 {
+    for p in 0..info.partitions {
         let mut bytes = 0usize;
         // Blocks of this partition alone (counted by encoded size: decoded arrays share the
         // block's buffer, so their memory sizes would count it once per column).
@@ -584,18 +573,80 @@ pub fn run_merge(
             bytes += store.meta(id)?.bytes as usize;
             batches.extend(store.read_batches(id)?);
         }
-        for (piece, est) in std::mem::take(&mut packed[p as usize]) {
+        for chunk in packed.rows_of(p, MERGED_BLOCK_BYTES.saturating_sub(bytes)) {
             if bytes >= MERGED_BLOCK_BYTES {
                 flush(p, &mut batches, &mut out)?;
                 bytes = 0;
             }
-            bytes += est;
-            batches.push(piece);
+            bytes += chunk.1;
+            batches.push(packed.gather(&chunk.0)?);
         }
         flush(p, &mut batches, &mut out)?;
     }
     out.seconds = start.elapsed().as_secs_f64();
     Ok(out)
+}
+
+/// The packed blocks of one merge, decoded, with where each partition's rows are.
+struct Packed {
+    batches: Vec<RecordBatch>,
+    /// Per input batch: its partition ends and its estimated encoded bytes per row.
+    layout: Vec<(crate::packed::Ends, f64)>,
+}
+
+impl Packed {
+    fn read(store: &BlockStore, ids: &[BlockId], partitions: u32) -> Result<Packed> {
+        let mut out = Packed {
+            batches: Vec::new(),
+            layout: Vec::new(),
+        };
+        for id in ids {
+            let meta = store.meta(id)?;
+            let (batches, ends) = store.read_packed(id)?;
+            let batch = match batches.as_slice() {
+                [one] => one.clone(),
+                many => match many.first() {
+                    Some(b) => arrow::compute::concat_batches(&b.schema(), many)?,
+                    None => continue,
+                },
+            };
+            if ends.range(partitions.saturating_sub(1)).end != batch.num_rows() {
+                return Err(Error::invalid(format!(
+                    "block {id}: ends do not match its rows"
+                )));
+            }
+            out.layout
+                .push((ends, meta.bytes as f64 / meta.rows.max(1) as f64));
+            out.batches.push(batch);
+        }
+        Ok(out)
+    }
+
+    /// The (input, row) pairs of partition `p`, cut into chunks of about
+    /// [`MERGED_BLOCK_BYTES`] (the first one `first` bytes), each with its estimated bytes.
+    fn rows_of(&self, p: u32, first: usize) -> Vec<(Vec<(usize, usize)>, usize)> {
+        let mut chunks = Vec::new();
+        let (mut rows, mut bytes, mut limit) = (Vec::new(), 0f64, first.max(1) as f64);
+        for (i, (ends, per_row)) in self.layout.iter().enumerate() {
+            for r in ends.range(p) {
+                if bytes >= limit && !rows.is_empty() {
+                    chunks.push((std::mem::take(&mut rows), bytes as usize));
+                    (bytes, limit) = (0.0, MERGED_BLOCK_BYTES as f64);
+                }
+                rows.push((i, r));
+                bytes += per_row;
+            }
+        }
+        if !rows.is_empty() {
+            chunks.push((rows, bytes as usize));
+        }
+        chunks
+    }
+
+    fn gather(&self, rows: &[(usize, usize)]) -> Result<RecordBatch> {
+        let refs: Vec<&RecordBatch> = self.batches.iter().collect();
+        Ok(arrow::compute::interleave_record_batch(&refs, rows)?)
+    }
 }
 
 /// Check a batch against the shuffle's schema; equal columns with other field metadata or

@@ -84,6 +84,19 @@ def _exports_arrow(obj: Any) -> bool:
     return hasattr(obj, "__arrow_c_stream__") or hasattr(obj, "__arrow_c_array__")
 
 
+def _size_of(data: Any) -> int | None:
+    """The bytes of an in-memory table (pyarrow Table or RecordBatch, Polars DataFrame), for
+    ``auto``'s estimate of the number of map tasks; None for streams and lazy relations."""
+    try:
+        if hasattr(data, "nbytes") and hasattr(data, "num_rows"):  # pyarrow Table, RecordBatch
+            return int(data.nbytes)
+        if hasattr(data, "estimated_size") and hasattr(data, "height"):  # Polars DataFrame
+            return int(data.estimated_size())
+    except Exception:  # a size is only a hint: never fail the shuffle for it
+        return None
+    return None
+
+
 class ShuffleResult:
     """The reduce partitions of one shuffle, yielded in partition order as each is complete.
 
@@ -114,7 +127,8 @@ class ShuffleResult:
         return table
 
     def wait_mapped(self) -> dict[str, Any]:
-        """Block until every map task finished; returns rows, bytes, maps, blocks, checksum."""
+        """Block until every map task finished; returns rows, bytes, maps, blocks, merges,
+        checksum and, under ``auto``, ``strategy_choice`` (its pick and predicted times)."""
         return json.loads(self._native.wait_mapped())
 
     @property
@@ -217,6 +231,7 @@ class Cluster:
             strategy,
             kind,
             parse_bytes(map_bytes),
+            _size_of(data),
         )
         return ShuffleResult(native, output)
 

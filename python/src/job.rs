@@ -19,6 +19,8 @@ pub struct JobOptions {
     pub partitioner: String,
     pub map_bytes: usize,
     pub speculation: Option<f64>,
+    /// The input's size in bytes where Python knows it (a table), for `auto`'s M.
+    pub input_bytes: Option<usize>,
 }
 
 impl JobOptions {
@@ -30,6 +32,9 @@ impl JobOptions {
             map_bytes: self.map_bytes,
             strategy: StrategyOptions {
                 speculation: self.speculation,
+                expected_maps: self
+                    .input_bytes
+                    .map(|b| b.div_ceil(self.map_bytes.max(1)).max(1)),
                 ..StrategyOptions::named(&self.strategy)?
             },
         })

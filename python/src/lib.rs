@@ -302,7 +302,7 @@ impl NativeCluster {
         Ok(serde_json::Value::from(list).to_string())
     }
 
-    #[pyo3(signature = (data, by, partitions, strategy, partitioner, map_bytes))]
+    #[pyo3(signature = (data, by, partitions, strategy, partitioner, map_bytes, input_bytes=None))]
     #[allow(clippy::too_many_arguments)]
     fn shuffle(
         &self,
@@ -313,6 +313,7 @@ impl NativeCluster {
         strategy: Option<String>,
         partitioner: String,
         map_bytes: usize,
+        input_bytes: Option<usize>,
     ) -> PyResult<job::NativeShuffle> {
         let strategy = strategy.unwrap_or_else(|| self.strategy.strategy.to_string());
         let reader = data.into_reader()?;
@@ -324,6 +325,7 @@ impl NativeCluster {
             partitioner,
             map_bytes,
             speculation: self.strategy.speculation,
+            input_bytes,
         };
         job::NativeShuffle::start(py, self.rt.clone(), driver, reader, opts)
     }

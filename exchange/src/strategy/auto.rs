@@ -41,6 +41,9 @@ pub struct Shape {
     /// Maps already run in place when the choice is made: under `auto` they stay where they
     /// are, so only the others push, and readers keep reading every worker.
     pub maps_in_place: usize,
+    /// Maps of merging strategies write packed blocks ([`crate::packed`]): one per holder
+    /// instead of one per partition (the maps run in place before the choice excepted).
+    pub pack: bool,
 }
 
 /// Predicted seconds of `strategy` for `shape` on the machine `c` describes.
@@ -55,8 +58,16 @@ pub fn predict(c: &Calibration, shape: &Shape, strategy: Strategy) -> f64 {
     } else {
         r
     };
-    // Map blocks: at most R per map.
+    // Map blocks: at most R per map; a merging strategy's packed maps write one per holder.
     let map_blocks = m * per_map;
+    let in_place = (shape.maps_in_place as f64).min(m);
+    let blocks_to = |holders: f64| {
+        if shape.pack {
+            in_place * per_map + (m - in_place) * holders.min(per_map)
+        } else {
+            map_blocks
+        }
+    };
     // Maps that push (the rest ran in place), and whether readers still read every worker.
     let pushed = ((m - shape.maps_in_place as f64) / m).clamp(0.0, 1.0);
     let everywhere = shape.maps_in_place > 0;
@@ -66,21 +77,22 @@ pub fn predict(c: &Calibration, shape: &Shape, strategy: Strategy) -> f64 {
     let cols = n.sqrt().ceil();
     let (local_block, remote_block) =
         (c.block_overhead_s, c.remote_block_s.max(c.block_overhead_s));
-    // Every strategy: partition and encode on the map side, decode on the reduce side, write
-    // the M x R map blocks, spill what does not fit.
+    // Every strategy: partition and encode on the map side, decode on the reduce side, spill
+    // what does not fit (and write its map blocks, counted below).
     let common = b / rate(c.partition_bytes_per_s)
         + b / rate(c.encode_bytes_per_s)
         + b / rate(c.decode_bytes_per_s)
-        + map_blocks * local_block
         + spilled / rate(c.disk_write_bytes_per_s)
         + spilled / rate(c.disk_read_bytes_per_s);
     let transfer = b * remote / rate(c.network_bytes_per_s);
-    // A merge decodes and re-encodes every byte and reads the M x R blocks locally (and
-    // writes the merged bytes to disk again when spilling).
-    let merge = b / rate(c.decode_bytes_per_s)
-        + b / rate(c.encode_bytes_per_s)
-        + map_blocks * local_block
-        + spilled / rate(c.disk_write_bytes_per_s);
+    // A merge decodes and re-encodes every byte and reads its map blocks locally (and writes
+    // the merged bytes to disk again when spilling); the map blocks were written first.
+    let merge = |blocks: f64| {
+        b / rate(c.decode_bytes_per_s)
+            + b / rate(c.encode_bytes_per_s)
+            + 2.0 * blocks * local_block
+            + spilled / rate(c.disk_write_bytes_per_s)
+    };
     // Reducers read R partitions, each as one block per worker holding some (after a merge).
     let reads = |holders: f64| r * holders.min(m);
     // Reading `blocks` blocks over `sources` workers per partition, mostly from other workers.
@@ -90,28 +102,32 @@ pub fn predict(c: &Calibration, shape: &Shape, strategy: Strategy) -> f64 {
     let merged_reads = read(reads(n), n) + transfer;
     let specific = match strategy {
         // Every reducer streams its blocks from N workers.
-        Strategy::Pull | Strategy::Auto => read(map_blocks, n) + transfer,
-        Strategy::Merged => merge + merged_reads,
+        Strategy::Pull | Strategy::Auto => {
+            map_blocks * local_block + read(map_blocks, n) + transfer
+        }
+        Strategy::Merged => merge(blocks_to(1.0)) + merged_reads,
         // Blocks cross once, as pushes (half the transfer overlaps the map side); a reducer
         // reads its own store (every worker, when some maps ran in place first).
         Strategy::Push => {
-            let push = map_blocks * remote * remote_block + m * (n - 1.0) * c.request_s;
+            let blocks = blocks_to(n);
+            let push = blocks * remote * remote_block + m * (n - 1.0) * c.request_s;
             let reduce = if everywhere {
                 merged_reads
             } else {
                 reads(1.0) * local_block + r * c.request_s + 0.5 * transfer
             };
-            merge + pushed * push + reduce
+            merge(blocks) + pushed * push + reduce
         }
         // Pushes within a row, reads within a column: bytes cross up to twice.
         Strategy::TwoLevel => {
-            let push = map_blocks * (1.0 - 1.0 / cols) * remote_block + m * cols * c.request_s;
+            let blocks = blocks_to(cols);
+            let push = blocks * (1.0 - 1.0 / cols) * remote_block + m * cols * c.request_s;
             let reduce = if everywhere {
                 merged_reads + transfer
             } else {
                 reads(cols) * remote_block + r * cols * c.request_s + 2.0 * transfer
             };
-            merge + pushed * push + reduce
+            merge(blocks) + pushed * push + reduce
         }
     };
     (common + specific) / p
@@ -139,6 +155,7 @@ fn shape_of(
     partitions: u32,
     maps: usize,
     in_place: usize,
+    pack: bool,
 ) -> Shape {
     let bytes: u64 = wave
         .iter()
@@ -160,6 +177,7 @@ fn shape_of(
         },
         blocks_per_map: wave.iter().map(|d| d.blocks.len()).sum::<usize>() as f64 / seen as f64,
         maps_in_place: in_place,
+        pack,
     }
 }
 
@@ -171,8 +189,10 @@ pub async fn map_side(
     opts: StrategyOptions,
 ) -> Result<pull::Mapped> {
     let calibration = driver.calibration().await?;
-    // The number of maps, where the input says it (SQL stages, benchmarks).
-    let expected_maps = inputs.size_hint().1;
+    // The number of maps, where the input says it (SQL stages, benchmarks) or the caller
+    // estimated it (a Python shuffle of a table); otherwise the maps submitted by the time
+    // of the choice (at least the first wave).
+    let expected_maps = inputs.size_hint().1.or(opts.expected_maps);
     let submitted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let exhausted = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (counted, ended) = (submitted.clone(), exhausted.clone());
@@ -204,6 +224,7 @@ pub async fn map_side(
             spec.partitions,
             expected_maps.unwrap_or(0).max(maps_so_far),
             maps_so_far,
+            opts.pack,
         );
         let ranked = ranking(&calibration, &shape);
         // Every map has been submitted in place already: only pull and merged are open
@@ -221,8 +242,12 @@ pub async fn map_side(
                 format!("{s} {t:.3} s{closed}")
             })
             .collect();
+        let m_from = match expected_maps {
+            Some(_) => "",
+            None => " so far, the input's size unknown",
+        };
         let note = format!(
-            "auto: {pick} (predicted for {:.1} MB, {} maps: {})",
+            "auto: {pick} (predicted for {:.1} MB, {} maps{m_from}: {})",
             shape.bytes / 1e6,
             shape.maps,
             predicted.join(", ")
@@ -286,6 +311,7 @@ mod tests {
             spill_fraction: 0.0,
             blocks_per_map: 0.0,
             maps_in_place: 0,
+            pack: false,
         }
     }
 
@@ -302,5 +328,17 @@ mod tests {
             ..shape(16, 64)
         };
         assert!(predict(&c, &big, Strategy::Pull) > predict(&c, &shape(16, 64), Strategy::Pull));
+        // Packed maps write far fewer blocks: merging gets cheaper, pull does not change.
+        let packed = Shape {
+            pack: true,
+            ..shape(1000, 1000)
+        };
+        let s = shape(1000, 1000);
+        assert!(predict(&c, &packed, Strategy::Merged) < predict(&c, &s, Strategy::Merged));
+        assert!(predict(&c, &packed, Strategy::Push) < predict(&c, &s, Strategy::Push));
+        assert_eq!(
+            predict(&c, &packed, Strategy::Pull),
+            predict(&c, &s, Strategy::Pull)
+        );
     }
 }

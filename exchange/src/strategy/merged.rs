@@ -25,7 +25,7 @@ use tokio::sync::mpsc;
 /// Merged blocks aim at this size: F = this / the average block size of the waiting maps.
 pub const MERGE_TARGET_BYTES: u64 = 4 << 20;
 /// At most this many maps in one merge.
-pub const MAX_FAN_IN: usize = 64;
+pub const MAX_FAN_IN: usize = 256;
 /// At most about this many bytes of map output in one merge (a merge of packed blocks holds
 /// its inputs decoded while it cuts them).
 pub const MAX_MERGE_BYTES: u64 = 128 << 20;

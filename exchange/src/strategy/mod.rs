@@ -85,6 +85,10 @@ pub struct StrategyOptions {
     /// partition. Off where readers stream during the map side (pipelined SQL stages): merges
     /// are refused there, and readers would slice every packed block.
     pub pack: bool,
+    /// The number of map tasks, where the caller can estimate it and its input stream
+    /// cannot tell (a Python shuffle of a table: its bytes over the map size); `auto` uses it
+    /// for M.
+    pub expected_maps: Option<usize>,
 }
 
 impl Default for StrategyOptions {
@@ -97,6 +101,7 @@ impl Default for StrategyOptions {
             merge_timeout: std::time::Duration::from_secs(10),
             speculation: None,
             pack: false,
+            expected_maps: None,
         }
     }
 }
