@@ -92,7 +92,7 @@ def _size_of(data: Any) -> int | None:
             return int(data.nbytes)
         if hasattr(data, "estimated_size") and hasattr(data, "height"):  # Polars DataFrame
             return int(data.estimated_size())
-    except Exception:  # a size is only a hint: never fail the shuffle for it
+    except (TypeError, ValueError, AttributeError):  # only a hint: never fail the shuffle
         return None
     return None
 
