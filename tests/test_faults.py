@@ -79,10 +79,12 @@ def slow_reader(batches: int, rows: int, delay: float) -> pa.RecordBatchReader:
 
 
 @pytest.mark.parametrize("strategy", ["pull", "push", "two-level"])
-def test_killed_worker_fails_within_30s_naming_it(pids_gone, strategy):
+def test_killed_worker_fails_within_30s_naming_it_and_is_replaced(pids_gone, strategy):
     c = fs.Cluster(workers=3, timeout=60)
     pids = c.worker_pids
+    addresses = c.worker_addresses
     victim = 1
+    replacements: list[int] = []
     try:
         # With push, the failure first shows on a worker pushing to the victim: the driver
         # still names the victim.
@@ -99,10 +101,20 @@ def test_killed_worker_fails_within_30s_naming_it(pids_gone, strategy):
             list(result)
         assert time.monotonic() - start < 30
         msg = str(err.value)
-        assert f"worker {victim} ({c.worker_addresses[victim]}) lost" in msg
+        assert f"worker {victim} ({addresses[victim]}) lost" in msg
+        # The cluster keeps working: the lost worker's slot gets a new process, and the next
+        # shuffle (which waits for it) is exact.
+        df = pa.table({"key": list(range(50_000)), "v": [i % 7 for i in range(50_000)]})
+        parts = list(c.shuffle(df, by="key", partitions=6, strategy=strategy))
+        assert sum(p.num_rows for p in parts) == 50_000
+        assert sorted(k for p in parts for k in p["key"].to_pylist()) == list(range(50_000))
+        now = c.worker_pids
+        assert now[victim] != pids[victim] and now[victim] > 0
+        assert [now[i] for i in (0, 2)] == [pids[i] for i in (0, 2)]
+        replacements = now
     finally:
         c.close()
-    pids_gone(pids)
+    pids_gone(pids + replacements)
 
 
 def test_dropping_the_driver_stops_its_workers_and_leaves_no_spill_files(pids_gone, tmp_path):

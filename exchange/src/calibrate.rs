@@ -145,7 +145,7 @@ pub(crate) async fn on_cluster(driver: &Arc<Driver>) -> Result<proto::Calibratio
     let w = (0..driver.num_workers())
         .find(|&w| driver.is_alive(w))
         .ok_or_else(|| Error::Cluster("no live worker to calibrate on".into()))?;
-    let client = driver.worker(w);
+    let client = driver.worker(w)?;
     let mut latencies = Vec::new();
     for _ in 0..7 {
         let t = std::time::Instant::now();

@@ -9,7 +9,7 @@ use crate::worker::{READY_LINE, TOKEN_ENV};
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone)]
@@ -51,10 +51,138 @@ pub fn resolve_compression(setting: &str, all_local: bool) -> Result<String> {
 }
 
 pub struct LocalCluster {
-    children: Vec<Child>,
+    /// The worker process of each slot (its replacement's, once a lost worker was replaced).
+    children: Arc<Mutex<Vec<Option<Child>>>>,
     pub driver: Arc<Driver>,
     pub spill_root: PathBuf,
     _tempdir: Option<tempfile::TempDir>,
+}
+
+/// How this cluster starts a worker process (the first ones, and replacements).
+#[derive(Clone)]
+struct Launcher {
+    program: String,
+    lead: Vec<String>,
+    memory_budget: u64,
+    spill_root: PathBuf,
+    compression: String,
+    rpc_timeout: Duration,
+    token: String,
+    startup_timeout: Duration,
+}
+
+impl Launcher {
+    /// The spill dir of slot `i`'s worker of generation `g` (0: the first one).
+    fn spill_dir(&self, i: usize, g: u64) -> PathBuf {
+        match g {
+            0 => self.spill_root.join(format!("worker-{i}")),
+            g => self.spill_root.join(format!("worker-{i}.{g}")),
+        }
+    }
+
+    /// Start slot `i`'s worker of generation `g`; the receiver gets its address (None if it
+    /// exits first).
+    fn launch(&self, i: usize, g: u64) -> Result<(Child, mpsc::Receiver<Option<String>>)> {
+        let mut child = Command::new(&self.program)
+            .args(&self.lead)
+            .arg("--id")
+            .arg(format!("worker-{i}"))
+            .arg("--listen")
+            .arg("127.0.0.1:0")
+            .arg("--memory-budget")
+            .arg(self.memory_budget.to_string())
+            .arg("--spill-dir")
+            .arg(self.spill_dir(i, g))
+            .arg("--compression")
+            .arg(&self.compression)
+            .arg("--timeout-secs")
+            .arg(self.rpc_timeout.as_secs().max(1).to_string())
+            .arg("--exit-with-stdin")
+            .env(TOKEN_ENV, &self.token)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| Error::Cluster(format!("cannot start worker {:?}: {e}", self.program)))?;
+        let stdout = child.stdout.take();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let Some(out) = stdout else {
+                let _ = tx.send(None);
+                return;
+            };
+            let mut sent = false;
+            // Keep draining stdout after the ready line so the worker never blocks on it.
+            for line in std::io::BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                if !sent {
+                    if let Some(addr) = line.strip_prefix(READY_LINE) {
+                        let _ = tx.send(Some(addr.trim().to_string()));
+                        sent = true;
+                    }
+                }
+            }
+            if !sent {
+                let _ = tx.send(None);
+            }
+        });
+        Ok((child, rx))
+    }
+
+    /// Wait (until `deadline`) for a launched worker's address.
+    fn ready(
+        &self,
+        i: usize,
+        child: &mut Child,
+        rx: &mpsc::Receiver<Option<String>>,
+        deadline: Instant,
+    ) -> Result<String> {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok(Some(addr)) => Ok(addr),
+            Ok(None) => {
+                let status = child.try_wait().ok().flatten();
+                Err(Error::Cluster(format!(
+                    "worker {i} exited before it was ready ({status:?}); see its stderr above"
+                )))
+            }
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                Err(Error::Timeout {
+                    what: format!("worker {i} to start"),
+                    seconds: self.startup_timeout.as_secs_f64(),
+                })
+            }
+        }
+    }
+
+    /// Replace slot `i`'s worker: kill the old process (a paused one too), remove its spill
+    /// dir, start generation `g`. Returns the new worker's address.
+    fn replace(&self, children: &Mutex<Vec<Option<Child>>>, i: usize, g: u64) -> Result<String> {
+        if lock(children).len() <= i {
+            return Err(Error::Cluster(format!(
+                "no worker slot {i}: the cluster stopped"
+            )));
+        }
+        if let Some(mut old) = lock(children).get_mut(i).and_then(Option::take) {
+            let _ = old.kill();
+            let _ = old.wait();
+        }
+        for old in 0..g {
+            let _ = std::fs::remove_dir_all(self.spill_dir(i, old));
+        }
+        let (mut child, rx) = self.launch(i, g)?;
+        let addr = self.ready(i, &mut child, &rx, Instant::now() + self.startup_timeout)?;
+        if let Some(slot) = lock(children).get_mut(i) {
+            *slot = Some(child);
+        }
+        tracing::info!(worker = i, generation = g, %addr, "replacement worker started");
+        Ok(addr)
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// In a default spill root, the pid of the process that owns it.
@@ -119,95 +247,70 @@ impl LocalCluster {
             }
         };
         let token = format!("{:032x}", rand::random::<u128>());
+        let launcher = Launcher {
+            program: program.clone(),
+            lead: lead.to_vec(),
+            memory_budget: cfg.memory_budget,
+            spill_root: spill_root.clone(),
+            compression,
+            rpc_timeout: cfg.driver.rpc_timeout,
+            token: token.clone(),
+            startup_timeout: cfg.startup_timeout,
+        };
         let mut cluster = LocalCluster {
-            children: Vec::new(),
+            children: Arc::new(Mutex::new(Vec::new())),
             driver: Driver::connect(&["127.0.0.1:1".into()], &token, cfg.driver.clone())?,
             spill_root: spill_root.clone(),
             _tempdir: tempdir,
         };
-        let (tx, rx) = std::sync::mpsc::channel::<(usize, Option<String>)>();
+        // Start every worker, then wait for each to be ready (they start in parallel).
+        let mut waiting = Vec::new();
         for i in 0..cfg.workers {
-            let mut child = Command::new(program)
-                .args(lead)
-                .arg("--id")
-                .arg(format!("worker-{i}"))
-                .arg("--listen")
-                .arg("127.0.0.1:0")
-                .arg("--memory-budget")
-                .arg(cfg.memory_budget.to_string())
-                .arg("--spill-dir")
-                .arg(spill_root.join(format!("worker-{i}")))
-                .arg("--compression")
-                .arg(&compression)
-                .arg("--timeout-secs")
-                .arg(cfg.driver.rpc_timeout.as_secs().max(1).to_string())
-                .arg("--exit-with-stdin")
-                .env(TOKEN_ENV, &token)
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::inherit())
-                .spawn()
-                .map_err(|e| Error::Cluster(format!("cannot start worker {program:?}: {e}")))?;
-            let stdout = child.stdout.take();
-            cluster.children.push(child);
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                let Some(out) = stdout else {
-                    let _ = tx.send((i, None));
-                    return;
-                };
-                let mut sent = false;
-                // Keep draining stdout after the ready line so the worker never blocks on it.
-                for line in std::io::BufReader::new(out).lines() {
-                    let Ok(line) = line else { break };
-                    if !sent {
-                        if let Some(addr) = line.strip_prefix(READY_LINE) {
-                            let _ = tx.send((i, Some(addr.trim().to_string())));
-                            sent = true;
-                        }
-                    }
-                }
-                if !sent {
-                    let _ = tx.send((i, None));
-                }
-            });
+            let (child, rx) = launcher.launch(i, 0)?;
+            lock(&cluster.children).push(Some(child));
+            waiting.push(rx);
         }
-        drop(tx);
-        let mut addrs = vec![String::new(); cfg.workers];
         let deadline = Instant::now() + cfg.startup_timeout;
-        for _ in 0..cfg.workers {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match rx.recv_timeout(left) {
-                Ok((i, Some(addr))) => addrs[i] = addr,
-                Ok((i, None)) => {
-                    let status = cluster.children[i].try_wait().ok().flatten();
-                    return Err(Error::Cluster(format!(
-                        "worker {i} exited before it was ready ({status:?}); see its stderr above"
-                    )));
-                }
-                Err(_) => {
-                    return Err(Error::Timeout {
-                        what: format!("{} workers to start", cfg.workers),
-                        seconds: cfg.startup_timeout.as_secs_f64(),
-                    })
-                }
-            }
+        let mut addrs = Vec::new();
+        for (i, rx) in waiting.iter().enumerate() {
+            let mut children = lock(&cluster.children);
+            let Some(child) = children.get_mut(i).and_then(Option::as_mut) else {
+                return Err(Error::Cluster(format!(
+                    "worker {i} vanished while starting"
+                )));
+            };
+            addrs.push(launcher.ready(i, child, rx, deadline)?);
         }
         cluster.driver = Driver::connect(&addrs, &token, cfg.driver.clone())?;
         cluster.driver.check_health().await?;
+        // A lost worker is replaced by a new process in its slot (see `Driver::set_replacer`).
+        let children = cluster.children.clone();
+        let driver = Arc::downgrade(&cluster.driver);
+        cluster
+            .driver
+            .set_replacer(Arc::new(move |i: usize| -> Result<String> {
+                let g = driver.upgrade().map_or(1, |d| d.generation(i));
+                launcher.replace(&children, i, g)
+            }));
         tracing::info!(workers = cfg.workers, "local cluster ready");
         Ok(cluster)
     }
 
+    /// The worker processes' ids, by slot (0 where a slot's process is gone).
     pub fn pids(&self) -> Vec<u32> {
-        self.children.iter().map(|c| c.id()).collect()
+        lock(&self.children)
+            .iter()
+            .map(|c| c.as_ref().map_or(0, |c| c.id()))
+            .collect()
     }
 
-    /// SIGKILL one worker, as a crash would (fault-injection in tests and chaos runs).
+    /// SIGKILL one worker, as a crash would (fault-injection in tests and chaos runs). The
+    /// driver replaces it when it finds it lost.
     pub fn kill_worker(&mut self, i: usize) -> Result<()> {
-        let c = self
-            .children
+        let mut children = lock(&self.children);
+        let c = children
             .get_mut(i)
+            .and_then(Option::as_mut)
             .ok_or_else(|| Error::invalid(format!("no worker {i}")))?;
         c.kill()
             .map_err(|e| Error::Cluster(format!("cannot kill worker {i}: {e}")))?;
@@ -217,13 +320,15 @@ impl LocalCluster {
 
     /// Stop every worker (kill, then reap). Safe to call more than once.
     pub fn stop(&mut self) {
-        for c in &mut self.children {
+        self.driver.stop_replacing();
+        let mut children = lock(&self.children);
+        for c in children.iter_mut().flatten() {
             let _ = c.kill();
         }
-        for c in &mut self.children {
+        for c in children.iter_mut().flatten() {
             let _ = c.wait();
         }
-        self.children.clear();
+        children.clear();
     }
 }
 

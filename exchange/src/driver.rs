@@ -96,8 +96,22 @@ pub struct MapDone {
     pub committed_at: std::time::Instant,
 }
 
+/// Starts a new worker process in place of lost worker `i` and returns its address (blocking;
+/// the local cluster provides one, see [`Driver::set_replacer`]).
+pub type Replacer = Arc<dyn Fn(usize) -> Result<String> + Send + Sync>;
+
+/// How long a call that needs every worker waits for a lost one's replacement.
+pub const REPLACE_TIMEOUT: Duration = Duration::from_secs(60);
+
 pub struct Driver {
-    workers: Vec<WorkerClient>,
+    /// One client per worker slot; a lost worker's slot gets its replacement's client.
+    workers: std::sync::RwLock<Vec<WorkerClient>>,
+    /// Replacements started per slot (the slot's generation).
+    generations: Vec<std::sync::atomic::AtomicU64>,
+    replacer: Mutex<Option<Replacer>>,
+    /// Changes whenever a slot becomes live again (or its replacement failed).
+    live: tokio::sync::watch::Sender<u64>,
+    me: std::sync::Weak<Driver>,
     token: String,
     alive: Vec<AtomicBool>,
     cfg: DriverConfig,
@@ -145,11 +159,15 @@ impl Driver {
             cfg.rpc_timeout,
             &workers,
         ));
-        Ok(Arc::new(Driver {
+        Ok(Arc::new_cyclic(|me| Driver {
             reader,
             token: token.to_string(),
             alive: workers.iter().map(|_| AtomicBool::new(true)).collect(),
-            workers,
+            generations: workers.iter().map(|_| Default::default()).collect(),
+            replacer: Mutex::new(None),
+            live: tokio::sync::watch::channel(0).0,
+            me: me.clone(),
+            workers: std::sync::RwLock::new(workers),
             cfg,
             blocks: Mutex::new(HashMap::new()),
             schemas: Mutex::new(HashMap::new()),
@@ -180,15 +198,121 @@ impl Driver {
     }
 
     pub fn num_workers(&self) -> usize {
-        self.workers.len()
+        self.alive.len()
     }
 
-    pub fn worker(&self, i: usize) -> &WorkerClient {
-        &self.workers[i]
+    /// The client of worker slot `i` (its replacement's, once a lost worker was replaced).
+    pub fn worker(&self, i: usize) -> Result<WorkerClient> {
+        self.clients().get(i).cloned().ok_or_else(|| {
+            Error::invalid(format!(
+                "no worker {i} in a cluster of {}",
+                self.num_workers()
+            ))
+        })
     }
 
+    fn clients(&self) -> Vec<WorkerClient> {
+        self.workers
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The workers' addresses now (a replaced worker's slot has its replacement's).
     pub fn addresses(&self) -> Vec<String> {
-        self.workers.iter().map(|w| w.addr.clone()).collect()
+        self.clients().into_iter().map(|w| w.addr).collect()
+    }
+
+    /// How many times worker slot `i` was given a replacement.
+    pub fn generation(&self, i: usize) -> u64 {
+        self.generations
+            .get(i)
+            .map_or(0, |g| g.load(Ordering::SeqCst))
+    }
+
+    /// Replacements started so far, over all slots (changes when a worker is found lost).
+    pub fn replacements(&self) -> u64 {
+        (0..self.num_workers()).map(|i| self.generation(i)).sum()
+    }
+
+    /// Let the driver replace lost workers: `replacer` starts a new worker process for a slot
+    /// and returns its address (the local cluster sets one; a cluster of workers started
+    /// elsewhere has none, and a lost worker stays lost).
+    pub fn set_replacer(&self, replacer: Replacer) {
+        *lock(&self.replacer) = Some(replacer);
+    }
+
+    /// Whether lost workers are replaced (a replacer is set).
+    pub fn replaces_workers(&self) -> bool {
+        lock(&self.replacer).is_some()
+    }
+
+    /// Replace no more lost workers (the cluster is stopping).
+    pub fn stop_replacing(&self) {
+        *lock(&self.replacer) = None;
+    }
+
+    /// Put worker `addr` in slot `i` (a lost worker's replacement): it must answer a health
+    /// check; readers on the driver connect to it on first use.
+    pub async fn replace_worker(&self, i: usize, addr: &str) -> Result<()> {
+        let client = WorkerClient::new(i, addr, &self.token, self.cfg.rpc_timeout)?;
+        client.health(self.cfg.health_timeout).await?;
+        {
+            let mut slots = self.workers.write().unwrap_or_else(|p| p.into_inner());
+            let slot = slots
+                .get_mut(i)
+                .ok_or_else(|| Error::invalid(format!("no worker slot {i}")))?;
+            *slot = client;
+        }
+        self.alive[i].store(true, Ordering::SeqCst);
+        self.live.send_modify(|v| *v += 1);
+        tracing::warn!(worker = i, %addr, generation = self.generation(i), "lost worker replaced");
+        Ok(())
+    }
+
+    /// Start replacing lost worker `i` in the background, once (a replacer is set and no
+    /// replacement of this generation runs yet).
+    fn start_replacement(&self, i: usize) {
+        let Some(replacer) = lock(&self.replacer).clone() else {
+            return;
+        };
+        let (Some(me), Ok(rt)) = (self.me.upgrade(), tokio::runtime::Handle::try_current()) else {
+            return;
+        };
+        self.generations[i].fetch_add(1, Ordering::SeqCst);
+        rt.spawn(async move {
+            let started = tokio::task::spawn_blocking(move || replacer(i)).await;
+            let result = match started {
+                Ok(Ok(addr)) => me.replace_worker(i, &addr).await,
+                Ok(Err(e)) => Err(e),
+                Err(e) => Err(Error::Cluster(format!("replacement task failed: {e}"))),
+            };
+            if let Err(e) = result {
+                tracing::error!(worker = i, error = %e, "could not replace a lost worker");
+                me.live.send_modify(|v| *v += 1);
+            }
+        });
+    }
+
+    /// Wait until every worker slot is live (a lost worker's replacement is up), at most
+    /// `timeout`; a lost worker that is not being replaced is an error at once.
+    pub async fn wait_all_live(&self, timeout: Duration) -> Result<()> {
+        let mut rx = self.live.subscribe();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let dead = (0..self.num_workers()).find(|&i| !self.is_alive(i));
+            let Some(i) = dead else { return Ok(()) };
+            if lock(&self.replacer).is_none() {
+                return Err(self.lost(i, "lost earlier; no replacement on this cluster".into()));
+            }
+            let changed = tokio::time::timeout_at(deadline, rx.changed()).await;
+            if !matches!(changed, Ok(Ok(()))) {
+                return Err(self.lost(
+                    i,
+                    format!("lost earlier; its replacement was not up within {timeout:?}"),
+                ));
+            }
+        }
     }
 
     pub fn is_alive(&self, i: usize) -> bool {
@@ -221,14 +345,16 @@ impl Driver {
         let lost_blocks = self.blocks_on(worker).len();
         // Logged once, when the worker is first found lost (every task that was waiting on it
         // reports the loss too, at debug level).
+        let addr = self.worker(worker).map(|w| w.addr).unwrap_or_default();
         if was_alive {
-            tracing::warn!(worker, addr = %self.workers[worker].addr, %reason, lost_blocks, "worker lost");
+            tracing::warn!(worker, %addr, %reason, lost_blocks, "worker lost");
+            self.start_replacement(worker);
         } else {
             tracing::debug!(worker, %reason, "worker already lost");
         }
         Error::WorkerLost {
             worker,
-            addr: self.workers[worker].addr.clone(),
+            addr,
             reason,
             lost_blocks,
         }
@@ -259,7 +385,11 @@ impl Driver {
         if !self.is_alive(worker) {
             return self.lost(worker, err.to_string());
         }
-        match self.workers[worker].health(self.cfg.health_timeout).await {
+        let client = match self.worker(worker) {
+            Ok(c) => c,
+            Err(_) => return err,
+        };
+        match client.health(self.cfg.health_timeout).await {
             // The worker that answered is alive, but the failure may be a peer's it was
             // talking to (a push, a read): name a lost peer as the cause when there is one.
             Ok(_) => match self.first_dead().await {
@@ -271,8 +401,8 @@ impl Driver {
     }
 
     async fn first_dead(&self) -> Option<(usize, String)> {
-        let checks = self
-            .workers
+        let clients = self.clients();
+        let checks = clients
             .iter()
             .map(|w| async move { (w.index, w.health(self.cfg.health_timeout).await) });
         futures::future::join_all(checks)
@@ -307,17 +437,24 @@ impl Driver {
         F: Fn(WorkerClient) -> Fut,
         Fut: Future<Output = Result<()>>,
     {
-        let calls = self.workers.iter().cloned().map(f);
-        for r in futures::future::join_all(calls).await {
-            if let Err(e) = r {
-                return Err(self.classify(e).await);
+        let calls = self.clients().into_iter().map(f);
+        // Under the health watch: a paused worker would otherwise hold the call until the
+        // RPC timeout.
+        let all = async {
+            for r in futures::future::join_all(calls).await {
+                r?;
             }
+            Ok(())
+        };
+        match self.watch(all).await {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.classify(e).await),
         }
-        Ok(())
     }
 
-    /// Register a shuffle on every worker.
+    /// Register a shuffle on every worker (after waiting for a lost worker's replacement).
     pub async fn create_shuffle(&self, spec: &ShuffleSpec) -> Result<()> {
+        self.wait_all_live(REPLACE_TIMEOUT).await?;
         // Refuse a partitioner that cannot work on this schema before any worker sees it.
         crate::partitioner::Partitioner::from_proto(
             &spec.partitioner,
@@ -360,6 +497,11 @@ impl Driver {
         lock(&self.packing).insert(shuffle);
     }
 
+    /// Make the map tasks of `shuffle` submitted from now on write a block per partition.
+    pub fn unpack_maps(&self, shuffle: ShuffleId) {
+        lock(&self.packing).remove(&shuffle);
+    }
+
     /// Record how `shuffle`'s strategy was chosen (shown by `EXPLAIN ANALYZE`).
     pub fn note_choice(&self, shuffle: ShuffleId, note: String) {
         lock(&self.choices).insert(shuffle, note);
@@ -389,9 +531,9 @@ impl Driver {
     /// The addresses of the workers that can hold blocks of `partition` of `shuffle`.
     pub fn partition_peers(&self, shuffle: ShuffleId, partition: u32) -> Vec<String> {
         self.placement(shuffle)
-            .readers(partition, self.workers.len())
+            .readers(partition, self.num_workers())
             .into_iter()
-            .map(|w| self.workers[w].addr.clone())
+            .filter_map(|w| self.worker(w).ok().map(|c| c.addr))
             .collect()
     }
 
@@ -417,7 +559,7 @@ impl Driver {
         let me = self.clone();
         let checksum = lock(&self.schemas).get(&shuffle).is_none_or(|(_, c)| *c);
         let attempt = self.next_attempt(shuffle, map);
-        let n = self.workers.len();
+        let n = self.num_workers();
         let placement = lock(&self.map_placements)
             .get(&shuffle)
             .copied()
@@ -459,12 +601,7 @@ impl Driver {
             MapInput::Stream(_) => Lineage::DriverStream,
         };
         tokio::spawn(async move {
-            let client = me.workers.get(worker).cloned().ok_or_else(|| {
-                Error::invalid(format!(
-                    "no worker {worker} in a cluster of {}",
-                    me.workers.len()
-                ))
-            })?;
+            let client = me.worker(worker)?;
             let result = match input {
                 MapInput::Source(source) => {
                     let task = proto::MapTask {
@@ -567,9 +704,14 @@ impl Driver {
     ) -> Result<BatchStream> {
         let readers = self
             .placement(shuffle)
-            .readers(partition, self.workers.len());
+            .readers(partition, self.num_workers());
         let opens = readers.iter().map(|&w| {
-            self.workers[w].read_partition(shuffle.0, partition, wait_sealed, Slice::WHOLE)
+            let client = self.worker(w);
+            async move {
+                client?
+                    .read_partition(shuffle.0, partition, wait_sealed, Slice::WHOLE)
+                    .await
+            }
         });
         let mut streams = Vec::new();
         for r in futures::future::join_all(opens).await {
@@ -605,7 +747,7 @@ impl Driver {
             peers: self.partition_peers(shuffle, partition),
             sink: sink.to_string(),
         };
-        match self.workers[worker].run_reduce(&task).await {
+        match self.worker(worker)?.run_reduce(&task).await {
             Ok(r) => Ok(r),
             Err(e) => Err(self.classify(e).await),
         }
@@ -618,7 +760,7 @@ impl Driver {
         worker: usize,
         task: proto::FoldTask,
     ) -> Result<(SchemaRef, Vec<arrow::array::RecordBatch>, proto::FoldResult)> {
-        match self.workers[worker].fold(&task).await {
+        match self.worker(worker)?.fold(&task).await {
             Ok(r) => {
                 let (schema, batches) =
                     crate::block::decode_block(&bytes::Bytes::from(r.result_ipc.clone()))?;
@@ -640,8 +782,8 @@ impl Driver {
         lock(&self.packing).remove(&shuffle);
         lock(&self.choices).remove(&shuffle);
         lock(&self.partitions).remove(&shuffle);
-        let calls = self
-            .workers
+        let clients = self.clients();
+        let calls = clients
             .iter()
             .filter(|w| self.is_alive(w.index))
             .map(|w| w.shuffle_action(actions::DROP_SHUFFLE, shuffle.0));
@@ -652,14 +794,19 @@ impl Driver {
     }
 
     pub async fn stats(&self) -> Result<Vec<proto::WorkerStats>> {
-        let calls = self.workers.iter().map(|w| w.stats());
-        let mut out = Vec::new();
-        for r in futures::future::join_all(calls).await {
-            match r {
-                Ok(s) => out.push(s),
-                Err(e) => return Err(self.classify(e).await),
+        let clients = self.clients();
+        let calls = clients.iter().map(|w| w.stats());
+        // Under the health watch, like every call to all workers (a paused one answers never).
+        let all = async {
+            let mut out = Vec::new();
+            for r in futures::future::join_all(calls).await {
+                out.push(r?);
             }
+            Ok(out)
+        };
+        match self.watch(all).await {
+            Ok(out) => Ok(out),
+            Err(e) => Err(self.classify(e).await),
         }
-        Ok(out)
     }
 }

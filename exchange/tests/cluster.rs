@@ -40,7 +40,7 @@ async fn pull_shuffle_preserves_the_multiset_in_memory_and_spilling() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_worker_fails_the_shuffle_quickly_and_names_it() {
+async fn killed_worker_fails_the_shuffle_quickly_names_it_and_is_replaced() {
     let mut cluster = LocalCluster::start(config(3, 1 << 30)).await.unwrap();
     let driver = cluster.driver.clone();
     let spec = ShuffleSpec {
@@ -80,6 +80,7 @@ async fn killed_worker_fails_the_shuffle_quickly_and_names_it() {
     });
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let victim_pid = cluster.pids()[1];
+    let victim_addr = driver.worker(1).unwrap().addr;
     let killed_at = Instant::now();
     cluster.kill_worker(1).unwrap();
     let err = tokio::time::timeout(Duration::from_secs(30), run)
@@ -91,10 +92,55 @@ async fn killed_worker_fails_the_shuffle_quickly_and_names_it() {
     match &err {
         Error::WorkerLost { worker, addr, .. } => {
             assert_eq!(*worker, 1, "{err}");
-            assert_eq!(addr, &driver.worker(1).addr);
+            assert_eq!(addr, &victim_addr);
         }
         other => panic!("expected WorkerLost, got {other}"),
     }
+    let _ = driver.drop_shuffle(spec.id).await;
+    // The lost worker is replaced by a new process in its slot (its spill dir removed), and
+    // the cluster works again: the next shuffle waits for the replacement and is exact.
+    driver
+        .wait_all_live(exchange::driver::REPLACE_TIMEOUT)
+        .await
+        .unwrap();
+    assert_ne!(cluster.pids()[1], victim_pid);
+    assert_ne!(driver.worker(1).unwrap().addr, victim_addr);
+    assert_eq!(driver.generation(1), 1);
+    assert!(!cluster.spill_root.join("worker-1").exists());
+    let again = ShuffleSpec {
+        id: ShuffleId::random(),
+        ..spec.clone()
+    };
+    driver.create_shuffle(&again).await.unwrap();
+    let inputs = (0..6u64).map(|m| {
+        let slice = exchange::gen::LineitemSlice {
+            first_attempt_delay_ms: 0,
+            first: m * 10_000,
+            rows: 10_000,
+            seed: 1,
+            batch_rows: 4096,
+        };
+        MapInput::Source(proto::TaskSource {
+            kind: exchange::gen::LINEITEM_SOURCE.into(),
+            payload: serde_json::to_vec(&slice).unwrap(),
+        })
+    });
+    let mapped = pull::map_side(
+        &driver,
+        &again,
+        futures::stream::iter(inputs),
+        Default::default(),
+    )
+    .await
+    .unwrap();
+    let mut out = exchange::checksum::Checksum::default();
+    for p in 0..again.partitions {
+        let s = driver.read_partition(again.id, p, true).await.unwrap();
+        for b in s.try_collect::<Vec<_>>().await.unwrap() {
+            out.add(exchange::checksum::Checksum::of_batch(&b).unwrap());
+        }
+    }
+    assert_eq!((out, out.rows), (mapped.input, 60_000));
     let pids = cluster.pids();
     drop(cluster);
     for pid in pids.into_iter().chain([victim_pid]) {
@@ -109,7 +155,7 @@ async fn killed_worker_fails_the_shuffle_quickly_and_names_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_clear_statuses() {
     let cluster = LocalCluster::start(config(1, 1 << 20)).await.unwrap();
-    let addr = cluster.driver.worker(0).addr.clone();
+    let addr = cluster.driver.worker(0).unwrap().addr.clone();
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
         .unwrap()
         .connect()
@@ -136,7 +182,7 @@ async fn bad_requests_get_clear_statuses() {
         tonic::Code::Unauthenticated
     );
 
-    let w = cluster.driver.worker(0).clone();
+    let w = cluster.driver.worker(0).unwrap();
     let code = |e: Error| match e {
         Error::Remote { code, .. } => code,
         other => panic!("expected a remote status, got {other}"),
@@ -313,7 +359,7 @@ async fn streaming_rounds_fold_to_the_exact_multiset() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_small_calls_on_one_connection_are_not_delayed() {
     let cluster = LocalCluster::start(config(1, 1 << 20)).await.unwrap();
-    let w = cluster.driver.worker(0).clone();
+    let w = cluster.driver.worker(0).unwrap();
     let t = Duration::from_secs(5);
     w.health(t).await.unwrap();
     let mut pairs = Vec::new();
@@ -374,7 +420,7 @@ async fn rows_visible(w: &exchange::transport::client::WorkerClient, spec: &Shuf
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn attempts_are_visible_only_once_committed() {
     let cluster = LocalCluster::start(config(1, 1 << 30)).await.unwrap();
-    let w = cluster.driver.worker(0).clone();
+    let w = cluster.driver.worker(0).unwrap();
     let spec = lineitem_spec(false);
     cluster.driver.create_shuffle(&spec).await.unwrap();
     let task = |map_id, attempt, rows| proto::MapTask {
@@ -450,7 +496,7 @@ async fn a_reducer_reads_its_own_workers_blocks_without_a_call() {
         .unwrap()
         .unwrap();
     driver.seal(spec.id).await.unwrap();
-    let w = driver.worker(0).clone();
+    let w = driver.worker(0).unwrap();
     let mut rows = 0;
     for p in 0..spec.partitions {
         let before = w.stats().await.unwrap().rpcs;

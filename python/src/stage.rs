@@ -92,6 +92,10 @@ pub async fn run_stage(
     opts: StrategyOptions,
 ) -> Result<(u64, u64)> {
     let spec = job::stage_spec(schema.clone(), partitions, &keys);
+    // The tasks name their peers: a lost worker's replacement must be in place first.
+    driver
+        .wait_all_live(exchange::driver::REPLACE_TIMEOUT)
+        .await?;
     let inputs = inputs(driver, stages, tasks)?;
     let input = job::run_stage(driver, &spec, inputs, opts).await?;
     lock(stages).insert(spec.id.0, (schema, spec.partitions));

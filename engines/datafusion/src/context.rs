@@ -77,6 +77,10 @@ pub struct QueryResult {
     pub rpcs: u64,
 }
 
+/// How many times a query runs again after losing a worker (each time once the lost worker's
+/// replacement is up).
+pub const QUERY_RETRIES: u32 = 2;
+
 pub struct DistributedContext {
     ctx: SessionContext,
     driver: Arc<Driver>,
@@ -101,7 +105,7 @@ impl DistributedContext {
     }
 
     pub fn new(driver: Arc<Driver>, config: SessionConfig) -> Result<Self> {
-        let ectx = ExchangeContext::new(driver.addresses(), driver.reader());
+        let ectx = ExchangeContext::of_driver(driver.clone());
         let mut config = crate::distributed_options(config).with_extension(Arc::new(ectx));
         if config
             .options()
@@ -225,8 +229,31 @@ impl DistributedContext {
         if lower.starts_with("set ") {
             return self.set(sql, start).await;
         }
-        let staged = self.plan_with(sql, strategy).await?;
-        let (batches, stages) = self.execute(&staged).await?;
+        // A query that fails because a worker was lost runs again, whole, once the lost
+        // worker's replacement is up (the local cluster replaces lost workers): queries read
+        // their inputs again, so nothing is counted twice. At most QUERY_RETRIES times.
+        let mut retries = 0;
+        let (staged, batches, stages) = loop {
+            // Plans and tasks name the workers' addresses: a lost worker's replacement (found
+            // lost after the last query, say) must be in place before they are made.
+            self.driver
+                .wait_all_live(exchange::driver::REPLACE_TIMEOUT)
+                .await?;
+            let replacements = self.driver.replacements();
+            let run = async {
+                let staged = self.plan_with(sql, strategy).await?;
+                let (batches, stages) = self.execute(&staged).await?;
+                Ok::<_, Error>((staged, batches, stages))
+            };
+            match run.await {
+                Ok(done) => break done,
+                Err(e) if retries < QUERY_RETRIES && self.recoverable(&e, replacements) => {
+                    retries += 1;
+                    tracing::warn!(error = %e, retries, "worker lost during a query: running it again");
+                }
+                Err(e) => return Err(e),
+            }
+        };
         Ok(QueryResult {
             schema: staged.root.schema(),
             batches,
@@ -234,6 +261,16 @@ impl DistributedContext {
             seconds: start.elapsed().as_secs_f64(),
             rpcs: self.last_rpcs(),
         })
+    }
+
+    /// Whether a failed query can run again: the driver replaces lost workers, and a worker
+    /// was lost (the error says so, or a replacement started while the query ran: the error
+    /// may be a peer's that could not reach the lost worker, and the replacement may be up
+    /// before the failure is looked at).
+    fn recoverable(&self, e: &Error, replacements_before: u64) -> bool {
+        self.driver.replaces_workers()
+            && (matches!(e.exchange(), Some(exchange::Error::WorkerLost { .. }))
+                || self.driver.replacements() != replacements_before)
     }
 
     /// A `SET` statement: run by the session; a bad `flightshuffle.strategy` is refused and

@@ -38,6 +38,19 @@ pub enum Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+impl Error {
+    /// The exchange error underneath, if this came out of the exchange.
+    pub fn exchange(&self) -> Option<&exchange::Error> {
+        match self {
+            Error::Exchange(e) => Some(e),
+            Error::DataFusion(e) => match e.find_root() {
+                datafusion::error::DataFusionError::External(inner) => inner.downcast_ref(),
+                _ => None,
+            },
+        }
+    }
+}
+
 /// Settings every session taking part in a distributed query needs, on the driver and on the
 /// workers alike. Each stage partition runs as an isolated task, so nothing may coordinate
 /// sibling partitions inside one plan instance: scans must not steal sibling file groups and
@@ -94,20 +107,45 @@ pub fn worker_sources() -> SourceRegistry {
 /// the workers to read from and the process's pooled reader (on a worker, blocks it holds
 /// itself are read from its store).
 pub struct ExchangeContext {
-    pub workers: Vec<String>,
+    workers: Vec<String>,
+    /// On the driver: the workers are the driver's now (a lost worker's slot gets its
+    /// replacement's address), not a list fixed when the session was made.
+    driver: Option<Arc<exchange::driver::Driver>>,
     pub reader: Arc<dyn ShuffleReader>,
 }
 
 impl ExchangeContext {
+    /// On a worker: the peers a task was given.
     pub fn new(workers: Vec<String>, reader: Arc<dyn ShuffleReader>) -> Self {
-        ExchangeContext { workers, reader }
+        ExchangeContext {
+            workers,
+            driver: None,
+            reader,
+        }
+    }
+
+    /// On the driver: the driver's workers at each use.
+    pub fn of_driver(driver: Arc<exchange::driver::Driver>) -> Self {
+        ExchangeContext {
+            workers: Vec::new(),
+            reader: driver.reader(),
+            driver: Some(driver),
+        }
+    }
+
+    /// The workers' addresses, by slot.
+    pub fn workers(&self) -> Vec<String> {
+        match &self.driver {
+            Some(d) => d.addresses(),
+            None => self.workers.clone(),
+        }
     }
 }
 
 impl std::fmt::Debug for ExchangeContext {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ExchangeContext")
-            .field("workers", &self.workers)
+            .field("workers", &self.workers())
             .finish()
     }
 }

@@ -195,9 +195,11 @@ impl ExecutionPlan for ShuffleReaderExec {
         let stream = match self.mode {
             ReadMode::Partition => {
                 ectx.reader
-                    .read_partition_slice(&ectx.workers, self.shuffle, p, slice)
+                    .read_partition_slice(&ectx.workers(), self.shuffle, p, slice)
             }
-            ReadMode::MapOutput => ectx.reader.read_map_output(&ectx.workers, self.shuffle, p),
+            ReadMode::MapOutput => ectx
+                .reader
+                .read_map_output(&ectx.workers(), self.shuffle, p),
         };
         let schema = self.schema.clone();
         let batches = stream.map(move |b| b.map_err(df_err).and_then(|b| conform(b, &schema)));

@@ -22,12 +22,7 @@ impl Driver {
         worker: usize,
         maps: Vec<u32>,
     ) -> Result<MapDone> {
-        let client = self.workers.get(worker).cloned().ok_or_else(|| {
-            Error::invalid(format!(
-                "no worker {worker} in a cluster of {}",
-                self.workers.len()
-            ))
-        })?;
+        let client = self.worker(worker)?;
         let attempt = self.next_attempt(shuffle, group);
         let task = proto::MergeTask {
             shuffle_id: shuffle.0,
@@ -119,8 +114,14 @@ impl Driver {
                     blocks,
                     ..attempt.clone()
                 };
-                let client = self.workers[w].clone();
-                async move { (w, blocks, client.commit(&commit).await) }
+                let client = self.worker(w);
+                async move {
+                    let r = match client {
+                        Ok(c) => c.commit(&commit).await,
+                        Err(e) => Err(e),
+                    };
+                    (w, blocks, r)
+                }
             });
             let mut failed = Vec::new();
             for (w, blocks, r) in futures::future::join_all(calls).await {
@@ -159,7 +160,8 @@ impl Driver {
         let calls = workers
             .iter()
             .filter(|&&w| self.is_alive(w))
-            .map(|&w| self.workers[w].cancel(cancel));
+            .filter_map(|&w| self.worker(w).ok())
+            .map(|c| async move { c.cancel(cancel).await });
         futures::future::join_all(calls).await;
     }
 }
