@@ -497,11 +497,6 @@ impl Driver {
         lock(&self.packing).insert(shuffle);
     }
 
-    /// Make the map tasks of `shuffle` submitted from now on write a block per partition.
-    pub fn unpack_maps(&self, shuffle: ShuffleId) {
-        lock(&self.packing).remove(&shuffle);
-    }
-
     /// Record how `shuffle`'s strategy was chosen (shown by `EXPLAIN ANALYZE`).
     pub fn note_choice(&self, shuffle: ShuffleId, note: String) {
         lock(&self.choices).insert(shuffle, note);

@@ -426,3 +426,42 @@ mod tests {
         assert_eq!((e.range(0), e.range(1), e.range(3)), (0..0, 0..2, 2..5));
     }
 }
+
+/// Map tasks and holders encode slices of sorted batches: the IPC writer must write only the
+/// slice's rows, not the buffers it shares with the whole batch.
+#[cfg(test)]
+mod slice_size {
+    use super::*;
+    use arrow::array::{Int64Array, StringArray};
+    use arrow::datatypes::{DataType, Field};
+
+    #[test]
+    fn an_encoded_slice_carries_only_its_rows() {
+        let n = 100_000;
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("k", DataType::Int64, false),
+            Field::new("s", DataType::Utf8, false),
+        ]));
+        let s: StringArray = (0..n).map(|i| Some(format!("value {i}"))).collect();
+        let b = RecordBatch::try_new(
+            schema.clone(),
+            vec![
+                Arc::new(Int64Array::from_iter_values(0..n as i64)),
+                Arc::new(s),
+            ],
+        )
+        .unwrap();
+        let whole =
+            crate::block::encode_block(&schema, std::slice::from_ref(&b), crate::Compression::None)
+                .unwrap();
+        let part =
+            crate::block::encode_block(&schema, &[b.slice(n / 2, 10)], crate::Compression::None)
+                .unwrap();
+        assert!(
+            part.len() * 100 < whole.len(),
+            "whole {} slice {}",
+            whole.len(),
+            part.len()
+        );
+    }
+}

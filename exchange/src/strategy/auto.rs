@@ -1,6 +1,6 @@
 //! `auto`: the strategy of each exchange chosen late by a cost model over this machine's
 //! calibration (Seer's idea; Daft's `auto` is the floor to beat). The maps start as in
-//! [`super::pull`], in place (packed where readers wait for the seal, so a merge can follow). Once the first wave has committed (one map per worker, or all
+//! [`super::pull`], in place. Once the first wave has committed (one map per worker, or all
 //! of them if fewer), the sizes are known: bytes and blocks per map, spill so far, M so far,
 //! R and N. The model predicts each strategy's time for the exchange from the calibration
 //! ([`crate::driver::Driver::calibration`]) and the cheapest wins: `pull` lets the rest run as
@@ -41,8 +41,8 @@ pub struct Shape {
     /// Maps already run in place when the choice is made: under `auto` they stay where they
     /// are, so only the others push, and readers keep reading every worker.
     pub maps_in_place: usize,
-    /// Maps write packed blocks ([`crate::packed`]): those run in place before the choice one
-    /// each, the rest one per holder under a merging strategy (one per partition under pull).
+    /// Maps of merging strategies write packed blocks ([`crate::packed`]): one per holder
+    /// instead of one per partition (the maps run in place before the choice excepted).
     pub pack: bool,
 }
 
@@ -63,7 +63,7 @@ pub fn predict(c: &Calibration, shape: &Shape, strategy: Strategy) -> f64 {
     let in_place = (shape.maps_in_place as f64).min(m);
     let blocks_to = |holders: f64| {
         if shape.pack {
-            in_place + (m - in_place) * holders.min(per_map)
+            in_place * per_map + (m - in_place) * holders.min(per_map)
         } else {
             map_blocks
         }
@@ -103,7 +103,7 @@ pub fn predict(c: &Calibration, shape: &Shape, strategy: Strategy) -> f64 {
     let specific = match strategy {
         // Every reducer streams its blocks from N workers.
         Strategy::Pull | Strategy::Auto => {
-            blocks_to(per_map) * local_block + read(map_blocks, n) + transfer
+            map_blocks * local_block + read(map_blocks, n) + transfer
         }
         Strategy::Merged => merge(blocks_to(1.0)) + merged_reads,
         // Blocks cross once, as pushes (half the transfer overlaps the map side); a reducer
@@ -175,16 +175,7 @@ fn shape_of(
         } else {
             0.0
         },
-        // Pieces of partitions: a packed block holds one per partition it has rows of.
-        blocks_per_map: wave
-            .iter()
-            .flat_map(|d| &d.blocks)
-            .map(|b| match b.meta.id.partition {
-                crate::packed::PACKED => b.meta.rows.min(partitions as u64) as f64,
-                _ => 1.0,
-            })
-            .sum::<f64>()
-            / seen as f64,
+        blocks_per_map: wave.iter().map(|d| d.blocks.len()).sum::<usize>() as f64 / seen as f64,
         maps_in_place: in_place,
         pack,
     }
@@ -198,11 +189,6 @@ pub async fn map_side(
     opts: StrategyOptions,
 ) -> Result<pull::Mapped> {
     let calibration = driver.calibration().await?;
-    // The first wave packs too where merging may follow (a reader of a packed block it does
-    // not merge gets its partition sliced out, so pull still reads it).
-    if opts.pack {
-        driver.pack_maps(spec.id);
-    }
     // The number of maps, where the input says it (SQL stages, benchmarks) or the caller
     // estimated it (a Python shuffle of a table); otherwise the maps submitted by the time
     // of the choice (at least the first wave).
@@ -270,11 +256,13 @@ pub async fn map_side(
         driver.note_choice(spec.id, note);
         match pick {
             Strategy::Pull => {
-                driver.unpack_maps(spec.id);
                 while rx.recv().await.is_some() {}
                 Ok(Vec::new())
             }
             other => {
+                if opts.pack {
+                    driver.pack_maps(spec.id);
+                }
                 if other != Strategy::Merged {
                     let placement = if other == Strategy::Push {
                         Placement::Owner
