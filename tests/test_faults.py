@@ -198,3 +198,20 @@ def test_speculation_setting_runs_sql_and_shuffles_and_checks_its_value(tmp_path
         assert got.cast({"n": pl.UInt32}).equals(want.cast({"n": pl.UInt32}))
         parts = list(c.shuffle(df, by="key", partitions=3, output="polars"))
         assert_same_multiset(df, parts)
+
+
+def test_ctrl_c_interrupts_a_blocking_call_within_a_second_and_the_cluster_goes_on():
+    """SIGINT (Ctrl-C) while Python waits for a shuffle's first partition (the maps read a slow
+    source for ~8 s): KeyboardInterrupt within about a second; the next shuffle is exact."""
+    with fs.Cluster(workers=2, timeout=60) as c:
+        result = c.shuffle(slow_reader(400, 1_000, 0.02), by="key", partitions=4, map_bytes="1MiB")
+        threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGINT)).start()
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            next(iter(result))
+        waited = time.monotonic() - start
+        assert waited < 2.0, waited
+        result.close()
+        df = pa.table({"key": list(range(10_000)), "v": list(range(10_000))})
+        parts = list(c.shuffle(df, by="key", partitions=4))
+        assert sorted(k for p in parts for k in p["key"].to_pylist()) == list(range(10_000))

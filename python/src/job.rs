@@ -73,7 +73,7 @@ impl NativeShuffle {
 impl NativeShuffle {
     /// The next reduce partition as `(index, pyarrow.Table)`, or None when all were read.
     fn next_partition(&self, py: Python<'_>) -> PyResult<Option<(u32, Py<PyAny>)>> {
-        match py.detach(|| self.job.next_partition_blocking()) {
+        match crate::wait(py, &self.rt, self.job.next_partition())? {
             None => Ok(None),
             Some(Err(e)) => Err(to_py(e)),
             Some(Ok((p, batches))) => {
@@ -85,7 +85,7 @@ impl NativeShuffle {
 
     /// Block until the map side is complete; returns its summary as JSON.
     fn wait_mapped(&self, py: Python<'_>) -> PyResult<String> {
-        match py.detach(|| self.rt.block_on(self.job.mapped())) {
+        match crate::wait(py, &self.rt, self.job.mapped())? {
             Ok(s) => Ok(serde_json::to_string(&s).unwrap_or_default()),
             Err(e) => Err(crate::ShuffleError::new_err(e.to_string())),
         }

@@ -58,6 +58,29 @@ pub fn to_py_ref(e: &Error) -> PyErr {
     }
 }
 
+/// How often a blocking call checks for Ctrl-C.
+const SIGNAL_CHECK: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Run `fut` on the runtime without the GIL, checking Python's signals every
+/// [`SIGNAL_CHECK`]: on Ctrl-C the future is dropped (its work is cancelled: running tasks are
+/// aborted on the workers when their calls go away) and `KeyboardInterrupt` is raised.
+pub fn wait<T: Send, F: std::future::Future<Output = T> + Send>(
+    py: Python<'_>,
+    rt: &Rt,
+    fut: F,
+) -> PyResult<T> {
+    let mut fut = std::pin::pin!(fut);
+    loop {
+        let step = py.detach(|| {
+            rt.block_on(async { tokio::time::timeout(SIGNAL_CHECK, fut.as_mut()).await })
+        });
+        match step {
+            Ok(v) => return Ok(v),
+            Err(_) => py.check_signals()?,
+        }
+    }
+}
+
 /// The driver's tokio runtime. Dropping it never waits for blocking threads: the last owner may
 /// be dropped by Python's garbage collector while holding the GIL, and a blocking thread may be
 /// waiting for the GIL inside a Python data source — waiting there would deadlock.
@@ -196,29 +219,23 @@ impl NativeCluster {
     ) -> PyResult<(u64, u64)> {
         let driver = self.driver()?;
         let tasks = stage_tasks(tasks);
-        py.detach(|| {
-            self.rt.block_on(stage::run_stage(
-                &driver,
-                &self.stages,
-                schema.into_inner(),
-                partitions,
-                keys,
-                tasks,
-                self.strategy,
-            ))
-        })
-        .map_err(to_py)
+        let run = stage::run_stage(
+            &driver,
+            &self.stages,
+            schema.into_inner(),
+            partitions,
+            keys,
+            tasks,
+            self.strategy,
+        );
+        wait(py, &self.rt, run)?.map_err(to_py)
     }
 
     /// Every partition of a stage as a list of pyarrow Tables, in partition order.
     fn read_stage(&self, py: Python<'_>, stage_id: u64) -> PyResult<Vec<Py<PyAny>>> {
         let driver = self.driver()?;
-        let (schema, parts) = py
-            .detach(|| {
-                self.rt
-                    .block_on(stage::read_stage(&driver, &self.stages, stage_id))
-            })
-            .map_err(to_py)?;
+        let read = stage::read_stage(&driver, &self.stages, stage_id);
+        let (schema, parts) = wait(py, &self.rt, read)?.map_err(to_py)?;
         parts
             .into_iter()
             .map(|b| {
@@ -376,9 +393,7 @@ impl NativeCluster {
     ) -> PyResult<(Py<PyAny>, String)> {
         let ctx = self.sql_context()?;
         let strategy = parse_strategy(strategy)?;
-        let result = py
-            .detach(|| self.rt.block_on(ctx.sql_with(&query, strategy)))
-            .map_err(sql::df_err)?;
+        let result = wait(py, &self.rt, ctx.sql_with(&query, strategy))?.map_err(sql::df_err)?;
         let metrics = sql::metrics_json(&result);
         let table = pyo3_arrow::PyTable::try_new(result.batches, result.schema)?;
         Ok((table.into_pyarrow(py)?.unbind(), metrics))
@@ -395,11 +410,7 @@ impl NativeCluster {
     ) -> PyResult<String> {
         let ctx = self.sql_context()?;
         let strategy = parse_strategy(strategy)?;
-        py.detach(|| {
-            self.rt
-                .block_on(ctx.explain_with(&query, analyze, strategy))
-        })
-        .map_err(sql::df_err)
+        wait(py, &self.rt, ctx.explain_with(&query, analyze, strategy))?.map_err(sql::df_err)
     }
 
     /// This machine's calibration for the `auto` strategy (measured on first use), as JSON.

@@ -175,7 +175,11 @@ pub fn start_stream(
 impl NativeStream {
     /// The next partial result as `(info dict, pyarrow.Table)`, or None after the final one.
     fn next_partial(&self, py: Python<'_>) -> PyResult<Option<(Py<PyAny>, Py<PyAny>)>> {
-        let next = py.detach(|| lock(&self.rx).blocking_recv());
+        let next = crate::wait(
+            py,
+            &self.rt,
+            std::future::poll_fn(|cx| lock(&self.rx).poll_recv(cx)),
+        )?;
         let partial = match next {
             None => return Ok(None),
             Some(Err(e)) => return Err(to_py(e)),
