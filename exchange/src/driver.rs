@@ -3,9 +3,12 @@
 //! Strategies call only this API. Submitting a task returns at once with a handle (a future of
 //! its block refs); lineage records how each map output was produced. A worker is declared
 //! lost when a call to it fails and a health check with a short timeout confirms it; the error
-//! then names the worker and counts the blocks it held.
+//! then names the worker and counts the blocks it held, and the worker's slot is given a
+//! replacement where the cluster can start one ([`live`]). The commit side (merge groups,
+//! commits on every holder, cancels) is in [`commit`].
 
 mod commit;
+mod live;
 
 use crate::block::{encode_schema, BlockId, BlockMeta, ShuffleId, Slice};
 use crate::checksum::Checksum;
@@ -221,98 +224,6 @@ impl Driver {
     /// The workers' addresses now (a replaced worker's slot has its replacement's).
     pub fn addresses(&self) -> Vec<String> {
         self.clients().into_iter().map(|w| w.addr).collect()
-    }
-
-    /// How many times worker slot `i` was given a replacement.
-    pub fn generation(&self, i: usize) -> u64 {
-        self.generations
-            .get(i)
-            .map_or(0, |g| g.load(Ordering::SeqCst))
-    }
-
-    /// Replacements started so far, over all slots (changes when a worker is found lost).
-    pub fn replacements(&self) -> u64 {
-        (0..self.num_workers()).map(|i| self.generation(i)).sum()
-    }
-
-    /// Let the driver replace lost workers: `replacer` starts a new worker process for a slot
-    /// and returns its address (the local cluster sets one; a cluster of workers started
-    /// elsewhere has none, and a lost worker stays lost).
-    pub fn set_replacer(&self, replacer: Replacer) {
-        *lock(&self.replacer) = Some(replacer);
-    }
-
-    /// Whether lost workers are replaced (a replacer is set).
-    pub fn replaces_workers(&self) -> bool {
-        lock(&self.replacer).is_some()
-    }
-
-    /// Replace no more lost workers (the cluster is stopping).
-    pub fn stop_replacing(&self) {
-        *lock(&self.replacer) = None;
-    }
-
-    /// Put worker `addr` in slot `i` (a lost worker's replacement): it must answer a health
-    /// check; readers on the driver connect to it on first use.
-    pub async fn replace_worker(&self, i: usize, addr: &str) -> Result<()> {
-        let client = WorkerClient::new(i, addr, &self.token, self.cfg.rpc_timeout)?;
-        client.health(self.cfg.health_timeout).await?;
-        {
-            let mut slots = self.workers.write().unwrap_or_else(|p| p.into_inner());
-            let slot = slots
-                .get_mut(i)
-                .ok_or_else(|| Error::invalid(format!("no worker slot {i}")))?;
-            *slot = client;
-        }
-        self.alive[i].store(true, Ordering::SeqCst);
-        self.live.send_modify(|v| *v += 1);
-        tracing::warn!(worker = i, %addr, generation = self.generation(i), "lost worker replaced");
-        Ok(())
-    }
-
-    /// Start replacing lost worker `i` in the background, once (a replacer is set and no
-    /// replacement of this generation runs yet).
-    fn start_replacement(&self, i: usize) {
-        let Some(replacer) = lock(&self.replacer).clone() else {
-            return;
-        };
-        let (Some(me), Ok(rt)) = (self.me.upgrade(), tokio::runtime::Handle::try_current()) else {
-            return;
-        };
-        self.generations[i].fetch_add(1, Ordering::SeqCst);
-        rt.spawn(async move {
-            let started = tokio::task::spawn_blocking(move || replacer(i)).await;
-            let result = match started {
-                Ok(Ok(addr)) => me.replace_worker(i, &addr).await,
-                Ok(Err(e)) => Err(e),
-                Err(e) => Err(Error::Cluster(format!("replacement task failed: {e}"))),
-            };
-            if let Err(e) = result {
-                tracing::error!(worker = i, error = %e, "could not replace a lost worker");
-                me.live.send_modify(|v| *v += 1);
-            }
-        });
-    }
-
-    /// Wait until every worker slot is live (a lost worker's replacement is up), at most
-    /// `timeout`; a lost worker that is not being replaced is an error at once.
-    pub async fn wait_all_live(&self, timeout: Duration) -> Result<()> {
-        let mut rx = self.live.subscribe();
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let dead = (0..self.num_workers()).find(|&i| !self.is_alive(i));
-            let Some(i) = dead else { return Ok(()) };
-            if lock(&self.replacer).is_none() {
-                return Err(self.lost(i, "lost earlier; no replacement on this cluster".into()));
-            }
-            let changed = tokio::time::timeout_at(deadline, rx.changed()).await;
-            if !matches!(changed, Ok(Ok(()))) {
-                return Err(self.lost(
-                    i,
-                    format!("lost earlier; its replacement was not up within {timeout:?}"),
-                ));
-            }
-        }
     }
 
     pub fn is_alive(&self, i: usize) -> bool {
