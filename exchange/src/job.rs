@@ -257,11 +257,6 @@ impl ShuffleJob {
         self.partitions.lock().await.recv().await
     }
 
-    /// [`ShuffleJob::next_partition`] for a thread outside the async runtime.
-    pub fn next_partition_blocking(&self) -> Option<Partition> {
-        self.partitions.blocking_lock().blocking_recv()
-    }
-
     /// Wait until the map side is complete.
     pub async fn mapped(&self) -> Result<MapSummary> {
         let mut rx = self.mapped.clone();

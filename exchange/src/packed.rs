@@ -11,7 +11,6 @@
 //! sliced out by the worker that holds them ([`crate::store::BlockStore::read_part`]).
 
 use crate::block::{BlockId, BlockMeta, EncodedBlock};
-use crate::checksum::Checksum;
 use crate::error::{Error, Result};
 use crate::partitioner::Partitioner;
 use crate::store::{BlockStore, ShuffleInfo};
@@ -228,13 +227,7 @@ pub async fn run_map(
         }
         let batch = crate::task::conform(info, batch)?;
         let full = tokio::task::block_in_place(|| -> Result<bool> {
-            if cfg.checksum {
-                out.input.add(Checksum::of_batch(&batch)?);
-            } else {
-                out.input.rows += batch.num_rows() as u64;
-            }
-            let size = batch.get_array_memory_size();
-            out.input_bytes += size as u64;
+            let size = out.count_input(&batch, cfg.checksum)?;
             assignment.extend(part.assign(&batch)?);
             bytes += size;
             buffered.push(batch);
@@ -360,6 +353,7 @@ impl Writer<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checksum::Checksum;
     use arrow::array::{Int64Array, StringArray};
     use arrow::datatypes::{DataType, Field};
     use proptest::prelude::*;

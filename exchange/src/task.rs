@@ -263,6 +263,21 @@ pub struct MapOutput {
     pub seconds: f64,
 }
 
+impl MapOutput {
+    /// Count one input batch: its rows (with their multiset checksum when `checksum`) and its
+    /// in-memory bytes, which it returns.
+    pub(crate) fn count_input(&mut self, batch: &RecordBatch, checksum: bool) -> Result<usize> {
+        if checksum {
+            self.input.add(Checksum::of_batch(batch)?);
+        } else {
+            self.input.rows += batch.num_rows() as u64;
+        }
+        let size = batch.get_array_memory_size();
+        self.input_bytes += size as u64;
+        Ok(size)
+    }
+}
+
 struct PartitionBuffer {
     batches: Vec<RecordBatch>,
     bytes: usize,
@@ -404,12 +419,7 @@ pub async fn run_map(
         }
         let batch = conform(info, batch)?;
         tokio::task::block_in_place(|| -> Result<()> {
-            if cfg.checksum {
-                out.input.add(Checksum::of_batch(&batch)?);
-            } else {
-                out.input.rows += batch.num_rows() as u64;
-            }
-            out.input_bytes += batch.get_array_memory_size() as u64;
+            out.count_input(&batch, cfg.checksum)?;
             for (p, piece) in part.split(&batch)? {
                 let piece = crate::block::compact_views(&piece)?;
                 let size = piece.get_array_memory_size();
