@@ -199,3 +199,17 @@ def test_auto_estimates_the_map_count_of_an_in_memory_table(cluster, kind):
     else:
         expected = -(-size // (128 << 10))
         assert f", {expected} maps: " in note, (expected, note)
+
+
+def test_a_one_chunk_frame_is_cut_into_several_map_tasks(cluster):
+    # A Polars DataFrame exports one chunk; it must still make about bytes / map_bytes maps
+    # (cut into row slices), not one map task for the whole frame.
+    df = sample_frame(300_000).rechunk()
+    assert df.n_chunks() == 1
+    result = cluster.shuffle(df, by="key", partitions=6, map_bytes="256KiB")
+    parts = as_polars(list(result))
+    assert_same_multiset(df, parts)
+    assert_keys_not_split(parts, ["key"])
+    # ~6.7 MB in 256 KiB maps: one map task before frames were cut, 19 now.
+    maps = result.wait_mapped()["maps"]
+    assert maps >= 10, maps

@@ -330,11 +330,26 @@ fn split_input(input: Input, map_bytes: usize) -> Receiver<MapInput> {
     tokio::task::spawn_blocking(move || {
         let mut current: Option<mpsc::Sender<Result<RecordBatch>>> = None;
         let mut bytes = 0usize;
-        for batch in input {
-            let size = batch
-                .as_ref()
-                .map(|b| b.get_array_memory_size())
-                .unwrap_or(0);
+        // A batch larger than a map task (a one-chunk DataFrame) is cut into row slices (no
+        // copy), so it still makes several map tasks.
+        let pieces = input.flat_map(|batch| -> Vec<(Result<RecordBatch>, usize)> {
+            match batch {
+                Ok(b) => {
+                    let size = b.get_array_memory_size();
+                    let n = size.div_ceil(map_bytes.max(1)).clamp(1, b.num_rows().max(1));
+                    let rows = b.num_rows().div_ceil(n).max(1);
+                    (0..b.num_rows().max(1))
+                        .step_by(rows)
+                        .map(|at| {
+                            let len = rows.min(b.num_rows() - at);
+                            (Ok(b.slice(at, len)), size / n)
+                        })
+                        .collect()
+                }
+                Err(e) => vec![(Err(e), 0)],
+            }
+        });
+        for (batch, size) in pieces {
             if current.is_none() || bytes >= map_bytes {
                 let (tx, rx) = mpsc::channel(4);
                 if maps_tx
