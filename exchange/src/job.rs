@@ -336,7 +336,9 @@ fn split_input(input: Input, map_bytes: usize) -> Receiver<MapInput> {
             match batch {
                 Ok(b) => {
                     let size = b.get_array_memory_size();
-                    let n = size.div_ceil(map_bytes.max(1)).clamp(1, b.num_rows().max(1));
+                    let n = size
+                        .div_ceil(map_bytes.max(1))
+                        .clamp(1, b.num_rows().max(1));
                     let rows = b.num_rows().div_ceil(n).max(1);
                     (0..b.num_rows().max(1))
                         .step_by(rows)
