@@ -324,6 +324,9 @@ impl<T> Stream for Receiver<T> {
     }
 }
 
+/// The fewest rows of a slice cut from a batch larger than a map task.
+const MIN_SLICE_ROWS: usize = 8192;
+
 /// Cut the input into map tasks of about `map_bytes` each, in one blocking reader thread.
 fn split_input(input: Input, map_bytes: usize) -> Receiver<MapInput> {
     let (maps_tx, maps_rx) = mpsc::channel::<MapInput>(1);
@@ -331,14 +334,13 @@ fn split_input(input: Input, map_bytes: usize) -> Receiver<MapInput> {
         let mut current: Option<mpsc::Sender<Result<RecordBatch>>> = None;
         let mut bytes = 0usize;
         // A batch larger than a map task (a one-chunk DataFrame) is cut into row slices (no
-        // copy), so it still makes several map tasks.
+        // copy) of at least MIN_SLICE_ROWS rows, so it still makes several map tasks.
         let pieces = input.flat_map(|batch| -> Vec<(Result<RecordBatch>, usize)> {
             match batch {
                 Ok(b) => {
                     let size = b.get_array_memory_size();
-                    let n = size
-                        .div_ceil(map_bytes.max(1))
-                        .clamp(1, b.num_rows().max(1));
+                    let most = (b.num_rows() / MIN_SLICE_ROWS).max(1);
+                    let n = size.div_ceil(map_bytes.max(1)).clamp(1, most);
                     let rows = b.num_rows().div_ceil(n).max(1);
                     (0..b.num_rows().max(1))
                         .step_by(rows)
