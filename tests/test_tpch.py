@@ -95,6 +95,7 @@ def test_explain_shows_stages_and_analyze_adds_figures(data):
         for key in ["partition_bytes_per_s", "decode_bytes_per_s", "block_overhead_s"]:
             assert cal[key] > 0, cal
         assert cal["remote_block_s"] > 0 and cal["request_s"] > 0, cal
+        assert cal["merge_bytes_per_s"] > 0, cal
         c.sql("SET flightshuffle.strategy = 'merged'")
         c.sql(sql)
         assert {s["strategy"] for s in c.last_metrics["stages"]} <= {"merged", "pull"}

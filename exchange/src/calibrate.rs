@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 /// Each rate is measured in this many windows of [`WINDOW`]; the fastest window counts (on a
 /// shared machine the slow ones measure the neighbours, not this code).
-const WINDOWS: u32 = 3;
+const WINDOWS: u32 = 5;
 const WINDOW: Duration = Duration::from_millis(30);
 /// Small blocks put and read back to find the per-block cost.
 const SMALL_BLOCKS: u32 = 400;
@@ -65,6 +65,7 @@ pub fn measure(spill_dir: &Path, disk_bytes: u64) -> Result<proto::Calibration> 
         encode_bytes_per_s: bytes / encode_s,
         decode_bytes_per_s: bytes / decode_s,
         block_overhead_s: small_block_cost(spill_dir)?.min(small_block_cost(spill_dir)?),
+        merge_bytes_per_s: merge_rate(spill_dir)?,
         disk_write_bytes_per_s: disk_bytes as f64 / disk_write_s,
         disk_read_bytes_per_s: disk_bytes as f64 / disk_read_s,
         ..Default::default()
@@ -110,6 +111,75 @@ fn small_block_cost(spill_dir: &Path) -> Result<f64> {
     drop(store);
     let _ = std::fs::remove_dir_all(&dir);
     Ok(secs)
+}
+
+/// Bytes per second of a merge task ([`crate::task::run_merge`]) over packed map blocks
+/// ([`crate::packed`]) of lineitem rows cut into 64 partitions: the fastest of a few merges
+/// of the same four 64 Ki-row blocks, in a scratch store.
+fn merge_rate(spill_dir: &Path) -> Result<f64> {
+    const MAPS: u32 = 4;
+    const PARTITIONS: u32 = 64;
+    let dir = spill_dir.join(format!("calibrate-{}", ShuffleId::random()));
+    let store = BlockStore::new(StoreConfig {
+        memory_budget: 512 << 20,
+        spill_dir: dir.clone(),
+        segment_bytes: crate::store::DEFAULT_SEGMENT_BYTES,
+    })?;
+    let result = (|| {
+        let schema = lineitem_schema();
+        let info = ShuffleInfo {
+            id: ShuffleId::random(),
+            schema: schema.clone(),
+            partitions: PARTITIONS,
+            partitioner: crate::partitioner::hash(&["l_orderkey"]),
+            combiner: None,
+        };
+        store.create_shuffle(info.clone())?;
+        let mut part =
+            crate::partitioner::Partitioner::from_proto(&info.partitioner, &schema, PARTITIONS, 0)?;
+        let mut ids = Vec::new();
+        let mut bytes = 0u64;
+        for map in 0..MAPS {
+            let batch = lineitem_batch(map as u64 * 65_536, 65_536, 7)?;
+            let assignment = part.assign(&batch)?;
+            let holders = vec![0u32; PARTITIONS as usize];
+            for (_, rows, ends) in
+                crate::packed::sort_by_holder(&batch, &assignment, PARTITIONS, &holders)?
+            {
+                let n = rows.num_rows() as u64;
+                let ends = crate::packed::Ends::new(ends, PARTITIONS, n)?;
+                let block = crate::packed::encode(&schema, &rows, &ends, Default::default())?;
+                let id = BlockId {
+                    shuffle: info.id,
+                    map,
+                    partition: crate::packed::PACKED,
+                    attempt: 0,
+                    seq: 0,
+                };
+                let (meta, _) = store.put_encoded_with(id, n, block, Some(ends))?;
+                bytes += meta.bytes;
+                ids.push(id);
+            }
+            store.commit(info.id, map, 0, None)?;
+        }
+        let mut best = f64::INFINITY;
+        for group in 0..WINDOWS {
+            let start = Instant::now();
+            crate::task::run_merge(
+                &store,
+                &info,
+                ids.clone(),
+                MAPS + group,
+                0,
+                crate::task::MapConfig::default(),
+            )?;
+            best = best.min(start.elapsed().as_secs_f64());
+        }
+        Ok(bytes as f64 / best.max(1e-9))
+    })();
+    drop(store);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
 }
 
 /// Seconds to write `bytes` to a file in `dir` and to read them back, as spills do.
@@ -243,6 +313,7 @@ pub fn to_json(c: &proto::Calibration) -> serde_json::Value {
         "decode_bytes_per_s": c.decode_bytes_per_s,
         "block_overhead_s": c.block_overhead_s,
         "remote_block_s": c.remote_block_s,
+        "merge_bytes_per_s": c.merge_bytes_per_s,
         "disk_write_bytes_per_s": c.disk_write_bytes_per_s,
         "disk_read_bytes_per_s": c.disk_read_bytes_per_s,
         "request_s": c.request_s,

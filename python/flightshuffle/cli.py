@@ -47,36 +47,47 @@ def _sweep(args: argparse.Namespace) -> int:
             raise ValueError(f"unknown strategy {s!r} in --strategies; choose from {STRATEGIES}")
     budgets = args.memory_budget.split(",")
     points = []
+
+    def run(budget: str, partitions: int, maps: int, strategy: str) -> dict:
+        return json.loads(
+            shuffle_bench(
+                args.rows,
+                args.workers,
+                partitions,
+                parse_bytes(budget),
+                maps,
+                65_536,
+                42,
+                "auto",
+                worker_command(),
+                True,  # reducers after the seal for every strategy: the same shape
+                strategy,
+            )
+        )
+
     for budget in budgets:
         for partitions in parts:
             maps = args.maps or partitions
+            # Repeats go round the strategies (a slow spell of the machine hits them all
+            # alike); a strategy slower than --skip-slower x the point's fastest first run is
+            # not repeated (it cannot be the best; its one run is reported).
+            runs: dict[str, list[dict]] = {s: [] for s in strategies}
+            for rep in range(args.repeat):
+                first = min((r[0]["seconds"] for r in runs.values() if r), default=None)
+                for strategy in strategies:
+                    if rep and first and runs[strategy][0]["seconds"] > args.skip_slower * first:
+                        continue
+                    runs[strategy].append(run(budget, partitions, maps, strategy))
             for strategy in strategies:
-                runs = [
-                    json.loads(
-                        shuffle_bench(
-                            args.rows,
-                            args.workers,
-                            partitions,
-                            parse_bytes(budget),
-                            maps,
-                            65_536,
-                            42,
-                            "auto",
-                            worker_command(),
-                            True,  # reducers after the seal for every strategy: the same shape
-                            strategy,
-                        )
-                    )
-                    for _ in range(args.repeat)
-                ]
-                report = min(runs, key=lambda r: r["seconds"])
+                report = min(runs[strategy], key=lambda r: r["seconds"])
                 point = {
-                    "runs_seconds": [r["seconds"] for r in runs],
+                    "runs_seconds": [r["seconds"] for r in runs[strategy]],
                     "memory_budget": budget,
                     "maps": maps,
                     "partitions": partitions,
                     "strategy": strategy,
                     "choice": report.get("strategy_choice"),
+                    "choices": [r.get("strategy_choice") for r in runs[strategy]],
                     "bytes": report["bytes"],
                     "seconds": report["seconds"],
                     "throughput_gb_s": report["throughput_gb_s"],
@@ -95,7 +106,8 @@ def _sweep(args: argparse.Namespace) -> int:
                     f"{budget:>6} M={maps:5d} R={partitions:5d} {strategy:9s} "
                     f"{point['seconds']:7.2f} s (map {point['map_seconds']:.2f} + reduce "
                     f"{point['reduce_seconds']:.2f}), {point['blocks_read']} blocks of "
-                    f"{point['bytes_per_block_read']} B"
+                    f"{point['bytes_per_block_read']} B, runs "
+                    + ", ".join(f"{t:.2f}" for t in point["runs_seconds"])
                     + (f" [{point['choice']}]" if point["choice"] else ""),
                     file=sys.stderr,
                     flush=True,
@@ -473,6 +485,12 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--rows", type=int, default=13_000_000, help="about 2 GB of Arrow data")
     w.add_argument("--workers", type=int, default=4)
     w.add_argument("--repeat", type=int, default=1, help="runs per point; the fastest counts")
+    w.add_argument(
+        "--skip-slower",
+        type=float,
+        default=1.5,
+        help="do not repeat a strategy whose first run took over this many times the fastest",
+    )
     w.add_argument("--maps", type=int, default=0, help="map tasks (0: as many as partitions)")
     w.add_argument("--partitions", default="50,100,250,500,1000")
     w.add_argument("--strategies", default=",".join(STRATEGIES))

@@ -12,8 +12,8 @@
 //! The model (seconds, P = parallel cores): every strategy pays partitioning and encoding on
 //! the map side and decoding on the reduce side per byte, a per-block cost for every block a
 //! reducer reads, a request latency per reducer request, the transport for the bytes that
-//! cross workers, and disk for the bytes that spill. Merging strategies add a decode and an
-//! encode of every byte (and, when spilling, write the merged bytes again) but read ~N blocks
+//! cross workers, and disk for the bytes that spill. Merging strategies add a merge of every
+//! byte at the calibrated merge rate (and, when spilling, write the merged bytes again) but read ~N blocks
 //! per partition instead of M; push overlaps half its transfer with the map side; two-level
 //! moves bytes twice (row, then column) but makes ~√N requests per map and per reducer.
 
@@ -85,13 +85,16 @@ pub fn predict(c: &Calibration, shape: &Shape, strategy: Strategy) -> f64 {
         + spilled / rate(c.disk_write_bytes_per_s)
         + spilled / rate(c.disk_read_bytes_per_s);
     let transfer = b * remote / rate(c.network_bytes_per_s);
-    // A merge decodes and re-encodes every byte and reads its map blocks locally (and writes
-    // the merged bytes to disk again when spilling); the map blocks were written first.
+    // A merge reads, decodes, gathers and re-encodes every byte (the calibrated merge rate;
+    // a calibration without one: a decode and an encode), reads its map blocks locally and
+    // writes the merged bytes to disk again when spilling; the map blocks were written first.
+    let merge_per_byte = if c.merge_bytes_per_s > 0.0 {
+        1.0 / c.merge_bytes_per_s
+    } else {
+        1.0 / rate(c.decode_bytes_per_s) + 1.0 / rate(c.encode_bytes_per_s)
+    };
     let merge = |blocks: f64| {
-        b / rate(c.decode_bytes_per_s)
-            + b / rate(c.encode_bytes_per_s)
-            + 2.0 * blocks * local_block
-            + spilled / rate(c.disk_write_bytes_per_s)
+        b * merge_per_byte + 2.0 * blocks * local_block + spilled / rate(c.disk_write_bytes_per_s)
     };
     // Reducers read R partitions, each as one block per worker holding some (after a merge).
     let reads = |holders: f64| r * holders.min(m);
@@ -299,6 +302,7 @@ mod tests {
             network_bytes_per_s: 2e9,
             parallelism: 2,
             remote_block_s: 150e-6,
+            merge_bytes_per_s: 1e9,
         }
     }
 
