@@ -45,8 +45,11 @@ def alive(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def cluster():
     with fs.Cluster(workers=3, memory_budget="256MiB", timeout=60) as c:
+        pids = c.worker_pids
         yield c
-    assert not any(alive(p) for p in c.worker_pids), "workers left behind"
+        # Taken before close (after it the cluster lists none), replacements included.
+        pids += c.worker_pids
+    assert pids and not any(alive(p) for p in pids), "workers left behind"
 
 
 @pytest.fixture

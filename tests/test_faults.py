@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import random
 import signal
 import threading
 import time
@@ -37,7 +38,9 @@ def test_budget_of_an_eighth_spills_and_keeps_the_multiset(pids_gone):
     assert_keys_not_split(parts, ["key"])
     assert sum(s["spilled_bytes"] for s in stats) > 0
     assert sum(s["spill_files"] for s in stats) > 0
-    assert all(s["memory_bytes"] <= size // 8 for s in stats)
+    # Three workers hold at most 3/8 of the data at the seal (every block is still there):
+    # at least half of it must have gone to disk.
+    assert sum(s["spilled_bytes"] for s in stats) >= size // 2, (size, stats)
     pids_gone(pids)
 
 
@@ -78,40 +81,55 @@ def slow_reader(batches: int, rows: int, delay: float) -> pa.RecordBatchReader:
     return pa.RecordBatchReader.from_batches(schema, gen())
 
 
-@pytest.mark.parametrize("strategy", ["pull", "push", "two-level"])
-def test_killed_worker_fails_within_30s_naming_it_and_is_replaced(pids_gone, strategy):
+@pytest.mark.parametrize(
+    ("strategy", "seed"), [("pull", 1), ("merged", 2), ("push", 3), ("two-level", 4), ("auto", 5)]
+)
+def test_worker_killed_at_a_random_moment_is_replaced_and_the_shuffle_stays_exact(
+    pids_gone, strategy, seed
+):
+    """SIGKILL one worker at a seeded random moment while a streamed input is being mapped:
+    the worker is replaced, the driver replays the map inputs it kept, and the output is the
+    input's multiset exactly. Then a worker killed after the map side: only its map outputs
+    run again (pull, merged) and the partitions already read are not read twice."""
+    rng = random.Random(seed)
     c = fs.Cluster(workers=3, timeout=60)
     pids = c.worker_pids
-    addresses = c.worker_addresses
-    victim = 1
+    victim = rng.randrange(3)
     replacements: list[int] = []
     try:
-        # With push, the failure first shows on a worker pushing to the victim: the driver
-        # still names the victim.
         result = c.shuffle(
-            slow_reader(400, 20_000, 0.02),
+            slow_reader(200, 20_000, 0.01),
             by="key",
             partitions=6,
             map_bytes="1MiB",
             strategy=strategy,
         )
-        threading.Timer(1.0, os.kill, args=(pids[victim], signal.SIGKILL)).start()
-        start = time.monotonic()
-        with pytest.raises(fs.WorkerLostError) as err:
-            list(result)
-        assert time.monotonic() - start < 30
-        msg = str(err.value)
-        assert f"worker {victim} ({addresses[victim]}) lost" in msg
-        # The cluster keeps working: the lost worker's slot gets a new process, and the next
-        # shuffle (which waits for it) is exact.
-        df = pa.table({"key": list(range(50_000)), "v": [i % 7 for i in range(50_000)]})
-        parts = list(c.shuffle(df, by="key", partitions=6, strategy=strategy))
-        assert sum(p.num_rows for p in parts) == 50_000
-        assert sorted(k for p in parts for k in p["key"].to_pylist()) == list(range(50_000))
+        kill = threading.Timer(rng.uniform(0.2, 2.0), os.kill, (pids[victim], signal.SIGKILL))
+        kill.start()
+        ids = sorted(i for p in result for i in p["id"].to_pylist())
+        assert ids == list(range(200 * 20_000)), "every row exactly once"
+        kill.join()
+        # After the map side: the next partitions need the lost worker's blocks.
+        df = pa.table({"key": list(range(300_000)), "v": [i % 7 for i in range(300_000)]})
+        result = c.shuffle(df, by="key", partitions=6, map_bytes="256KiB", strategy=strategy)
+        result.wait_mapped()
+        first = next(result)
+        before = c.recovery()
+        victim2 = rng.randrange(3)
+        os.kill(c.worker_pids[victim2], signal.SIGKILL)
+        parts = [first, *result]
+        assert result.partition_ids == list(range(6)), "no partition twice"
+        keys = sorted(k for p in parts for k in p["key"].to_pylist())
+        assert keys == list(range(300_000))
+        assert_keys_not_split([pl.from_arrow(p) for p in parts], ["key"])
+        after = c.recovery()
+        assert after["replacements"] == before["replacements"] + 1
+        if strategy in ("pull", "merged"):
+            assert after["recomputed_maps"] > before["recomputed_maps"], after
+        assert after["replacements"] == 2, after
         now = c.worker_pids
         assert now[victim] != pids[victim] and now[victim] > 0
-        assert [now[i] for i in (0, 2)] == [pids[i] for i in (0, 2)]
-        replacements = now
+        replacements = c.worker_pids
     finally:
         c.close()
     pids_gone(pids + replacements)
@@ -215,3 +233,42 @@ def test_ctrl_c_interrupts_a_blocking_call_within_a_second_and_the_cluster_goes_
         df = pa.table({"key": list(range(10_000)), "v": list(range(10_000))})
         parts = list(c.shuffle(df, by="key", partitions=4))
         assert sorted(k for p in parts for k in p["key"].to_pylist()) == list(range(10_000))
+
+
+@pytest.mark.parametrize("seed", [21, 22])
+def test_dataset_pipeline_with_a_worker_killed_at_a_random_moment_matches_one_process(
+    pids_gone, seed
+):
+    """A two-stage dataset pipeline (Polars map over Parquet splits, then a grouped
+    aggregate) with one worker SIGKILLed at a seeded random moment: a stage that lost a worker
+    while mapping runs again, a lost stage's outputs are recomputed from their splits, and the
+    answer equals one process's."""
+    from flightshuffle import tpch
+
+    data = os.environ.get(
+        "FLIGHTSHUFFLE_TPCH_DATA",
+        os.path.join(os.path.expanduser("~"), ".cache", "flightshuffle", "tpch-sf0.1"),
+    )
+    path = tpch.table_paths(tpch.ensure_data(0.1, data, progress=False))["lineitem"]
+    keys = ["l_returnflag", "l_linestatus"]
+    aggs = [pl.col("l_quantity").sum().alias("qty"), pl.len().alias("n")]
+
+    def prep(df: pl.DataFrame) -> pl.DataFrame:
+        return df.filter(pl.col("l_quantity") > 5)
+
+    want = prep(pl.read_parquet(path)).group_by(keys).agg(aggs).sort(keys)
+    rng = random.Random(seed)
+    c = fs.Cluster(workers=3, timeout=60)
+    pids = c.worker_pids
+    try:
+        kill = threading.Timer(rng.uniform(0.3, 2.0), os.kill, (pids[rng.randrange(3)], 9))
+        kill.start()
+        for _ in range(2):  # the kill may land after the first run: the second notices it
+            got = c.read_parquet(path).map_partitions(prep).group_by(keys).agg(aggs).to_polars()
+            assert got.sort(keys).equals(want.cast(got.schema)), got
+            kill.join()
+        assert c.recovery()["replacements"] == 1
+        replacements = c.worker_pids
+    finally:
+        c.close()
+    pids_gone(pids + replacements)

@@ -9,6 +9,7 @@
 
 mod commit;
 mod live;
+mod recover;
 
 use crate::block::{encode_schema, BlockId, BlockMeta, ShuffleId, Slice};
 use crate::checksum::Checksum;
@@ -68,6 +69,10 @@ pub struct BlockRef {
     pub worker: usize,
 }
 
+/// Where a committed output is (worker slot and the slot's generation then) and how it was
+/// made.
+type Made = (usize, u64, Lineage);
+
 /// How a map output was produced, to recompute it.
 #[derive(Debug, Clone)]
 pub enum Lineage {
@@ -75,14 +80,41 @@ pub enum Lineage {
     Source(proto::TaskSource),
     /// A merge group: the rows of these maps (recomputed by re-running them and the merge).
     Merge(Vec<u32>),
+    /// Batches pushed from the driver and kept there ([`crate::kept`]): replayable.
+    Kept(Arc<crate::kept::KeptInput>),
     /// Batches pushed from the driver: consumed once, not recomputable.
     DriverStream,
+}
+
+impl Lineage {
+    /// The input to run this map again, if it can be (not a merge group, not a consumed
+    /// stream).
+    pub fn input(&self) -> Option<MapInput> {
+        match self {
+            Lineage::Source(s) => Some(MapInput::Source(s.clone())),
+            Lineage::Kept(k) => Some(MapInput::Kept(k.clone())),
+            Lineage::Merge(_) | Lineage::DriverStream => None,
+        }
+    }
 }
 
 /// A map task's input.
 pub enum MapInput {
     Source(proto::TaskSource),
     Stream(BatchStream),
+    /// Batches from the driver, kept there so the map can run again ([`crate::kept`]).
+    Kept(Arc<crate::kept::KeptInput>),
+}
+
+impl MapInput {
+    /// The same input for another attempt, if it can be read again.
+    pub fn again(&self) -> Option<MapInput> {
+        match self {
+            MapInput::Source(s) => Some(MapInput::Source(s.clone())),
+            MapInput::Kept(k) => Some(MapInput::Kept(k.clone())),
+            MapInput::Stream(_) => None,
+        }
+    }
 }
 
 /// A finished and committed map attempt.
@@ -122,7 +154,14 @@ pub struct Driver {
     schemas: Mutex<HashMap<ShuffleId, (SchemaRef, bool)>>,
     /// Partition count of each registered shuffle.
     partitions: Mutex<HashMap<ShuffleId, u32>>,
-    lineage: Mutex<HashMap<(ShuffleId, u32), (usize, Lineage)>>,
+    /// How each committed map output was made: its worker slot, the slot's generation then
+    /// (a later generation means the output was lost with the process) and its input.
+    lineage: Mutex<HashMap<(ShuffleId, u32), Made>>,
+    /// How each shuffle was registered, and each slot's generation when it was registered
+    /// there (a lost worker's replacement registers it on first use).
+    created: Mutex<HashMap<ShuffleId, (proto::CreateShuffle, Vec<u64>)>>,
+    /// Map outputs recomputed after their worker was lost (lineage recovery).
+    recomputed: std::sync::atomic::AtomicU64,
     /// Pooled reader over the same connections (for engines reading on the driver).
     reader: Arc<crate::transport::peers::PeerReader>,
     /// Next attempt number of each (shuffle, map).
@@ -176,6 +215,8 @@ impl Driver {
             schemas: Mutex::new(HashMap::new()),
             partitions: Mutex::new(HashMap::new()),
             lineage: Mutex::new(HashMap::new()),
+            created: Mutex::new(HashMap::new()),
+            recomputed: Default::default(),
             attempts: Mutex::new(HashMap::new()),
             claims: Mutex::new(HashMap::new()),
             placements: Mutex::new(HashMap::new()),
@@ -248,7 +289,9 @@ impl Driver {
     }
 
     pub fn lineage(&self, shuffle: ShuffleId, map: u32) -> Option<(usize, Lineage)> {
-        lock(&self.lineage).get(&(shuffle, map)).cloned()
+        lock(&self.lineage)
+            .get(&(shuffle, map))
+            .map(|(w, _, l)| (*w, l.clone()))
     }
 
     fn lost(&self, worker: usize, reason: String) -> Error {
@@ -383,11 +426,28 @@ impl Driver {
         lock(&self.blocks).entry(spec.id).or_default();
         lock(&self.schemas).insert(spec.id, (spec.schema.clone(), spec.checksum_inputs));
         lock(&self.partitions).insert(spec.id, spec.partitions);
-        self.on_all(|w| {
-            let msg = msg.clone();
-            async move { w.create_shuffle(&msg).await }
-        })
-        .await
+        let generations = (0..self.num_workers())
+            .map(|i| self.generation(i))
+            .collect();
+        lock(&self.created).insert(spec.id, (msg.clone(), generations));
+        // A worker found lost here is replaced and the shuffle registered again (registering
+        // is idempotent on the workers that have it).
+        let mut tries = 0;
+        loop {
+            let created = self
+                .on_all(|w| {
+                    let msg = msg.clone();
+                    async move { w.create_shuffle(&msg).await }
+                })
+                .await;
+            match created {
+                Err(Error::WorkerLost { .. }) if tries < 2 && self.replaces_workers() => {
+                    tries += 1;
+                    self.wait_all_live(REPLACE_TIMEOUT).await?;
+                }
+                other => return other,
+            }
+        }
     }
 
     /// Make the map tasks of `shuffle` submitted from now on leave their blocks as `placement`
@@ -465,6 +525,8 @@ impl Driver {
         let me = self.clone();
         let checksum = lock(&self.schemas).get(&shuffle).is_none_or(|(_, c)| *c);
         let attempt = self.next_attempt(shuffle, map);
+        // The process in the slot now: a replacement started later does not hold the output.
+        let generation = self.generation(worker);
         let n = self.num_workers();
         let placement = lock(&self.map_placements)
             .get(&shuffle)
@@ -504,9 +566,12 @@ impl Driver {
         };
         let lineage = match &input {
             MapInput::Source(s) => Lineage::Source(s.clone()),
+            MapInput::Kept(k) => Lineage::Kept(k.clone()),
             MapInput::Stream(_) => Lineage::DriverStream,
         };
         tokio::spawn(async move {
+            // A lost worker's replacement learns of the shuffle first.
+            me.register_replaced(shuffle).await?;
             let client = me.worker(worker)?;
             let result = match input {
                 MapInput::Source(source) => {
@@ -519,6 +584,10 @@ impl Driver {
                 MapInput::Stream(stream) => {
                     let schema = me.shuffle_schema(shuffle)?;
                     client.put_map(&task, schema, stream).await
+                }
+                MapInput::Kept(kept) => {
+                    let schema = me.shuffle_schema(shuffle)?;
+                    client.put_map(&task, schema, kept.stream()).await
                 }
             };
             let cancel = proto::CommitTask {
@@ -563,7 +632,7 @@ impl Driver {
             }
             me.commit_on_holders(&commits, &cancel).await?;
             // The committed attempt's lineage (a speculative copy that lost leaves none).
-            lock(&me.lineage).insert((shuffle, map), (worker, lineage));
+            lock(&me.lineage).insert((shuffle, map), (worker, generation, lineage));
             let mut blocks = me.record_blocks(shuffle, worker, &result, &[])?;
             for p in &result.pushed {
                 let pushed = proto::TaskResult {
@@ -597,6 +666,7 @@ impl Driver {
 
     /// Tell every worker the map side of `shuffle` is complete.
     pub async fn seal(&self, shuffle: ShuffleId) -> Result<()> {
+        self.register_replaced(shuffle).await?;
         self.on_all(|w| async move { w.shuffle_action(actions::SEAL_SHUFFLE, shuffle.0).await })
             .await
     }
@@ -681,6 +751,7 @@ impl Driver {
         lock(&self.blocks).remove(&shuffle);
         lock(&self.schemas).remove(&shuffle);
         lock(&self.lineage).retain(|(s, _), _| *s != shuffle);
+        lock(&self.created).remove(&shuffle);
         lock(&self.attempts).retain(|(s, _), _| *s != shuffle);
         lock(&self.claims).retain(|(s, _), _| *s != shuffle);
         lock(&self.placements).remove(&shuffle);

@@ -16,7 +16,7 @@ use crate::{partitioner, proto};
 use arrow::array::{ArrayRef, RecordBatch, UInt32Array};
 use arrow::compute::cast;
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
-use futures::{Stream, TryStreamExt};
+use futures::{Stream, StreamExt, TryStreamExt};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -233,11 +233,12 @@ impl ShuffleJob {
         let (part_tx, part_rx) = mpsc::channel::<Partition>(1);
         let (mapped_tx, mapped_rx) = watch::channel(None);
         let (id, schema) = (spec.id, spec.schema.clone());
+        let maps = split_input(spec.schema.clone(), input, opts.map_bytes.max(1));
         let task = tokio::spawn(run(
             driver.clone(),
             spec,
             opts.strategy,
-            split_input(input, opts.map_bytes.max(1)),
+            maps,
             part_tx,
             mapped_tx,
         ));
@@ -328,10 +329,12 @@ impl<T> Stream for Receiver<T> {
 const MIN_SLICE_ROWS: usize = 8192;
 
 /// Cut the input into map tasks of about `map_bytes` each, in one blocking reader thread.
-fn split_input(input: Input, map_bytes: usize) -> Receiver<MapInput> {
+/// Each map's batches are kept on the driver as the map reads them ([`crate::kept`]), so a
+/// map lost with its worker runs again from them.
+fn split_input(schema: SchemaRef, input: Input, map_bytes: usize) -> Receiver<MapInput> {
     let (maps_tx, maps_rx) = mpsc::channel::<MapInput>(1);
     tokio::task::spawn_blocking(move || {
-        let mut current: Option<mpsc::Sender<Result<RecordBatch>>> = None;
+        let mut current: Option<mpsc::Sender<(Result<RecordBatch>, u64)>> = None;
         let mut bytes = 0usize;
         // A batch larger than a map task (a one-chunk DataFrame) is cut into row slices (no
         // copy) of at least MIN_SLICE_ROWS rows, so it still makes several map tasks.
@@ -356,10 +359,8 @@ fn split_input(input: Input, map_bytes: usize) -> Receiver<MapInput> {
         for (batch, size) in pieces {
             if current.is_none() || bytes >= map_bytes {
                 let (tx, rx) = mpsc::channel(4);
-                if maps_tx
-                    .blocking_send(MapInput::Stream(Box::pin(Receiver(rx))))
-                    .is_err()
-                {
+                let kept = crate::kept::KeptInput::new(schema.clone(), rx);
+                if maps_tx.blocking_send(MapInput::Kept(kept)).is_err() {
                     return; // the shuffle failed or was dropped
                 }
                 current = Some(tx);
@@ -368,7 +369,7 @@ fn split_input(input: Input, map_bytes: usize) -> Receiver<MapInput> {
             bytes += size;
             let failed = batch.is_err();
             if let Some(tx) = &current {
-                if tx.blocking_send(batch).is_err() {
+                if tx.blocking_send((batch, size as u64)).is_err() {
                     return;
                 }
             }
@@ -380,32 +381,110 @@ fn split_input(input: Input, map_bytes: usize) -> Receiver<MapInput> {
     Receiver(maps_rx)
 }
 
+/// Times a job recovers from lost workers before it gives up.
+pub const MAX_RECOVERIES: usize = 3;
+
+/// Whether `e` says a worker was lost (or is a failed call after a replacement started
+/// since `replacements`), and the driver replaces lost workers, so the job can go on. An
+/// error of the input or the data is never taken for one.
+pub fn worker_lost(driver: &Driver, e: &Error, replacements: u64) -> bool {
+    let lost = match e {
+        Error::WorkerLost { .. } | Error::PartialCommit { .. } => true,
+        Error::Remote { .. } | Error::Timeout { .. } | Error::UnknownShuffle(_) => {
+            driver.replacements() != replacements
+        }
+        _ => false,
+    };
+    lost && driver.replaces_workers()
+}
+
 async fn run(
     driver: Arc<Driver>,
     spec: ShuffleSpec,
     opts: StrategyOptions,
-    maps: Receiver<MapInput>,
+    mut maps: Receiver<MapInput>,
     out: mpsc::Sender<Partition>,
     mapped_tx: watch::Sender<Option<std::result::Result<MapSummary, String>>>,
 ) {
-    // Partitions are read after the seal: merging strategies may pack.
-    let opts = StrategyOptions { pack: true, ..opts };
-    let mapped = match strategy::map_side(&driver, &spec, maps, opts).await {
-        Ok(m) => m,
-        Err(e) => {
+    // Partitions are read after the seal: merging strategies may pack, lost maps run again.
+    let opts = StrategyOptions {
+        pack: true,
+        recover: true,
+        ..opts
+    };
+    // The map inputs handed out so far, to run the map side again after a lost worker (the
+    // driver keeps their batches, see `crate::kept`).
+    let handed = Arc::new(Mutex::new(Vec::<MapInput>::new()));
+    let mut recoveries = 0;
+    let mut replacements = driver.replacements();
+    let mut first = 0u32;
+    let fail = |e: Error| {
+        let (mapped_tx, out) = (&mapped_tx, &out);
+        async move {
             let _ = mapped_tx.send(Some(Err(e.to_string())));
             let _ = out.send(Err(e)).await;
-            return;
         }
     };
-    let summary = MapSummary::of(&mapped, driver.choice(spec.id));
-    let _ = mapped_tx.send(Some(Ok(summary)));
-    for p in 0..spec.partitions {
-        let item = read_partition(&driver, spec.id, p).await.map(|b| (p, b));
-        let failed = item.is_err();
-        if out.send(item).await.is_err() || failed {
-            return;
+    'shuffle: loop {
+        if recoveries > 0 {
+            // Again from the start: the same shuffle id, registered anew on the live workers.
+            if let Err(e) = driver.restart_shuffle(&spec).await {
+                return fail(e).await;
+            }
         }
+        let replay: Vec<MapInput> = lock(&handed).iter().filter_map(|m| m.again()).collect();
+        let record = handed.clone();
+        let inputs = futures::stream::iter(replay).chain((&mut maps).inspect(move |m| {
+            if let Some(again) = m.again() {
+                lock(&record).push(again);
+            }
+        }));
+        let mapped = match strategy::map_side(&driver, &spec, inputs, opts).await {
+            Ok(m) => m,
+            Err(e) if recoveries < MAX_RECOVERIES && worker_lost(&driver, &e, replacements) => {
+                tracing::warn!(shuffle = %spec.id, error = %e, "worker lost during the map side: running it again");
+                recoveries += 1;
+                replacements = driver.replacements();
+                continue 'shuffle;
+            }
+            Err(e) => return fail(e).await,
+        };
+        if first == 0 {
+            let summary = MapSummary::of(&mapped, driver.choice(spec.id));
+            let _ = mapped_tx.send(Some(Ok(summary)));
+        }
+        // Partitions already handed to the caller are not read again (a rerun makes the
+        // same partitions: the same inputs, partitioner and boundaries).
+        let mut p = first;
+        while p < spec.partitions {
+            match read_partition(&driver, spec.id, p).await {
+                Ok(b) => {
+                    if out.send(Ok((p, b))).await.is_err() {
+                        return;
+                    }
+                    p += 1;
+                }
+                Err(e) if recoveries < MAX_RECOVERIES && worker_lost(&driver, &e, replacements) => {
+                    recoveries += 1;
+                    // Lost map outputs run again where the shuffle keeps its blocks in place;
+                    // otherwise (push, two-level) the whole shuffle runs again.
+                    match driver.repair(spec.id).await {
+                        Ok(n) => {
+                            tracing::warn!(shuffle = %spec.id, partition = p, recomputed = n, "worker lost while reading: lost map outputs recomputed");
+                        }
+                        Err(r) => {
+                            tracing::warn!(shuffle = %spec.id, error = %r, "worker lost while reading: running the shuffle again");
+                            replacements = driver.replacements();
+                            first = p;
+                            continue 'shuffle;
+                        }
+                    }
+                    replacements = driver.replacements();
+                }
+                Err(e) => return fail(e).await,
+            }
+        }
+        return;
     }
 }
 
@@ -451,8 +530,13 @@ pub async fn run_stage(
         driver.calibration().await?;
     }
     driver.create_shuffle(spec).await?;
-    // Read once sealed (the caller reads after this returns): merging strategies may pack.
-    let opts = StrategyOptions { pack: true, ..opts };
+    // Read once sealed (the caller reads after this returns): merging strategies may pack,
+    // lost maps run again.
+    let opts = StrategyOptions {
+        pack: true,
+        recover: true,
+        ..opts
+    };
     match strategy::map_side(driver, spec, futures::stream::iter(inputs), opts).await {
         Ok(m) => Ok(m.input),
         Err(e) => {
@@ -462,15 +546,31 @@ pub async fn run_stage(
     }
 }
 
-/// Every partition of a sealed shuffle, read back to the driver in partition order.
+/// Every partition of a sealed shuffle, read back to the driver in partition order; map
+/// outputs lost with a worker are recomputed ([`Driver::repair`]) and the partition read again.
 pub async fn read_all(
     driver: &Arc<Driver>,
     shuffle: ShuffleId,
     partitions: u32,
 ) -> Result<Vec<Vec<RecordBatch>>> {
     let mut out = Vec::with_capacity(partitions as usize);
-    for p in 0..partitions {
-        out.push(read_partition(driver, shuffle, p).await?);
+    let mut recoveries = 0;
+    let mut replacements = driver.replacements();
+    let mut p = 0;
+    while p < partitions {
+        match read_partition(driver, shuffle, p).await {
+            Ok(b) => {
+                out.push(b);
+                p += 1;
+            }
+            Err(e) if recoveries < MAX_RECOVERIES && worker_lost(driver, &e, replacements) => {
+                recoveries += 1;
+                let n = driver.repair(shuffle).await?;
+                tracing::warn!(%shuffle, partition = p, recomputed = n, "worker lost while reading: lost map outputs recomputed");
+                replacements = driver.replacements();
+            }
+            Err(e) => return Err(e),
+        }
     }
     Ok(out)
 }

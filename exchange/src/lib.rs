@@ -14,6 +14,7 @@ pub mod driver;
 pub mod error;
 pub mod gen;
 pub mod job;
+pub mod kept;
 pub mod packed;
 pub mod partitioner;
 pub mod push;

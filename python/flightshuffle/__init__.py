@@ -428,6 +428,13 @@ class Cluster:
     def worker_pids(self) -> list[int]:
         return list(self._native.worker_pids())
 
+    def recovery(self) -> dict[str, int]:
+        """What worker loss cost so far: ``replacements`` (lost workers given a new process)
+        and ``recomputed_maps`` (map outputs run again from their lineage because the worker
+        holding them was lost)."""
+        replacements, recomputed = self._native.recovery()
+        return {"replacements": replacements, "recomputed_maps": recomputed}
+
     @property
     def worker_addresses(self) -> list[str]:
         return list(self._native.worker_addresses())

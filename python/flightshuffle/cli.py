@@ -31,6 +31,26 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kill_trials(args: argparse.Namespace) -> int:
+    from flightshuffle import killtrials
+
+    kinds = args.kinds.split(",")
+    for k in kinds:
+        if k not in killtrials.KINDS:
+            raise ValueError(f"unknown kind {k!r} in --kinds; choose from {killtrials.KINDS}")
+    report = killtrials.run_trials(
+        kinds, args.trials, args.seed, lambda m: print(m, file=sys.stderr, flush=True)
+    )
+    summary = {k: {x: v for x, v in r.items() if x != "runs"} for k, r in report.items()}
+    print(json.dumps(summary, indent=1), file=sys.stderr)
+    text = json.dumps(report, indent=1)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
+
+
 def _sweep(args: argparse.Namespace) -> int:
     """Exoshuffle Figure 4 at this machine's scale: throughput against the number of
     partitions (with ``--maps 0``, M = R at each point), per strategy and per memory budget,
@@ -502,6 +522,16 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--json", help="also write the points to this file")
     w.add_argument("--plot", help="also draw throughput vs partitions to this PNG")
     w.set_defaults(run=_sweep)
+
+    kt = sub.add_parser(
+        "kill-trials",
+        help="SIGKILL a random worker at a random moment of SQL, shuffle and dataset jobs",
+    )
+    kt.add_argument("--kinds", default="sql,shuffle,dataset")
+    kt.add_argument("--trials", type=int, default=20, help="trials per kind")
+    kt.add_argument("--seed", type=int, default=1)
+    kt.add_argument("--json", help="also write the report to this file")
+    kt.set_defaults(run=_kill_trials)
 
     k = sub.add_parser(
         "calibrate", help="measure this machine as the auto strategy does; print JSON"

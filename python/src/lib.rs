@@ -290,6 +290,12 @@ impl NativeCluster {
         self.with(|c| c.pids()).unwrap_or_default()
     }
 
+    /// Lost workers replaced and map outputs recomputed so far.
+    fn recovery(&self) -> (u64, u64) {
+        self.with(|c| (c.driver.replacements(), c.driver.recomputed_maps()))
+            .unwrap_or_default()
+    }
+
     fn worker_addresses(&self) -> Vec<String> {
         self.with(|c| c.driver.addresses()).unwrap_or_default()
     }

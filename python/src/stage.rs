@@ -23,6 +23,7 @@ use tokio::sync::mpsc;
 
 /// One map task of a stage: the Python task description and its input, the partition of an
 /// earlier stage or a file split.
+#[derive(Clone)]
 pub struct StageTask {
     pub body: Vec<u8>,
     pub input: Option<(u64, u32)>,
@@ -91,15 +92,39 @@ pub async fn run_stage(
     tasks: Vec<StageTask>,
     opts: StrategyOptions,
 ) -> Result<(u64, u64)> {
-    let spec = job::stage_spec(schema.clone(), partitions, &keys);
-    // The tasks name their peers: a lost worker's replacement must be in place first.
-    driver
-        .wait_all_live(exchange::driver::REPLACE_TIMEOUT)
-        .await?;
-    let inputs = inputs(driver, stages, tasks)?;
-    let input = job::run_stage(driver, &spec, inputs, opts).await?;
-    lock(stages).insert(spec.id.0, (schema, spec.partitions));
-    Ok((spec.id.0, input.rows))
+    let upstream: std::collections::BTreeSet<u64> = tasks
+        .iter()
+        .filter_map(|t| t.input.map(|(s, _)| s))
+        .collect();
+    let mut recoveries = 0;
+    loop {
+        let spec = job::stage_spec(schema.clone(), partitions, &keys);
+        // The tasks name their peers: a lost worker's replacement must be in place first, and
+        // the earlier stages they read must have every map output (a no-op when none was lost).
+        driver
+            .wait_all_live(exchange::driver::REPLACE_TIMEOUT)
+            .await?;
+        for &s in &upstream {
+            driver.repair(ShuffleId(s)).await?;
+        }
+        let replacements = driver.replacements();
+        // A stage that lost a worker while mapping runs again (its inputs name the
+        // replacement).
+        let inputs = inputs(driver, stages, tasks.clone())?;
+        match job::run_stage(driver, &spec, inputs, opts).await {
+            Ok(input) => {
+                lock(stages).insert(spec.id.0, (schema, spec.partitions));
+                return Ok((spec.id.0, input.rows));
+            }
+            Err(e)
+                if recoveries < job::MAX_RECOVERIES
+                    && job::worker_lost(driver, &e, replacements) =>
+            {
+                recoveries += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// Read every partition of a stage back to the driver, in partition order.

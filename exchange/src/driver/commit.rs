@@ -23,6 +23,8 @@ impl Driver {
         maps: Vec<u32>,
     ) -> Result<MapDone> {
         let client = self.worker(worker)?;
+        // The process merging: a replacement started later does not hold the group.
+        let generation = self.generation(worker);
         let attempt = self.next_attempt(shuffle, group);
         let task = proto::MergeTask {
             shuffle_id: shuffle.0,
@@ -47,7 +49,7 @@ impl Driver {
             return Err(self.classify(e).await);
         }
         let blocks = self.record_blocks(shuffle, worker, &result, &maps)?;
-        lock(&self.lineage).insert((shuffle, group), (worker, Lineage::Merge(maps)));
+        lock(&self.lineage).insert((shuffle, group), (worker, generation, Lineage::Merge(maps)));
         Ok(MapDone {
             map: group,
             attempt,

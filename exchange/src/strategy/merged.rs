@@ -163,8 +163,17 @@ pub(super) async fn merge(
                 busy[w] = false;
                 match result {
                     Ok(group) => merges.push((group, maps)),
-                    // A lost worker fails the shuffle; any other failure leaves the maps'
-                    // own blocks in place (best effort).
+                    // A lost worker fails the shuffle, unless the maps run again in place
+                    // (their new outputs come back as commits); any other failure leaves the
+                    // maps' own blocks in place (best effort).
+                    Err(Error::WorkerLost { .. })
+                        if opts.recover && driver.replaces_workers() && driver.places_locally(spec.id) =>
+                    {
+                        tracing::warn!(shuffle = %spec.id, worker = w, "merge lost with its worker");
+                        if let Some(list) = waiting.get_mut(w) {
+                            list.clear();
+                        }
+                    }
                     Err(e @ Error::WorkerLost { .. }) => return Err(e),
                     // Readers started (a pipelined consumer) or the shuffle was sealed: no
                     // later merge can commit either, so stop trying.

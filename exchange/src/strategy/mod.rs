@@ -89,6 +89,11 @@ pub struct StrategyOptions {
     /// cannot tell (a Python shuffle of a table: its bytes over the map size); `auto` uses it
     /// for M.
     pub expected_maps: Option<usize>,
+    /// Readers start only after the seal, so a map whose worker was lost can run again in
+    /// place while the map side runs ([`pull::run_maps`]): an attempt that failed with its
+    /// worker, and a committed output lost with it, run again elsewhere. Off where readers
+    /// stream during the map side (they may have read the lost output already).
+    pub recover: bool,
 }
 
 impl Default for StrategyOptions {
@@ -102,6 +107,7 @@ impl Default for StrategyOptions {
             speculation: None,
             pack: false,
             expected_maps: None,
+            recover: false,
         }
     }
 }

@@ -96,7 +96,15 @@ pub async fn run_maps(
     run_maps_observed(driver, spec, inputs, first_map, opts, |_| {}).await
 }
 
+/// Times one map side runs maps again after lost workers before it gives up.
+const MAX_RERUNS: usize = 3;
+
 /// [`run_maps`], calling `on_commit` with each map output as the driver commits it.
+///
+/// With `opts.recover` (readers start after the seal) and a driver that replaces lost
+/// workers, a lost worker does not fail the map side: an attempt that failed with its worker
+/// runs again on a live one, and the committed outputs the worker held ([`Driver::lost_outputs`])
+/// run again from their lineage, up to [`MAX_RERUNS`] losses.
 pub async fn run_maps_observed(
     driver: &Arc<Driver>,
     spec: &ShuffleSpec,
@@ -125,6 +133,14 @@ pub async fn run_maps_observed(
     let mut done_maps = HashSet::new();
     let mut live_attempts: HashMap<u32, usize> = HashMap::new();
     let mut tick = tokio::time::interval(std::time::Duration::from_millis(100));
+    // In-place recovery: each map's input for another attempt, and its attempts lost so far.
+    let recover = |driver: &Driver| {
+        opts.recover && driver.replaces_workers() && driver.places_locally(spec.id)
+    };
+    let mut again: HashMap<u32, MapInput> = HashMap::new();
+    let mut lost_attempts: HashMap<u32, usize> = HashMap::new();
+    let mut health = tokio::time::interval(driver.config().health_interval);
+    health.tick().await;
     // Map tasks still running when this returns (a map failed) are aborted.
     let mut guard = AbortOnDrop(Vec::new());
     let least_loaded = |load: &[usize], map: u32, not: Option<usize>| {
@@ -134,47 +150,114 @@ pub async fn run_maps_observed(
     };
     let work = async {
         loop {
+            if inputs_done && running.is_empty() {
+                break;
+            }
             let submit = |map: u32, worker: usize, input: MapInput| {
+                let generation = driver.generation(worker);
                 let handle = driver.submit_map(spec.id, map, worker, input);
                 let abort = handle.abort_handle();
-                (async move { (map, worker, handle.await) }, abort)
+                (
+                    async move { (map, worker, generation, handle.await) },
+                    abort,
+                )
             };
+            // Run `map` (again) on the least-loaded live worker.
+            macro_rules! start {
+                ($map:expr, $input:expr) => {{
+                    let map = $map;
+                    let worker = least_loaded(&load, map, None).unwrap_or(0);
+                    load[worker] += 1;
+                    let (fut, abort) = submit(map, worker, $input);
+                    guard.0.push(abort.clone());
+                    attempts.entry(map).or_default().push(abort);
+                    *live_attempts.entry(map).or_default() += 1;
+                    running.push(fut);
+                    worker
+                }};
+            }
+            // Committed outputs lost with their worker run again from their lineage (once a
+            // live worker can take them).
+            macro_rules! rerun_lost {
+                () => {{
+                    driver.wait_all_live(crate::driver::REPLACE_TIMEOUT).await?;
+                    let done: Vec<u32> = done_maps.iter().copied().collect();
+                    for (map, input) in driver.forget_outputs(spec.id, &done)? {
+                        done_maps.remove(&map);
+                        out.maps.retain(|d| d.map != map);
+                        tracing::warn!(shuffle = %spec.id, map, "map output lost with its worker: running it again");
+                        start!(map, input);
+                    }
+                }};
+            }
             tokio::select! {
                 input = inputs.next(), if !inputs_done && running.len() < limit => {
                     let Some(input) = input else {
                         inputs_done = true;
                         continue;
                     };
-                    let worker = least_loaded(&load, next_map, None).unwrap_or(0);
-                    load[worker] += 1;
+                    if opts.recover {
+                        if let Some(copy) = input.again() {
+                            again.insert(next_map, copy);
+                        }
+                    }
+                    let source = match &input {
+                        MapInput::Source(src) => Some(src.clone()),
+                        MapInput::Stream(_) | MapInput::Kept(_) => None,
+                    };
+                    let worker = start!(next_map, input);
                     if let Some(s) = speculator.as_mut() {
-                        let source = match &input {
-                            MapInput::Source(src) => Some(src.clone()),
-                            MapInput::Stream(_) => None,
-                        };
                         s.started(next_map, worker, source);
                     }
-                    let (fut, abort) = submit(next_map, worker, input);
-                    guard.0.push(abort.clone());
-                    attempts.entry(next_map).or_default().push(abort);
-                    *live_attempts.entry(next_map).or_default() += 1;
-                    running.push(fut);
                     next_map += 1;
                 }
-                Some((map, worker, joined)) = running.next(), if !running.is_empty() => {
+                Some((map, worker, generation, joined)) = running.next(), if !running.is_empty() => {
                     load[worker] -= 1;
                     let live = live_attempts.entry(map).or_insert(1);
                     *live -= 1;
                     let others_running = *live > 0;
                     let done = match joined {
+                        // Committed, but on a process lost since (its result came late): the
+                        // output is gone with it.
+                        Ok(Ok(_)) if driver.generation(worker) != generation && recover(driver) => {
+                            let retries = lost_attempts.entry(map).or_default();
+                            *retries += 1;
+                            if *retries > MAX_RERUNS {
+                                return Err(crate::Error::Cluster(format!("map {map} lost its worker {retries} times")));
+                            }
+                            driver.wait_all_live(crate::driver::REPLACE_TIMEOUT).await?;
+                            for (m, input) in driver.forget_outputs(spec.id, &[map])? {
+                                start!(m, input);
+                            }
+                            continue;
+                        }
                         Ok(Ok(done)) => done,
                         // The other attempt of a map that already committed.
                         _ if done_maps.contains(&map) => continue,
-                        Ok(Err(crate::Error::Superseded { .. })) => continue,
+                        Ok(Err(crate::Error::Superseded { .. })) if others_running => continue,
                         // One attempt of a speculated map failed while another still runs:
                         // that one may still finish (a lost worker fails the stage anyway).
                         Ok(Err(e)) if others_running && !matches!(e, crate::Error::WorkerLost { .. } | crate::Error::PartialCommit { .. }) => {
                             tracing::warn!(shuffle = %spec.id, map, worker, error = %e, "one attempt of a speculated map failed; another is running");
+                            continue;
+                        }
+                        // The attempt's own worker was lost (not a peer it read from): run it
+                        // again elsewhere, with the outputs that worker held.
+                        Ok(Err(e)) if recover(driver)
+                            && again.contains_key(&map)
+                            && (driver.generation(worker) != generation
+                                || matches!(e, crate::Error::WorkerLost { worker: w, .. } if w == worker)) =>
+                        {
+                            let retries = lost_attempts.entry(map).or_default();
+                            *retries += 1;
+                            if *retries > MAX_RERUNS {
+                                return Err(e);
+                            }
+                            tracing::warn!(shuffle = %spec.id, map, worker, error = %e, "map attempt lost with its worker: running it again");
+                            rerun_lost!();
+                            if let Some(input) = again.get(&map).and_then(|i| i.again()) {
+                                start!(map, driver.refresh(input));
+                            }
                             continue;
                         }
                         Ok(Err(e)) => return Err(e),
@@ -188,8 +271,6 @@ pub async fn run_maps_observed(
                         s.finished(map);
                     }
                     tracing::debug!(shuffle = %spec.id, map = done.map, worker = done.worker, rows = done.input.rows, "map done");
-                    out.input.add(done.input);
-                    out.input_bytes += done.input_bytes;
                     out.first_commit.get_or_insert(done.committed_at);
                     on_commit(&done);
                     out.maps.push(done);
@@ -207,17 +288,27 @@ pub async fn run_maps_observed(
                         running.push(fut);
                     }
                 }
+                // Health while the maps run: a lost worker fails the map side, or (recovering)
+                // its committed outputs run again.
+                _ = health.tick(), if opts.watch => {
+                    if let Err(e) = driver.check_health().await {
+                        if !(recover(driver) && matches!(e, crate::Error::WorkerLost { .. }) && lost_attempts.values().all(|&r| r <= MAX_RERUNS)) {
+                            return Err(e);
+                        }
+                        rerun_lost!();
+                    }
+                }
                 else => break,
             }
         }
         Ok(())
     };
-    if opts.watch {
-        driver.watch(work).await?;
-    } else {
-        work.await?;
-    }
+    work.await?;
     out.maps.sort_by_key(|m| m.map);
+    for d in &out.maps {
+        out.input.add(d.input);
+        out.input_bytes += d.input_bytes;
+    }
     Ok(out)
 }
 

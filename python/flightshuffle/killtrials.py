@@ -1,0 +1,165 @@
+"""Kill trials: SIGKILL one worker at a seeded random moment of a job and check the answer.
+
+Each trial starts a fresh 3-worker cluster, runs the job once without a fault (the
+reference time), then runs it again with a timer that kills a random worker after a random
+delay within that time, and compares the answer with the reference answer. A trial reports
+whether the answer was exact, the time with the kill, the extra time over the fault-free run
+(recovery time), the workers replaced and the map outputs recomputed. ``flightshuffle
+kill-trials`` prints one JSON object per kind with the trials and a summary.
+
+Kinds: ``sql`` (TPC-H queries at SF 0.1, compared with DuckDB), ``shuffle`` (a
+``Cluster.shuffle`` of a streamed input, compared by multiset) and ``dataset`` (a Parquet map
+stage and a grouped aggregate, compared with Polars on one process).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from flightshuffle import Cluster, tpch
+
+KINDS = ("sql", "shuffle", "dataset")
+
+
+def _data(sf: float) -> dict[str, str]:
+    root = os.environ.get(
+        "FLIGHTSHUFFLE_TPCH_DATA",
+        os.path.join(os.path.expanduser("~"), ".cache", "flightshuffle", f"tpch-sf{sf}"),
+    )
+    return tpch.table_paths(tpch.ensure_data(sf, root, progress=False))
+
+
+def _streamed(batches: int, rows: int) -> pa.RecordBatchReader:
+    schema = pa.schema([("id", pa.int64()), ("key", pa.int64())])
+
+    def gen():
+        for b in range(batches):
+            ids = pa.array(range(b * rows, (b + 1) * rows), pa.int64())
+            yield pa.record_batch([ids, pc.bit_wise_and(ids, 1023)], schema=schema)
+
+    return pa.RecordBatchReader.from_batches(schema, gen())
+
+
+def _job(kind: str, trial: int) -> tuple[Callable[[Cluster], Any], Callable[[Any], bool]]:
+    """The job of one trial and the check of its answer."""
+    if kind == "sql":
+        paths = _data(0.1)
+        q = (3, 9, 18, 21)[trial % 4]
+        sql, ordered = tpch.query(q, 0.1)
+        con = tpch.duckdb_connect(os.path.dirname(paths["lineitem"]))
+        want = con.sql(sql).arrow()
+
+        def run(c: Cluster) -> Any:
+            for name, path in paths.items():
+                c.register_parquet(name, path)
+            return c.sql(sql)
+
+        return run, lambda got: tpch.compare(want, got, ordered) is None
+    if kind == "shuffle":
+        batches, rows = 100, 20_000
+        strategy = ("pull", "merged", "push", "two-level", "auto")[trial % 5]
+
+        def run(c: Cluster) -> Any:
+            import numpy as np
+
+            parts = c.shuffle(
+                _streamed(batches, rows),
+                by="key",
+                partitions=8,
+                map_bytes="1MiB",
+                strategy=strategy,
+            )
+            ids = [a.to_numpy() for p in parts for a in p["id"].chunks]
+            return np.sort(np.concatenate(ids))
+
+        def check(got: Any) -> bool:
+            import numpy as np
+
+            return bool(np.array_equal(got, np.arange(batches * rows)))
+
+        return run, check
+    if kind == "dataset":
+        import polars as pl
+
+        path = _data(0.1)["lineitem"]
+        keys = ["l_returnflag", "l_linestatus"]
+        aggs = [pl.col("l_quantity").sum().alias("qty"), pl.len().alias("n")]
+
+        def prep(df: pl.DataFrame) -> pl.DataFrame:
+            return df.filter(pl.col("l_quantity") > 5)
+
+        want = prep(pl.read_parquet(path)).group_by(keys).agg(aggs).sort(keys)
+
+        def run(c: Cluster) -> Any:
+            return c.read_parquet(path).map_partitions(prep).group_by(keys).agg(aggs).to_polars()
+
+        return run, lambda got: got.sort(keys).equals(want.cast(got.schema))
+    raise ValueError(f"unknown kind {kind!r}; choose from {KINDS}")
+
+
+def trial(kind: str, n: int, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed * 1000 + n)
+    run, check = _job(kind, n)
+    with Cluster(workers=3, timeout=120) as c:
+        start = time.monotonic()
+        ok_clean = check(run(c))
+        clean = time.monotonic() - start
+        victim = rng.randrange(3)
+        delay = rng.uniform(0.05, max(0.1, clean))
+        pid = c.worker_pids[victim]
+        killer = threading.Timer(delay, os.kill, (pid, signal.SIGKILL))
+        start = time.monotonic()
+        killer.start()
+        error = None
+        try:
+            ok = check(run(c))
+        except Exception as e:  # noqa: BLE001 (a trial records any failure; the run goes on)
+            ok, error = False, f"{type(e).__name__}: {e}"
+        seconds = time.monotonic() - start
+        killer.join()
+        # The kill may land after the job: the next one must notice it and still be exact.
+        after_ok = check(run(c)) if error is None else False
+        rec = c.recovery()
+    return {
+        "trial": n,
+        "victim": victim,
+        "kill_after_s": round(delay, 3),
+        "clean_s": round(clean, 3),
+        "seconds": round(seconds, 3),
+        "recovery_s": round(max(0.0, seconds - clean), 3),
+        "exact": bool(ok and ok_clean),
+        "next_job_exact": bool(after_ok),
+        "replacements": rec["replacements"],
+        "recomputed_maps": rec["recomputed_maps"],
+        "error": error,
+    }
+
+
+def run_trials(kinds: list[str], trials: int, seed: int, log: Callable[[str], None]) -> dict:
+    out: dict[str, Any] = {}
+    for kind in kinds:
+        rows = []
+        for n in range(trials):
+            r = trial(kind, n, seed)
+            log(f"{kind} trial {n}: {r}")
+            rows.append(r)
+        out[kind] = {
+            "trials": len(rows),
+            "exact": sum(r["exact"] for r in rows),
+            "next_job_exact": sum(r["next_job_exact"] for r in rows),
+            "mean_recovery_s": round(statistics.mean(r["recovery_s"] for r in rows), 3),
+            "mean_clean_s": round(statistics.mean(r["clean_s"] for r in rows), 3),
+            "recomputed_maps": sum(r["recomputed_maps"] for r in rows),
+            "runs": rows,
+        }
+    return out
