@@ -137,18 +137,23 @@ def test_worker_killed_at_a_random_moment_is_replaced_and_the_shuffle_stays_exac
 
 def test_dropping_the_driver_stops_its_workers_and_leaves_no_spill_files(pids_gone, tmp_path):
     """A driver killed with SIGKILL mid-use: its workers exit and remove their spill
-    directories, and the next local cluster sweeps the dead driver's spill root."""
+    directories, and the next local cluster sweeps the dead driver's spill root and the map
+    inputs it kept on disk."""
     import subprocess
     import sys
+    import tempfile
 
     script = (
-        "import flightshuffle as fs, os, sys, pyarrow as pa\n"
+        "import os\n"
+        "os.environ['FLIGHTSHUFFLE_KEEP_MEMORY'] = '0'  # kept map inputs go to disk\n"
+        "import flightshuffle as fs, sys, pyarrow as pa\n"
         "c = fs.Cluster(workers=2, memory_budget=0)\n"
         "t = pa.table({'k': list(range(20000)), 'v': ['x' * 50] * 20000})\n"
         "job = c.shuffle(t, by=['k'], partitions=4)\n"
         "next(iter(job))\n"
         "print(c.spill_root, flush=True)\n"
         "print(' '.join(map(str, c.worker_pids)), flush=True)\n"
+        "print(os.getpid(), flush=True)\n"
         "os.kill(os.getpid(), 9)\n"
     )
     out = subprocess.run(
@@ -158,6 +163,8 @@ def test_dropping_the_driver_stops_its_workers_and_leaves_no_spill_files(pids_go
     root, pids = lines[0], [int(p) for p in lines[1].split()]
     assert len(pids) == 2, out.stderr
     assert os.path.isdir(root), "the killed driver could not remove its own root"
+    kept = os.path.join(tempfile.gettempdir(), f"flightshuffle-kept-{lines[2]}")
+    assert glob.glob(os.path.join(kept, "*.arrow")), "map inputs kept on the driver's disk"
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
         time.sleep(0.1)
@@ -165,6 +172,7 @@ def test_dropping_the_driver_stops_its_workers_and_leaves_no_spill_files(pids_go
     assert not glob.glob(os.path.join(root, "worker-*")), "workers left spill directories"
     with fs.Cluster(workers=1) as c:
         assert not os.path.exists(root), "the next cluster sweeps the dead driver's root"
+        assert not os.path.exists(kept), "and the dead driver's kept map inputs"
         assert os.path.isdir(c.spill_root)
 
 
@@ -269,6 +277,40 @@ def test_dataset_pipeline_with_a_worker_killed_at_a_random_moment_matches_one_pr
             kill.join()
         assert c.recovery()["replacements"] == 1
         replacements = c.worker_pids
+    finally:
+        c.close()
+    pids_gone(pids + replacements)
+
+
+def test_a_worker_paused_during_a_shuffle_is_replaced_and_nothing_stale_is_read(pids_gone):
+    """SIGSTOP a worker while a shuffle maps, for longer than the health timeout (10 s), then
+    SIGCONT: the driver declares it lost and kills it (it cannot come back with stale
+    attempts), its maps run again, and the output is the input exactly."""
+    import contextlib
+
+    from conftest import alive
+
+    c = fs.Cluster(workers=3, timeout=60)
+    pids = c.worker_pids
+    replacements: list[int] = []
+
+    def pause_then_resume() -> None:
+        os.kill(pids[1], signal.SIGSTOP)
+        time.sleep(13)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids[1], signal.SIGCONT)
+
+    try:
+        result = c.shuffle(slow_reader(200, 20_000, 0.01), by="key", partitions=6, map_bytes="1MiB")
+        pauser = threading.Timer(0.5, pause_then_resume)
+        pauser.start()
+        ids = sorted(i for p in result for i in p["id"].to_pylist())
+        pauser.join()
+        assert ids == list(range(200 * 20_000)), "every row exactly once"
+        replacements = c.worker_pids
+        assert replacements[1] != pids[1]
+        assert not alive(pids[1]), "the paused worker was killed, not left to come back"
+        assert c.recovery()["replacements"] == 1
     finally:
         c.close()
     pids_gone(pids + replacements)

@@ -240,6 +240,7 @@ impl LocalCluster {
                     .map_err(|e| Error::io(std::env::temp_dir(), e))?;
                 let p = t.path().to_path_buf();
                 sweep_stale_roots(&std::env::temp_dir(), &p);
+                crate::kept::sweep_stale(&std::env::temp_dir());
                 let owner = p.join(OWNER_FILE);
                 std::fs::write(&owner, std::process::id().to_string())
                     .map_err(|e| Error::io(&owner, e))?;

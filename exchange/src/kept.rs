@@ -62,8 +62,9 @@ fn kept_dir() -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// Remove `flightshuffle-kept-<pid>` directories of processes that no longer exist.
-fn sweep_stale(base: &std::path::Path) {
+/// Remove `flightshuffle-kept-<pid>` directories of processes that no longer exist (a local
+/// cluster does it when it starts, like its spill roots).
+pub fn sweep_stale(base: &std::path::Path) {
     let Ok(entries) = std::fs::read_dir(base) else {
         return;
     };

@@ -1,8 +1,8 @@
 """Kill trials: SIGKILL one worker at a seeded random moment of a job and check the answer.
 
-Each trial starts a fresh 3-worker cluster, runs the job once without a fault (the
-reference time), then runs it again with a timer that kills a random worker after a random
-delay within that time, and compares the answer with the reference answer. A trial reports
+Each trial starts a fresh 3-worker cluster, runs the job twice without a fault (the second,
+warm run is the reference time), then runs it again with a timer that kills a random worker
+after a random delay within that time, and compares the answer with the reference answer. A trial reports
 whether the answer was exact, the time with the kill, the extra time over the fault-free run
 (recovery time), the workers replaced and the map outputs recomputed. ``flightshuffle
 kill-trials`` prints one JSON object per kind with the trials and a summary.
@@ -31,12 +31,16 @@ from flightshuffle import Cluster, tpch
 KINDS = ("sql", "shuffle", "dataset")
 
 
-def _data(sf: float) -> dict[str, str]:
+def _root(sf: float) -> str:
     root = os.environ.get(
         "FLIGHTSHUFFLE_TPCH_DATA",
         os.path.join(os.path.expanduser("~"), ".cache", "flightshuffle", f"tpch-sf{sf}"),
     )
-    return tpch.table_paths(tpch.ensure_data(sf, root, progress=False))
+    return tpch.ensure_data(sf, root, progress=False)
+
+
+def _data(sf: float) -> dict[str, str]:
+    return tpch.table_paths(_root(sf))
 
 
 def _streamed(batches: int, rows: int) -> pa.RecordBatchReader:
@@ -56,8 +60,8 @@ def _job(kind: str, trial: int) -> tuple[Callable[[Cluster], Any], Callable[[Any
         paths = _data(0.1)
         q = (3, 9, 18, 21)[trial % 4]
         sql, ordered = tpch.query(q, 0.1)
-        con = tpch.duckdb_connect(os.path.dirname(paths["lineitem"]))
-        want = con.sql(sql).arrow()
+        con = tpch.duckdb_connect(_root(0.1))
+        want = con.sql(sql).to_arrow_table()
 
         def run(c: Cluster) -> Any:
             for name, path in paths.items():
@@ -66,7 +70,7 @@ def _job(kind: str, trial: int) -> tuple[Callable[[Cluster], Any], Callable[[Any
 
         return run, lambda got: tpch.compare(want, got, ordered) is None
     if kind == "shuffle":
-        batches, rows = 100, 20_000
+        batches, rows = 400, 20_000
         strategy = ("pull", "merged", "push", "two-level", "auto")[trial % 5]
 
         def run(c: Cluster) -> Any:
@@ -111,11 +115,13 @@ def trial(kind: str, n: int, seed: int) -> dict[str, Any]:
     rng = random.Random(seed * 1000 + n)
     run, check = _job(kind, n)
     with Cluster(workers=3, timeout=120) as c:
+        ok_clean = check(run(c))  # the first run warms up (files, caches, calibration)
         start = time.monotonic()
-        ok_clean = check(run(c))
+        ok_clean = check(run(c)) and ok_clean
         clean = time.monotonic() - start
         victim = rng.randrange(3)
-        delay = rng.uniform(0.05, max(0.1, clean))
+        # Within the job (a warm run again), at a random moment of it.
+        delay = rng.uniform(0.02, 0.9 * clean)
         pid = c.worker_pids[victim]
         killer = threading.Timer(delay, os.kill, (pid, signal.SIGKILL))
         start = time.monotonic()
@@ -137,6 +143,7 @@ def trial(kind: str, n: int, seed: int) -> dict[str, Any]:
         "clean_s": round(clean, 3),
         "seconds": round(seconds, 3),
         "recovery_s": round(max(0.0, seconds - clean), 3),
+        "kill_during_job": delay < seconds,
         "exact": bool(ok and ok_clean),
         "next_job_exact": bool(after_ok),
         "replacements": rec["replacements"],
@@ -155,6 +162,7 @@ def run_trials(kinds: list[str], trials: int, seed: int, log: Callable[[str], No
             rows.append(r)
         out[kind] = {
             "trials": len(rows),
+            "kill_during_job": sum(r["kill_during_job"] for r in rows),
             "exact": sum(r["exact"] for r in rows),
             "next_job_exact": sum(r["next_job_exact"] for r in rows),
             "mean_recovery_s": round(statistics.mean(r["recovery_s"] for r in rows), 3),
