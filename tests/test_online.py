@@ -184,3 +184,37 @@ def test_cli_online_draws_the_plot(lineitem, tmp_path):
     assert out.returncode == 0, out.stderr
     assert '"within_over_full"' in out.stdout
     assert png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(("seed", "when"), [(41, "first"), (42, "middle")])
+def test_a_worker_killed_mid_stream_is_recovered_and_the_final_is_exact(
+    lineitem, exact, seed, when
+):
+    """SIGKILL a worker while an online aggregation streams (after its first or a middle
+    partial result): the worker is replaced, the map outputs and fold states it held are
+    rebuilt (earlier rounds folded again on the replacement; retried folds are idempotent by
+    round), the stream goes on round by round and the final result is exact."""
+    import random
+    import signal
+
+    from conftest import alive
+
+    rng = random.Random(seed)
+    c = fs.Cluster(workers=3, timeout=120)
+    pids = c.worker_pids
+    try:
+        c.register_parquet("lineitem", lineitem)
+        rounds = 6
+        results = []
+        for r in c.online(Q1_LIKE, rounds=rounds, seed=seed, progress=False):
+            results.append(r)
+            if r.round == (0 if when == "first" else rounds // 2):
+                os.kill(pids[rng.randrange(3)], signal.SIGKILL)
+        assert [r.round for r in results] == list(range(rounds)), "every round once"
+        assert results[-1].final
+        assert_exact(results[-1].estimates, exact, AGGS)
+        assert c.recovery()["replacements"] == 1
+        replacements = c.worker_pids
+    finally:
+        c.close()
+    assert not any(alive(p) for p in pids + replacements)

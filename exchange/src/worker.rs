@@ -82,6 +82,8 @@ pub struct WorkerState {
     /// a state that is being folded or was lost by a failed fold: the next fold fails loudly
     /// instead of silently starting over.
     fold_states: Mutex<HashMap<(ShuffleId, u32), Option<ReduceState>>>,
+    /// Rounds folded into each state so far (a fold of an earlier round is a retry).
+    fold_rounds: Mutex<HashMap<(ShuffleId, u32), u32>>,
 }
 
 impl WorkerState {
@@ -250,6 +252,14 @@ impl WorkerState {
         }
         let reducer = self.sources.reducer(&m.reducer)?;
         let key = (shuffle, m.partition);
+        // A round folded here already (retried after another worker was lost): the partial
+        // result of the state as it is, nothing folded twice.
+        let folded = lock(&self.fold_rounds).get(&key).copied().unwrap_or(0);
+        if m.round < folded {
+            return self
+                .emit_again(key, reducer, m.payload.clone(), start)
+                .await;
+        }
         let batches = self.read_blocks(shuffle, m.partition, &m.blocks).await?;
         let state = {
             let mut states = lock(&self.fold_states);
@@ -294,11 +304,49 @@ impl WorkerState {
         if let Some(slot) = lock(&self.fold_states).get_mut(&key) {
             *slot = Some(state);
         }
+        lock(&self.fold_rounds).insert(key, m.round + 1);
         let result_ipc = crate::block::encode_block(&schema, &out, Compression::None)?;
         Ok(proto::FoldResult {
             result_ipc: result_ipc.to_vec(),
             rows_folded: rows,
             blocks_folded: m.blocks.len() as u64,
+            seconds: start.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// The partial result of a fold state as it is (a retried round), the state kept.
+    async fn emit_again(
+        &self,
+        key: (ShuffleId, u32),
+        reducer: Arc<dyn crate::task::Reducer>,
+        payload: Vec<u8>,
+        start: Instant,
+    ) -> Result<proto::FoldResult> {
+        let state = lock(&self.fold_states)
+            .get_mut(&key)
+            .and_then(|s| s.take())
+            .ok_or_else(|| {
+                Error::Cluster(format!(
+                    "reduce state of {} partition {} is busy or was lost",
+                    key.0, key.1
+                ))
+            })?;
+        let emitted = tokio::task::spawn_blocking(move || {
+            let out = reducer.emit(&payload, &state);
+            (state, out)
+        })
+        .await
+        .map_err(|e| Error::Cluster(format!("fold task panicked: {e}")))?;
+        let (state, out) = emitted;
+        if let Some(slot) = lock(&self.fold_states).get_mut(&key) {
+            *slot = Some(state);
+        }
+        let (schema, out) = out?;
+        let result_ipc = crate::block::encode_block(&schema, &out, Compression::None)?;
+        Ok(proto::FoldResult {
+            result_ipc: result_ipc.to_vec(),
+            rows_folded: 0,
+            blocks_folded: 0,
             seconds: start.elapsed().as_secs_f64(),
         })
     }
@@ -345,6 +393,7 @@ impl WorkerState {
     /// Forget the reduce states of a dropped shuffle.
     pub fn drop_fold_states(&self, shuffle: ShuffleId) {
         lock(&self.fold_states).retain(|(s, _), _| *s != shuffle);
+        lock(&self.fold_rounds).retain(|(s, _), _| *s != shuffle);
     }
 
     /// Reduce task: pull one partition from every peer and fold it into a sink.
@@ -467,6 +516,7 @@ pub fn build_state(
         rpcs: std::sync::atomic::AtomicU64::new(0),
         tasks: Mutex::new(HashMap::new()),
         fold_states: Mutex::new(HashMap::new()),
+        fold_rounds: Mutex::new(HashMap::new()),
     })
 }
 

@@ -66,6 +66,8 @@ pub async fn run(
 ) {
     let id = job.spec.id;
     let result = match driver.create_shuffle(&job.spec).await {
+        // With replacements, a lost worker is recovered from round by round (see `rounds`).
+        Ok(()) if driver.replaces_workers() => rounds(driver, job, opts, out.clone()).await,
         Ok(()) => driver.watch(rounds(driver, job, opts, out.clone())).await,
         Err(e) => Err(e),
     };
@@ -104,6 +106,17 @@ async fn rounds(
     let mut guard = AbortOnDrop(Vec::new());
     let mut maps_done = 0usize;
     let mut folded_weight = 0u64;
+    // Every round's committed maps (to fold again after a lost worker), and the generation
+    // of each worker slot whose fold states are intact.
+    let done = Arc::new(tokio::sync::Mutex::new(Vec::<Vec<MapDone>>::new()));
+    let n = driver.num_workers();
+    let states = Arc::new(std::sync::Mutex::new(
+        (0..n).map(|w| driver.generation(w)).collect::<Vec<u64>>(),
+    ));
+    let opts = StrategyOptions {
+        recover: driver.replaces_workers(),
+        ..opts
+    };
     for (r, range) in ranges.into_iter().enumerate() {
         let round_inputs: Vec<MapInput> = inputs.by_ref().take(range.len()).collect();
         let mapped = pull::run_maps(
@@ -120,6 +133,7 @@ async fn rounds(
         if let Some(prev) = pending.take() {
             join(prev).await?;
         }
+        done.lock().await.push(mapped.maps);
         let round = RoundInfo {
             round: r,
             maps_done,
@@ -127,8 +141,9 @@ async fn rounds(
             start,
         };
         let (driver, fold, out) = (driver.clone(), fold.clone(), out.clone());
+        let (done, states) = (done.clone(), states.clone());
         let task = tokio::spawn(async move {
-            let partial = fold_round(&driver, &fold, round, mapped.maps).await?;
+            let partial = fold_round_recovering(&driver, &fold, round, &done, &states).await?;
             // A caller that stopped listening ends the job at the next round.
             out.send(Ok(partial))
                 .await
@@ -139,6 +154,114 @@ async fn rounds(
     }
     if let Some(prev) = pending.take() {
         join(prev).await?;
+    }
+    Ok(())
+}
+
+/// Times one job recovers from lost workers while folding.
+const MAX_RECOVERIES: usize = 3;
+
+/// Fold round `round.round` under the health watch. When a worker is lost (and replaced),
+/// its map outputs of every round run again, the fold states it held are rebuilt on its
+/// replacement by folding every earlier round again in order, and the round is folded again:
+/// workers that folded it already return their state's partial as it is (folds carry their
+/// round), so nothing is folded twice and the stream goes on.
+async fn fold_round_recovering(
+    driver: &Arc<Driver>,
+    f: &FoldSpec,
+    round: RoundInfo,
+    done: &tokio::sync::Mutex<Vec<Vec<MapDone>>>,
+    states: &std::sync::Mutex<Vec<u64>>,
+) -> Result<Partial> {
+    let mut recoveries = 0;
+    loop {
+        let intact = {
+            let states = states.lock().unwrap_or_else(|p| p.into_inner());
+            (0..driver.num_workers()).all(|w| driver.generation(w) == states[w])
+        };
+        if intact {
+            let maps = done
+                .lock()
+                .await
+                .get(round.round)
+                .cloned()
+                .unwrap_or_default();
+            match driver.watch(fold_round(driver, f, &round, maps)).await {
+                Ok(p) => return Ok(p),
+                Err(e)
+                    if driver.replaces_workers()
+                        && recoveries < MAX_RECOVERIES
+                        && (matches!(e, Error::WorkerLost { .. })
+                            || !lost_slots(driver, states).is_empty()) =>
+                {
+                    tracing::warn!(shuffle = %f.spec.id, round = round.round, error = %e, "worker lost while folding: recovering");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        recoveries += 1;
+        if recoveries > MAX_RECOVERIES {
+            return Err(Error::Cluster(format!(
+                "streaming shuffle {} lost workers {recoveries} times",
+                f.spec.id
+            )));
+        }
+        rebuild(driver, f, round.round, done, states).await?;
+    }
+}
+
+/// Worker slots replaced since their fold states were built.
+fn lost_slots(driver: &Driver, states: &std::sync::Mutex<Vec<u64>>) -> Vec<usize> {
+    let states = states.lock().unwrap_or_else(|p| p.into_inner());
+    (0..driver.num_workers())
+        .filter(|&w| driver.generation(w) != states[w])
+        .collect()
+}
+
+/// After a lost worker: rerun the map outputs it held (every round's) and rebuild the fold
+/// states of its partitions on its replacement from rounds `0..upto`.
+async fn rebuild(
+    driver: &Arc<Driver>,
+    f: &FoldSpec,
+    upto: usize,
+    done: &tokio::sync::Mutex<Vec<Vec<MapDone>>>,
+    states: &std::sync::Mutex<Vec<u64>>,
+) -> Result<()> {
+    driver.wait_all_live(crate::driver::REPLACE_TIMEOUT).await?;
+    driver.register_replaced(f.spec.id).await?;
+    let mut done = done.lock().await;
+    let maps: Vec<u32> = done.iter().flatten().map(|d| d.map).collect();
+    let n = driver.num_workers();
+    let reruns = driver.forget_outputs(f.spec.id, &maps)?;
+    let runs = reruns
+        .into_iter()
+        .map(|(m, input)| driver.submit_map(f.spec.id, m, m as usize % n, input));
+    for r in futures::future::join_all(runs).await {
+        let d = r.map_err(|e| Error::Cluster(format!("recomputed map failed to run: {e}")))??;
+        for slot in done.iter_mut().flatten().filter(|x| x.map == d.map) {
+            *slot = d.clone();
+        }
+    }
+    let lost = lost_slots(driver, states);
+    let partitions: Vec<u32> = (0..f.spec.partitions)
+        .filter(|p| lost.contains(&(*p as usize % n)))
+        .collect();
+    tracing::warn!(shuffle = %f.spec.id, ?lost, partitions = partitions.len(), rounds = upto, "rebuilding fold states lost with their worker");
+    let refolds = partitions.into_iter().map(|p| {
+        let done = &done;
+        async move {
+            for r in 0..upto {
+                let maps = done.get(r).cloned().unwrap_or_default();
+                let task = fold_task(driver, f, p, r, &maps);
+                driver.fold(p as usize % n, task).await?;
+            }
+            Ok::<_, Error>(())
+        }
+    });
+    futures::future::try_join_all(refolds).await?;
+    let mut states = states.lock().unwrap_or_else(|p| p.into_inner());
+    for w in lost {
+        states[w] = driver.generation(w);
     }
     Ok(())
 }
@@ -163,38 +286,46 @@ struct RoundInfo {
     start: Instant,
 }
 
+/// The fold of `partition` for round `round`: the round's blocks of that partition.
+fn fold_task(
+    driver: &Driver,
+    f: &FoldSpec,
+    partition: u32,
+    round: usize,
+    maps: &[MapDone],
+) -> proto::FoldTask {
+    let addrs = driver.addresses();
+    let blocks = maps
+        .iter()
+        .flat_map(|m| &m.blocks)
+        .filter(|b| b.meta.id.partition == partition)
+        .map(|b| proto::BlockLocation {
+            key: Some(b.meta.id.into()),
+            peer: addrs.get(b.worker).cloned().unwrap_or_default(),
+        })
+        .collect();
+    proto::FoldTask {
+        shuffle_id: f.spec.id.0,
+        partition,
+        blocks,
+        reducer: f.reducer.clone(),
+        payload: f.payload.clone(),
+        first: round == 0,
+        round: round as u32,
+    }
+}
+
 /// Fold one round's blocks: partition p on worker p mod N, all partitions at once.
 async fn fold_round(
     driver: &Arc<Driver>,
     f: &FoldSpec,
-    round: RoundInfo,
+    round: &RoundInfo,
     maps: Vec<MapDone>,
 ) -> Result<Partial> {
     let n = driver.num_workers();
-    let addrs = driver.addresses();
-    let mut per_partition: Vec<Vec<proto::BlockLocation>> =
-        vec![Vec::new(); f.spec.partitions as usize];
-    for m in &maps {
-        for b in &m.blocks {
-            let p = b.meta.id.partition as usize;
-            if let Some(list) = per_partition.get_mut(p) {
-                list.push(proto::BlockLocation {
-                    key: Some(b.meta.id.into()),
-                    peer: addrs[b.worker].clone(),
-                });
-            }
-        }
-    }
-    let folds = per_partition.into_iter().enumerate().map(|(p, blocks)| {
-        let task = proto::FoldTask {
-            shuffle_id: f.spec.id.0,
-            partition: p as u32,
-            blocks,
-            reducer: f.reducer.clone(),
-            payload: f.payload.clone(),
-            first: round.round == 0,
-        };
-        driver.fold(p % n, task)
+    let folds = (0..f.spec.partitions).map(|p| {
+        let task = fold_task(driver, f, p, round.round, &maps);
+        driver.fold(p as usize % n, task)
     });
     let results = futures::future::try_join_all(folds).await?;
     let mut schema = None;
