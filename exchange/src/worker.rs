@@ -30,6 +30,9 @@ pub const READY_LINE: &str = "FLIGHTSHUFFLE_WORKER_READY";
 /// Environment variable carrying the cluster token to a worker process.
 pub const TOKEN_ENV: &str = "FLIGHTSHUFFLE_TOKEN";
 
+/// A partition's fold state on this worker (None while a fold has it).
+type FoldSlot = Option<ReduceState>;
+
 /// Command line of a worker process.
 #[derive(Debug, Clone, clap::Parser)]
 #[command(
@@ -81,9 +84,12 @@ pub struct WorkerState {
     /// Running reduce states of the streaming strategy, per (shuffle, partition). `None` marks
     /// a state that is being folded or was lost by a failed fold: the next fold fails loudly
     /// instead of silently starting over.
-    fold_states: Mutex<HashMap<(ShuffleId, u32), Option<ReduceState>>>,
+    fold_states: Arc<Mutex<HashMap<(ShuffleId, u32), FoldSlot>>>,
     /// Rounds folded into each state so far (a fold of an earlier round is a retry).
-    fold_rounds: Mutex<HashMap<(ShuffleId, u32), u32>>,
+    fold_rounds: Arc<Mutex<HashMap<(ShuffleId, u32), u32>>>,
+    /// States being folded now. The fold finishes and puts its state back even when the
+    /// call that asked for it is cancelled; a later fold of the same state waits for it.
+    folding: Arc<Mutex<std::collections::HashSet<(ShuffleId, u32)>>>,
 }
 
 impl WorkerState {
@@ -252,6 +258,17 @@ impl WorkerState {
         }
         let reducer = self.sources.reducer(&m.reducer)?;
         let key = (shuffle, m.partition);
+        // A fold of this state still running (its call was cancelled): wait for it.
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while lock(&self.folding).contains(&key) {
+            if Instant::now() > deadline {
+                return Err(Error::Timeout {
+                    what: format!("the running fold of {shuffle} partition {}", m.partition),
+                    seconds: 120.0,
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         // A round folded here already (retried after another worker was lost): the partial
         // result of the state as it is, nothing folded twice.
         let folded = lock(&self.fold_rounds).get(&key).copied().unwrap_or(0);
@@ -293,18 +310,32 @@ impl WorkerState {
         let rows: u64 = batches.iter().map(|b| b.num_rows() as u64).sum();
         let payload = m.payload.clone();
         let schema = info.schema.clone();
+        // The blocking task puts the folded state back and records the round itself, so a
+        // cancelled call (the driver gave up on the round after another worker was lost)
+        // leaves a consistent state that a retried round finds folded.
+        let (states, rounds, folding) = (
+            self.fold_states.clone(),
+            self.fold_rounds.clone(),
+            self.folding.clone(),
+        );
+        lock(&folding).insert(key);
+        let round = m.round;
         let folded = tokio::task::spawn_blocking(move || {
-            let state = reducer.fold(&payload, state, batches, schema)?;
-            let out = reducer.emit(&payload, &state)?;
-            Ok::<_, Error>((state, out))
+            let result = (|| {
+                let state = reducer.fold(&payload, state, batches, schema)?;
+                let out = reducer.emit(&payload, &state);
+                if let Some(slot) = lock(&states).get_mut(&key) {
+                    *slot = Some(state);
+                }
+                lock(&rounds).insert(key, round + 1);
+                out
+            })();
+            lock(&folding).remove(&key);
+            result
         })
         .await
-        .map_err(|e| Error::Cluster(format!("fold task panicked: {e}")))??;
-        let (state, (schema, out)) = folded;
-        if let Some(slot) = lock(&self.fold_states).get_mut(&key) {
-            *slot = Some(state);
-        }
-        lock(&self.fold_rounds).insert(key, m.round + 1);
+        .map_err(|e| Error::Cluster(format!("fold task panicked: {e}")))?;
+        let (schema, out) = folded?;
         let result_ipc = crate::block::encode_block(&schema, &out, Compression::None)?;
         Ok(proto::FoldResult {
             result_ipc: result_ipc.to_vec(),
@@ -331,16 +362,19 @@ impl WorkerState {
                     key.0, key.1
                 ))
             })?;
-        let emitted = tokio::task::spawn_blocking(move || {
+        // Put back by the blocking task itself (see `fold`).
+        let (states, folding) = (self.fold_states.clone(), self.folding.clone());
+        lock(&folding).insert(key);
+        let out = tokio::task::spawn_blocking(move || {
             let out = reducer.emit(&payload, &state);
-            (state, out)
+            if let Some(slot) = lock(&states).get_mut(&key) {
+                *slot = Some(state);
+            }
+            lock(&folding).remove(&key);
+            out
         })
         .await
         .map_err(|e| Error::Cluster(format!("fold task panicked: {e}")))?;
-        let (state, out) = emitted;
-        if let Some(slot) = lock(&self.fold_states).get_mut(&key) {
-            *slot = Some(state);
-        }
         let (schema, out) = out?;
         let result_ipc = crate::block::encode_block(&schema, &out, Compression::None)?;
         Ok(proto::FoldResult {
@@ -515,8 +549,9 @@ pub fn build_state(
         read_timeout: Duration::from_secs(args.timeout_secs.max(1)),
         rpcs: std::sync::atomic::AtomicU64::new(0),
         tasks: Mutex::new(HashMap::new()),
-        fold_states: Mutex::new(HashMap::new()),
-        fold_rounds: Mutex::new(HashMap::new()),
+        fold_states: Default::default(),
+        fold_rounds: Default::default(),
+        folding: Default::default(),
     })
 }
 

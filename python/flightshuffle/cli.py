@@ -525,9 +525,9 @@ def main(argv: list[str] | None = None) -> int:
 
     kt = sub.add_parser(
         "kill-trials",
-        help="SIGKILL a random worker at a random moment of SQL, shuffle and dataset jobs",
+        help="SIGKILL a random worker at a random moment of SQL, shuffle, dataset, online jobs",
     )
-    kt.add_argument("--kinds", default="sql,shuffle,dataset")
+    kt.add_argument("--kinds", default="sql,shuffle,dataset,online")
     kt.add_argument("--trials", type=int, default=20, help="trials per kind")
     kt.add_argument("--seed", type=int, default=1)
     kt.add_argument("--json", help="also write the report to this file")

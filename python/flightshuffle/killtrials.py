@@ -8,8 +8,9 @@ whether the answer was exact, the time with the kill, the extra time over the fa
 kill-trials`` prints one JSON object per kind with the trials and a summary.
 
 Kinds: ``sql`` (TPC-H queries at SF 0.1, compared with DuckDB), ``shuffle`` (a
-``Cluster.shuffle`` of a streamed input, compared by multiset) and ``dataset`` (a Parquet map
-stage and a grouped aggregate, compared with Polars on one process).
+``Cluster.shuffle`` of a streamed input, compared by multiset), ``dataset`` (a Parquet map
+stage and a grouped aggregate, compared with Polars on one process) and ``online`` (an
+online aggregation of a Q1-like query in 6 rounds: every round once, the final exact).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import pyarrow.compute as pc
 
 from flightshuffle import Cluster, tpch
 
-KINDS = ("sql", "shuffle", "dataset")
+KINDS = ("sql", "shuffle", "dataset", "online")
 
 
 def _root(sf: float) -> str:
@@ -108,6 +109,37 @@ def _job(kind: str, trial: int) -> tuple[Callable[[Cluster], Any], Callable[[Any
             return c.read_parquet(path).map_partitions(prep).group_by(keys).agg(aggs).to_polars()
 
         return run, lambda got: got.sort(keys).equals(want.cast(got.schema))
+    if kind == "online":
+        import duckdb
+        import polars as pl
+
+        from flightshuffle.cli import Q1_LIKE
+
+        path = _data(0.1)["lineitem"]
+        exact_sql = Q1_LIKE.replace("FROM lineitem", f"FROM read_parquet('{path}/*.parquet')")
+        want = pl.from_arrow(duckdb.sql(exact_sql).to_arrow_table())
+        keys = ["l_returnflag", "l_linestatus"]
+
+        def run(c: Cluster) -> Any:
+            c.register_parquet("lineitem", path)
+            results = list(c.online(Q1_LIKE, rounds=6, seed=trial, progress=False))
+            return [r.round for r in results], results[-1].estimates
+
+        def check(got: Any) -> bool:
+            rounds, est = got
+            if rounds != list(range(6)):
+                return False
+            j = est.join(want, on=keys, how="full", suffix="_x", coalesce=True)
+            cols = [c for c in want.columns if c not in keys]
+            return j.height == want.height and all(
+                (
+                    (j[c].cast(pl.Float64) - j[f"{c}_x"].cast(pl.Float64)).abs()
+                    <= 1e-9 * j[f"{c}_x"].cast(pl.Float64).abs().clip(1.0)
+                ).all()
+                for c in cols
+            )
+
+        return run, check
     raise ValueError(f"unknown kind {kind!r}; choose from {KINDS}")
 
 

@@ -175,11 +175,7 @@ async fn fold_round_recovering(
 ) -> Result<Partial> {
     let mut recoveries = 0;
     loop {
-        let intact = {
-            let states = states.lock().unwrap_or_else(|p| p.into_inner());
-            (0..driver.num_workers()).all(|w| driver.generation(w) == states[w])
-        };
-        if intact {
+        if !needs_rebuild(driver, f, done, states).await {
             let maps = done
                 .lock()
                 .await
@@ -192,7 +188,7 @@ async fn fold_round_recovering(
                     if driver.replaces_workers()
                         && recoveries < MAX_RECOVERIES
                         && (matches!(e, Error::WorkerLost { .. })
-                            || !lost_slots(driver, states).is_empty()) =>
+                            || needs_rebuild(driver, f, done, states).await) =>
                 {
                     tracing::warn!(shuffle = %f.spec.id, round = round.round, error = %e, "worker lost while folding: recovering");
                 }
@@ -208,6 +204,31 @@ async fn fold_round_recovering(
         }
         rebuild(driver, f, round.round, done, states).await?;
     }
+}
+
+/// Whether a worker holding fold states, or map outputs of the rounds mapped so far, was lost
+/// since (a round's outputs can be lost after its map side returned, before anyone noticed).
+async fn needs_rebuild(
+    driver: &Driver,
+    f: &FoldSpec,
+    done: &tokio::sync::Mutex<Vec<Vec<MapDone>>>,
+    states: &std::sync::Mutex<Vec<u64>>,
+) -> bool {
+    if !lost_slots(driver, states).is_empty() {
+        return true;
+    }
+    let lost: std::collections::HashSet<u32> = driver
+        .lost_outputs(f.spec.id)
+        .into_iter()
+        .map(|(m, _, _)| m)
+        .collect();
+    !lost.is_empty()
+        && done
+            .lock()
+            .await
+            .iter()
+            .flatten()
+            .any(|d| lost.contains(&d.map))
 }
 
 /// Worker slots replaced since their fold states were built.
