@@ -6,6 +6,12 @@
 //! (sampling the input for range boundaries), cuts the input into map tasks of about
 //! `map_bytes`, runs the map side with the chosen strategy, and reads the partitions back one
 //! at a time (the next one read while the caller holds the current one).
+//!
+//! A lost worker does not fail a job (when the cluster replaces workers): the driver keeps the
+//! map inputs ([`crate::kept`]); maps lost while mapping run again in place
+//! ([`crate::strategy::pull::run_maps`]); outputs lost after the seal are recomputed on the
+//! replacement ([`Driver::repair`]) and the partition being read is read again; a shuffle
+//! whose maps pushed blocks everywhere runs again whole, skipping the partitions handed out.
 
 use crate::block::ShuffleId;
 use crate::checksum::Checksum;
