@@ -665,7 +665,18 @@ impl Driver {
     }
 
     /// Tell every worker the map side of `shuffle` is complete.
+    ///
+    /// A map output lost with its worker fails the seal (readers would miss its rows): the
+    /// caller recovers ([`Driver::repair`], a rerun) or fails.
     pub async fn seal(&self, shuffle: ShuffleId) -> Result<()> {
+        if let Some((map, worker, _)) = self.lost_outputs(shuffle).into_iter().next() {
+            return Err(Error::WorkerLost {
+                worker,
+                addr: self.worker(worker).map(|w| w.addr).unwrap_or_default(),
+                reason: format!("it held the output of map {map} of shuffle {shuffle}"),
+                lost_blocks: self.lost_outputs(shuffle).len(),
+            });
+        }
         self.register_replaced(shuffle).await?;
         self.on_all(|w| async move { w.shuffle_action(actions::SEAL_SHUFFLE, shuffle.0).await })
             .await

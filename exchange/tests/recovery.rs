@@ -150,3 +150,70 @@ async fn a_worker_killed_while_mapping_or_under_push_reruns_the_shuffle_exactly(
         "kept inputs freed with their jobs"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seal_after_an_unnoticed_loss_fails_and_repair_makes_it_whole() {
+    use exchange::driver::{MapInput, ShuffleSpec};
+    use exchange::strategy::pull;
+    use exchange::{partitioner, proto, Error, ShuffleId};
+    use futures::TryStreamExt;
+    let _serial = SERIAL.lock().await;
+    let mut cluster = LocalCluster::start(config(3, 1 << 30)).await.unwrap();
+    let driver = cluster.driver.clone();
+    let spec = ShuffleSpec {
+        id: ShuffleId::random(),
+        schema: exchange::gen::lineitem_schema(),
+        partitions: 6,
+        partitioner: partitioner::hash(&["l_orderkey"]),
+        checksum_inputs: true,
+        combine: None,
+    };
+    driver.create_shuffle(&spec).await.unwrap();
+    let inputs = (0..9u64).map(|m| {
+        let slice = exchange::gen::LineitemSlice {
+            first_attempt_delay_ms: 0,
+            first: m * 5_000,
+            rows: 5_000,
+            seed: 3,
+            batch_rows: 2048,
+        };
+        MapInput::Source(proto::TaskSource {
+            kind: exchange::gen::LINEITEM_SOURCE.into(),
+            payload: serde_json::to_vec(&slice).unwrap(),
+        })
+    });
+    let mapped = pull::run_maps(
+        &driver,
+        &spec,
+        futures::stream::iter(inputs),
+        0,
+        StrategyOptions::default(),
+    )
+    .await
+    .unwrap();
+    assert!(mapped.maps.iter().any(|d| d.worker == 1));
+    // Worker 1 dies after its maps committed; the loss is noticed elsewhere and its
+    // replacement is up before this shuffle seals. Sealing must not pass for whole (the
+    // replacement holds none of the rows): it fails, naming the worker.
+    cluster.kill_worker(1).unwrap();
+    assert!(driver.check_health().await.is_err());
+    driver
+        .wait_all_live(exchange::driver::REPLACE_TIMEOUT)
+        .await
+        .unwrap();
+    match driver.seal(spec.id).await {
+        Err(Error::WorkerLost { worker: 1, .. }) => {}
+        other => panic!("expected WorkerLost for worker 1, got {other:?}"),
+    }
+    // Repair recomputes the lost maps on the replacement and seals: every row, once.
+    let n = driver.repair(spec.id).await.unwrap();
+    assert_eq!(n, mapped.maps.iter().filter(|d| d.worker == 1).count());
+    let mut got = exchange::checksum::Checksum::default();
+    for p in 0..spec.partitions {
+        let s = driver.read_partition(spec.id, p, true).await.unwrap();
+        for b in s.try_collect::<Vec<_>>().await.unwrap() {
+            got.add(exchange::checksum::Checksum::of_batch(&b).unwrap());
+        }
+    }
+    assert_eq!(got, mapped.input);
+}

@@ -150,9 +150,6 @@ pub async fn run_maps_observed(
     };
     let work = async {
         loop {
-            if inputs_done && running.is_empty() {
-                break;
-            }
             let submit = |map: u32, worker: usize, input: MapInput| {
                 let generation = driver.generation(worker);
                 let handle = driver.submit_map(spec.id, map, worker, input);
@@ -189,6 +186,26 @@ pub async fn run_maps_observed(
                         start!(map, input);
                     }
                 }};
+            }
+            if inputs_done && running.is_empty() {
+                // Outputs lost since they committed (a loss noticed elsewhere, whose
+                // replacement is up already) run again before the map side ends.
+                let lost = driver.lost_outputs(spec.id);
+                if recover(driver) && lost.iter().any(|(m, _, _)| done_maps.contains(m)) {
+                    for (m, _, _) in &lost {
+                        let retries = lost_attempts.entry(*m).or_default();
+                        *retries += 1;
+                        if *retries > MAX_RERUNS {
+                            return Err(crate::Error::Cluster(format!(
+                                "map {m} of shuffle {} lost its worker {retries} times",
+                                spec.id
+                            )));
+                        }
+                    }
+                    rerun_lost!();
+                    continue;
+                }
+                break;
             }
             tokio::select! {
                 input = inputs.next(), if !inputs_done && running.len() < limit => {
