@@ -39,7 +39,11 @@ def _kill_trials(args: argparse.Namespace) -> int:
         if k not in killtrials.KINDS:
             raise ValueError(f"unknown kind {k!r} in --kinds; choose from {killtrials.KINDS}")
     report = killtrials.run_trials(
-        kinds, args.trials, args.seed, lambda m: print(m, file=sys.stderr, flush=True)
+        kinds,
+        args.trials,
+        args.seed,
+        lambda m: print(m, file=sys.stderr, flush=True),
+        args.memory_budget,
     )
     summary = {k: {x: v for x, v in r.items() if x != "runs"} for k, r in report.items()}
     print(json.dumps(summary, indent=1), file=sys.stderr)
@@ -530,6 +534,9 @@ def main(argv: list[str] | None = None) -> int:
     kt.add_argument("--kinds", default="sql,shuffle,dataset,online")
     kt.add_argument("--trials", type=int, default=20, help="trials per kind")
     kt.add_argument("--seed", type=int, default=1)
+    kt.add_argument(
+        "--memory-budget", help="per worker (e.g. 32MiB: the shuffles spill, kills land in spills)"
+    )
     kt.add_argument("--json", help="also write the report to this file")
     kt.set_defaults(run=_kill_trials)
 

@@ -143,10 +143,11 @@ def _job(kind: str, trial: int) -> tuple[Callable[[Cluster], Any], Callable[[Any
     raise ValueError(f"unknown kind {kind!r}; choose from {KINDS}")
 
 
-def trial(kind: str, n: int, seed: int) -> dict[str, Any]:
+def trial(kind: str, n: int, seed: int, memory_budget: str | None = None) -> dict[str, Any]:
     rng = random.Random(seed * 1000 + n)
     run, check = _job(kind, n)
-    with Cluster(workers=3, timeout=120) as c:
+    budget = {"memory_budget": memory_budget} if memory_budget else {}
+    with Cluster(workers=3, timeout=120, **budget) as c:
         ok_clean = check(run(c))  # the first run warms up (files, caches, calibration)
         start = time.monotonic()
         ok_clean = check(run(c)) and ok_clean
@@ -168,6 +169,7 @@ def trial(kind: str, n: int, seed: int) -> dict[str, Any]:
         # The kill may land after the job: the next one must notice it and still be exact.
         after_ok = check(run(c)) if error is None else False
         rec = c.recovery()
+        spilled = sum(s["spilled_bytes"] for s in c.stats())
     return {
         "trial": n,
         "victim": victim,
@@ -180,16 +182,23 @@ def trial(kind: str, n: int, seed: int) -> dict[str, Any]:
         "next_job_exact": bool(after_ok),
         "replacements": rec["replacements"],
         "recomputed_maps": rec["recomputed_maps"],
+        "spilled_bytes": spilled,
         "error": error,
     }
 
 
-def run_trials(kinds: list[str], trials: int, seed: int, log: Callable[[str], None]) -> dict:
+def run_trials(
+    kinds: list[str],
+    trials: int,
+    seed: int,
+    log: Callable[[str], None],
+    memory_budget: str | None = None,
+) -> dict:
     out: dict[str, Any] = {}
     for kind in kinds:
         rows = []
         for n in range(trials):
-            r = trial(kind, n, seed)
+            r = trial(kind, n, seed, memory_budget)
             log(f"{kind} trial {n}: {r}")
             rows.append(r)
         out[kind] = {
