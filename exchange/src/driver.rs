@@ -9,6 +9,7 @@
 
 mod commit;
 mod live;
+pub mod maps;
 mod recover;
 
 use crate::block::{encode_schema, BlockId, BlockMeta, ShuffleId, Slice};

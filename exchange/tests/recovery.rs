@@ -155,7 +155,7 @@ async fn a_worker_killed_while_mapping_or_under_push_reruns_the_shuffle_exactly(
 async fn a_seal_after_an_unnoticed_loss_fails_and_repair_makes_it_whole() {
     use exchange::driver::{MapInput, ShuffleSpec};
     use exchange::strategy::pull;
-    use exchange::{partitioner, proto, Error, ShuffleId};
+    use exchange::{partitioner, Error, ShuffleId};
     use futures::TryStreamExt;
     let _serial = SERIAL.lock().await;
     let mut cluster = LocalCluster::start(config(3, 1 << 30)).await.unwrap();
@@ -169,19 +169,7 @@ async fn a_seal_after_an_unnoticed_loss_fails_and_repair_makes_it_whole() {
         combine: None,
     };
     driver.create_shuffle(&spec).await.unwrap();
-    let inputs = (0..9u64).map(|m| {
-        let slice = exchange::gen::LineitemSlice {
-            first_attempt_delay_ms: 0,
-            first: m * 5_000,
-            rows: 5_000,
-            seed: 3,
-            batch_rows: 2048,
-        };
-        MapInput::Source(proto::TaskSource {
-            kind: exchange::gen::LINEITEM_SOURCE.into(),
-            payload: serde_json::to_vec(&slice).unwrap(),
-        })
-    });
+    let inputs = (0..9u64).map(|m| MapInput::Source(lineitem_slice(m * 5_000, 5_000, 2048, 0)));
     let mapped = pull::run_maps(
         &driver,
         &spec,

@@ -95,6 +95,41 @@ impl Driver {
         self.create_shuffle(spec).await
     }
 
+    /// Worker slots whose generation differs from `generations` (replaced since then).
+    pub fn replaced_since(&self, generations: &[u64]) -> Vec<usize> {
+        (0..self.num_workers())
+            .filter(|&w| generations.get(w) != Some(&self.generation(w)))
+            .collect()
+    }
+
+    /// Run again, on live workers, the outputs of `maps` that were lost with their worker
+    /// (once the replacements are up and know the shuffle), and put the new outputs in their
+    /// place in `maps`; returns how many ran again.
+    pub async fn rerun_lost(
+        self: &Arc<Self>,
+        shuffle: ShuffleId,
+        maps: &mut [crate::driver::MapDone],
+    ) -> Result<usize> {
+        self.wait_all_live(REPLACE_TIMEOUT).await?;
+        self.register_replaced(shuffle).await?;
+        let ids: Vec<u32> = maps.iter().map(|d| d.map).collect();
+        let n = self.num_workers();
+        let runs = self
+            .forget_outputs(shuffle, &ids)?
+            .into_iter()
+            .map(|(m, input)| self.submit_map(shuffle, m, m as usize % n, input));
+        let mut count = 0;
+        for r in futures::future::join_all(runs).await {
+            let d =
+                r.map_err(|e| Error::Cluster(format!("recomputed map failed to run: {e}")))??;
+            for slot in maps.iter_mut().filter(|x| x.map == d.map) {
+                *slot = d.clone();
+            }
+            count += 1;
+        }
+        Ok(count)
+    }
+
     /// Whether `shuffle`'s maps leave their blocks where they ran (and readers read them
     /// there): only then can a lost map output run again on its own.
     pub fn places_locally(&self, shuffle: ShuffleId) -> bool {
@@ -104,6 +139,13 @@ impl Driver {
             .copied()
             .unwrap_or(placement);
         placement == Placement::Local && maps == Placement::Local
+    }
+
+    /// Whether the output of any of `maps` of `shuffle` was lost with its worker.
+    pub fn any_lost(&self, shuffle: ShuffleId, maps: &[u32]) -> bool {
+        self.lost_outputs(shuffle)
+            .iter()
+            .any(|(m, _, _)| maps.contains(m))
     }
 
     /// Map outputs run again because their worker was lost, over all shuffles.

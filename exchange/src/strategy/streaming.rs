@@ -158,9 +158,6 @@ async fn rounds(
     Ok(())
 }
 
-/// Times one job recovers from lost workers while folding.
-const MAX_RECOVERIES: usize = 3;
-
 /// Fold round `round.round` under the health watch. When a worker is lost (and replaced),
 /// its map outputs of every round run again, the fold states it held are rebuilt on its
 /// replacement by folding every earlier round again in order, and the round is folded again:
@@ -186,7 +183,7 @@ async fn fold_round_recovering(
                 Ok(p) => return Ok(p),
                 Err(e)
                     if driver.replaces_workers()
-                        && recoveries < MAX_RECOVERIES
+                        && recoveries < crate::job::MAX_RECOVERIES
                         && (matches!(e, Error::WorkerLost { .. })
                             || needs_rebuild(driver, f, done, states).await) =>
                 {
@@ -196,7 +193,7 @@ async fn fold_round_recovering(
             }
         }
         recoveries += 1;
-        if recoveries > MAX_RECOVERIES {
+        if recoveries > crate::job::MAX_RECOVERIES {
             return Err(Error::Cluster(format!(
                 "streaming shuffle {} lost workers {recoveries} times",
                 f.spec.id
@@ -214,29 +211,13 @@ async fn needs_rebuild(
     done: &tokio::sync::Mutex<Vec<Vec<MapDone>>>,
     states: &std::sync::Mutex<Vec<u64>>,
 ) -> bool {
-    if !lost_slots(driver, states).is_empty() {
-        return true;
-    }
-    let lost: std::collections::HashSet<u32> = driver
-        .lost_outputs(f.spec.id)
-        .into_iter()
-        .map(|(m, _, _)| m)
-        .collect();
-    !lost.is_empty()
-        && done
-            .lock()
-            .await
-            .iter()
-            .flatten()
-            .any(|d| lost.contains(&d.map))
+    let maps: Vec<u32> = done.lock().await.iter().flatten().map(|d| d.map).collect();
+    !lost_slots(driver, states).is_empty() || driver.any_lost(f.spec.id, &maps)
 }
 
 /// Worker slots replaced since their fold states were built.
 fn lost_slots(driver: &Driver, states: &std::sync::Mutex<Vec<u64>>) -> Vec<usize> {
-    let states = states.lock().unwrap_or_else(|p| p.into_inner());
-    (0..driver.num_workers())
-        .filter(|&w| driver.generation(w) != states[w])
-        .collect()
+    driver.replaced_since(&states.lock().unwrap_or_else(|p| p.into_inner()))
 }
 
 /// After a lost worker: rerun the map outputs it held (every round's) and rebuild the fold
@@ -248,21 +229,11 @@ async fn rebuild(
     done: &tokio::sync::Mutex<Vec<Vec<MapDone>>>,
     states: &std::sync::Mutex<Vec<u64>>,
 ) -> Result<()> {
-    driver.wait_all_live(crate::driver::REPLACE_TIMEOUT).await?;
-    driver.register_replaced(f.spec.id).await?;
     let mut done = done.lock().await;
-    let maps: Vec<u32> = done.iter().flatten().map(|d| d.map).collect();
-    let n = driver.num_workers();
-    let reruns = driver.forget_outputs(f.spec.id, &maps)?;
-    let runs = reruns
-        .into_iter()
-        .map(|(m, input)| driver.submit_map(f.spec.id, m, m as usize % n, input));
-    for r in futures::future::join_all(runs).await {
-        let d = r.map_err(|e| Error::Cluster(format!("recomputed map failed to run: {e}")))??;
-        for slot in done.iter_mut().flatten().filter(|x| x.map == d.map) {
-            *slot = d.clone();
-        }
+    for round in done.iter_mut() {
+        driver.rerun_lost(f.spec.id, round).await?;
     }
+    let n = driver.num_workers();
     let lost = lost_slots(driver, states);
     let partitions: Vec<u32> = (0..f.spec.partitions)
         .filter(|p| lost.contains(&(*p as usize % n)))
