@@ -10,6 +10,7 @@
 mod commit;
 mod live;
 pub mod maps;
+mod parity;
 mod recover;
 
 use crate::block::{encode_schema, BlockId, BlockMeta, ShuffleId, Slice};
@@ -181,6 +182,8 @@ pub struct Driver {
     choices: Mutex<HashMap<ShuffleId, String>>,
     /// This machine's calibration, measured on first use (`auto`).
     calibration: tokio::sync::OnceCell<proto::Calibration>,
+    /// Parity shuffles and their committed maps ([`parity`]).
+    parity: Mutex<parity::ParityState>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -225,6 +228,7 @@ impl Driver {
             packing: Mutex::new(Default::default()),
             choices: Mutex::new(HashMap::new()),
             calibration: tokio::sync::OnceCell::new(),
+            parity: Mutex::new(Default::default()),
         }))
     }
 
@@ -558,7 +562,10 @@ impl Driver {
             },
             worker_index: worker as u32,
             pack: lock(&self.packing).contains(&shuffle),
+            parity: self.parity_of(shuffle),
         };
+        // Parity shuffles: every slot's process now (the map leaves blocks on all of them).
+        let generations: Vec<u64> = (0..n).map(|i| self.generation(i)).collect();
         // The workers this attempt may have left blocks on (to cancel it everywhere).
         let holders: Vec<usize> = if pushes {
             (0..n).collect()
@@ -642,6 +649,7 @@ impl Driver {
                 };
                 blocks.extend(me.record_blocks(shuffle, p.worker as usize, &pushed, &[])?);
             }
+            me.record_coded(shuffle, map, attempt, generations, &mut blocks);
             Ok(MapDone {
                 map,
                 attempt,
@@ -676,6 +684,15 @@ impl Driver {
                 addr: self.worker(worker).map(|w| w.addr).unwrap_or_default(),
                 reason: format!("it held the output of map {map} of shuffle {shuffle}"),
                 lost_blocks: self.lost_outputs(shuffle).len(),
+            });
+        }
+        if let Some((map, _, slots)) = self.coded_losses(shuffle).into_iter().next() {
+            let worker = slots.first().copied().unwrap_or(0);
+            return Err(Error::WorkerLost {
+                worker,
+                addr: self.worker(worker).map(|w| w.addr).unwrap_or_default(),
+                reason: format!("it held blocks of map {map} of shuffle {shuffle}"),
+                lost_blocks: self.coded_losses(shuffle).len(),
             });
         }
         self.register_replaced(shuffle).await?;
@@ -771,6 +788,7 @@ impl Driver {
         lock(&self.packing).remove(&shuffle);
         lock(&self.choices).remove(&shuffle);
         lock(&self.partitions).remove(&shuffle);
+        self.forget_coded(shuffle);
         let clients = self.clients();
         let calls = clients
             .iter()

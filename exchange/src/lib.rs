@@ -16,6 +16,7 @@ pub mod gen;
 pub mod job;
 pub mod kept;
 pub mod packed;
+pub mod parity;
 pub mod partitioner;
 pub mod push;
 pub mod scheduler;

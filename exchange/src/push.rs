@@ -6,8 +6,11 @@
 //! by at most [`IN_FLIGHT`] blocks per holder (the backpressure); holders spill what does not
 //! fit their budget like any other block. Pushed blocks are pending on their holders until
 //! the driver commits the attempt on each of them.
+//!
+//! A parity shuffle's pusher keeps what it sent until the map ends, then encodes the map's
+//! parity shards ([`crate::parity`]) and sends them the same way (to itself: into its store).
 
-use crate::block::BlockMeta;
+use crate::block::{BlockId, BlockMeta, ShuffleId};
 use crate::error::{Error, Result};
 use crate::proto;
 use crate::transport::client::WorkerClient;
@@ -31,6 +34,9 @@ pub struct Pusher {
     reader: std::sync::Arc<PeerReader>,
     push: proto::PushBlocks,
     streams: HashMap<u32, (mpsc::Sender<(proto::BlockMeta, Bytes)>, Sent)>,
+    /// Parity shards per stripe (0: none), and the blocks sent so far while encoding one.
+    parity: u32,
+    sent: Vec<(u32, BlockMeta, Bytes)>,
 }
 
 impl Pusher {
@@ -42,9 +48,15 @@ impl Pusher {
         reader: std::sync::Arc<PeerReader>,
     ) -> Result<Option<Self>> {
         if task.push_to.is_empty() {
+            if task.parity > 0 {
+                return Err(Error::invalid(
+                    "a map task with parity needs push placement (partition owners)",
+                ));
+            }
             return Ok(None);
         }
         let n = task.push_peers.len() as u32;
+        crate::parity::check(n as usize, task.parity)?;
         if task.push_to.len() != partitions as usize
             || task.worker_index >= n
             || task.push_to.iter().any(|&w| w >= n)
@@ -67,6 +79,8 @@ impl Pusher {
                 attempt: task.attempt,
             },
             streams: HashMap::new(),
+            parity: task.parity,
+            sent: Vec::new(),
         }))
     }
 
@@ -88,6 +102,9 @@ impl Pusher {
 
     /// Send one block to `holder` (waits while [`IN_FLIGHT`] blocks are queued for it).
     pub async fn send(&mut self, holder: u32, meta: BlockMeta, data: Bytes) -> Result<()> {
+        if self.parity > 0 {
+            self.sent.push((holder, meta, data.clone()));
+        }
         if !self.streams.contains_key(&holder) {
             let client: WorkerClient = self
                 .reader
@@ -115,9 +132,14 @@ impl Pusher {
         Ok(())
     }
 
-    /// Close every stream and collect what each holder stored.
-    pub async fn finish(mut self) -> Result<Vec<proto::PushedBlocks>> {
-        let mut out = Vec::new();
+    /// Send the map's parity shards (a parity shuffle), close every stream and record in
+    /// `out` what each holder stored.
+    pub async fn finish(
+        mut self,
+        store: &crate::store::BlockStore,
+        out: &mut crate::task::MapOutput,
+    ) -> Result<()> {
+        self.send_parity(store, out).await?;
         let mut waits = Vec::new();
         for (holder, (tx, sent)) in std::mem::take(&mut self.streams) {
             drop(tx);
@@ -126,14 +148,91 @@ impl Pusher {
         for (holder, r) in futures::future::join_all(waits).await {
             let stored =
                 r.map_err(|e| Error::Cluster(format!("push stream task failed: {e}")))??;
-            out.push(proto::PushedBlocks {
+            out.pushed.push(proto::PushedBlocks {
                 worker: holder,
                 blocks: stored.blocks,
             });
         }
-        out.sort_by_key(|p| p.worker);
-        Ok(out)
+        out.pushed.sort_by_key(|p| p.worker);
+        Ok(())
     }
+
+    /// Encode the parity of this attempt's output, stripe by stripe ([`crate::parity`]): a
+    /// worker's shard is the blocks it holds, in (partition, seq) order. Parity for this
+    /// worker goes into its store, the rest to their holders.
+    async fn send_parity(
+        &mut self,
+        store: &crate::store::BlockStore,
+        out: &mut crate::task::MapOutput,
+    ) -> Result<()> {
+        let r = std::mem::take(&mut self.parity);
+        if r == 0 {
+            return Ok(());
+        }
+        let n = self.peers.len();
+        let mut held: Vec<Vec<(BlockId, Bytes)>> = vec![Vec::new(); n];
+        for m in &out.blocks {
+            held[self.me as usize].push((m.id, store.get(&m.id)?));
+        }
+        for (h, m, d) in std::mem::take(&mut self.sent) {
+            held.get_mut(h as usize)
+                .ok_or_else(|| Error::Cluster(format!("block sent to unknown worker {h}")))?
+                .push((m.id, d));
+        }
+        let push = self.push;
+        let encoded = tokio::task::block_in_place(|| -> Result<Vec<(usize, BlockId, Bytes)>> {
+            let mut parity = Vec::new();
+            for (s, stripe) in crate::parity::stripes(n, r, push.map_id)?
+                .iter()
+                .enumerate()
+            {
+                let shards: Vec<Vec<u8>> = stripe
+                    .members
+                    .iter()
+                    .map(|&o| shard(&mut held[o]))
+                    .collect();
+                for (j, p) in crate::parity::encode(&shards, r)?.into_iter().enumerate() {
+                    let id = BlockId {
+                        shuffle: ShuffleId(push.shuffle_id),
+                        map: push.map_id,
+                        partition: crate::parity::PARITY,
+                        attempt: push.attempt,
+                        seq: crate::parity::parity_seq(s, r, j),
+                    };
+                    parity.push((stripe.parity[j], id, Bytes::from(p)));
+                }
+            }
+            Ok(parity)
+        })?;
+        for (holder, id, data) in encoded {
+            if holder == self.me as usize {
+                let (meta, spilled) = store.put_where(id, 0, data)?;
+                if spilled {
+                    out.spilled_bytes += meta.bytes;
+                }
+                out.blocks.push(meta);
+            } else {
+                let meta = BlockMeta {
+                    id,
+                    rows: 0,
+                    bytes: data.len() as u64,
+                    crc32c: crc32c::crc32c(&data),
+                };
+                self.send(holder as u32, meta, data).await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One worker's shard of a map's output: its blocks' bytes in (partition, seq) order.
+pub fn shard(blocks: &mut [(BlockId, Bytes)]) -> Vec<u8> {
+    blocks.sort_by_key(|(id, _)| (id.partition, id.seq));
+    let mut out = Vec::with_capacity(blocks.iter().map(|(_, d)| d.len()).sum());
+    for (_, d) in blocks.iter() {
+        out.extend_from_slice(d);
+    }
+    out
 }
 
 impl Drop for Pusher {

@@ -458,7 +458,7 @@ pub async fn run_map(
     })?;
     send_pushed(&mut push, &mut outgoing).await?;
     if let Some(pusher) = push {
-        out.pushed = pusher.finish().await?;
+        pusher.finish(store, &mut out).await?;
     }
     out.seconds = start.elapsed().as_secs_f64();
     Ok(out)

@@ -205,3 +205,68 @@ async fn a_seal_after_an_unnoticed_loss_fails_and_repair_makes_it_whole() {
     }
     assert_eq!(got, mapped.input);
 }
+
+/// A shuffle job with `parity` shards per stripe.
+async fn start_with_parity(
+    cluster: &LocalCluster,
+    input: &[RecordBatch],
+    partitions: u32,
+    parity: u32,
+) -> ShuffleJob {
+    let opts = ShuffleOptions {
+        by: vec!["k".into()],
+        partitions,
+        partitioner: job::PartitionerKind::Hash,
+        map_bytes: 60_000,
+        strategy: StrategyOptions {
+            parity,
+            ..StrategyOptions::named("pull").unwrap()
+        },
+    };
+    let owned: Vec<RecordBatch> = input.to_vec();
+    let it: job::Input = Box::new(owned.into_iter().map(Ok));
+    let (spec, it) = job::prepare(&schema(), it, &opts).unwrap();
+    ShuffleJob::start(cluster.driver.clone(), spec, it, &opts)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parity_rebuilds_a_lost_workers_blocks_without_running_maps_again() {
+    let _serial = SERIAL.lock().await;
+    let mut cluster = LocalCluster::start(config(3, 1 << 30)).await.unwrap();
+    let input = batches(60, 2_000);
+    let want = checksum(&input);
+    // r = 1: one worker killed after the seal; r = 2: two at once (3 workers: each stripe is
+    // one shard and two parity shards, so any one survivor rebuilds the others).
+    for (parity, kill) in [(1u32, vec![1usize]), (2, vec![0, 2])] {
+        let (recomputed, rebuilt) = (
+            cluster.driver.recomputed_maps(),
+            cluster.driver.rebuilt_blocks(),
+        );
+        let job = start_with_parity(&cluster, &input, 8, parity).await;
+        let summary = job.mapped().await.unwrap();
+        assert!(summary.maps >= 6, "{summary:?}");
+        let (_, first) = job.next_partition().await.unwrap().unwrap();
+        let mut parts = vec![first];
+        for &w in &kill {
+            cluster.kill_worker(w).unwrap();
+        }
+        read_rest(&job, 1, &mut parts).await;
+        assert_eq!(parts.len(), 8);
+        assert_eq!(
+            checksum(&parts.concat()),
+            want,
+            "parity {parity}: exact after the rebuild"
+        );
+        assert_keys_not_split(&parts);
+        assert_eq!(
+            cluster.driver.recomputed_maps(),
+            recomputed,
+            "parity {parity}: no map ran again"
+        );
+        let blocks = cluster.driver.rebuilt_blocks() - rebuilt;
+        assert!(blocks > 0, "parity {parity}: blocks were rebuilt");
+        job.close().await.unwrap();
+    }
+}

@@ -11,7 +11,8 @@
 //! partitions it reads), with the stage's peers updated to the replacement's address.
 //!
 //! Only shuffles whose blocks stay where their maps ran (pull, merged, and `auto` when it
-//! picks them) are repaired in place. Under push and two-level every map left blocks on every
+//! picks them) are repaired in place, and parity shuffles, whose lost blocks are rebuilt from
+//! parity ([`Driver::rebuild`]). Under push and two-level every map left blocks on every
 //! worker, so a lost worker lost a piece of every map: the caller reruns such a shuffle whole.
 
 use super::{lock, Driver, Lineage, MapInput, REPLACE_TIMEOUT};
@@ -82,7 +83,11 @@ impl Driver {
             .filter(|((s, _), _)| *s == spec.id)
             .map(|(k, v)| (*k, *v))
             .collect();
-        match self.drop_shuffle(spec.id).await {
+        let dropped = match self.drop_shuffle(spec.id).await {
+            Err(e) => Err(self.classify(e).await),
+            ok => ok,
+        };
+        match dropped {
             Ok(())
             | Err(Error::WorkerLost { .. })
             | Err(Error::Remote {
@@ -158,6 +163,12 @@ impl Driver {
     pub fn repair(self: &Arc<Self>, shuffle: ShuffleId) -> BoxFuture<'_, Result<usize>> {
         Box::pin(async move {
             self.wait_all_live(REPLACE_TIMEOUT).await?;
+            if self.parity_of(shuffle) > 0 {
+                // Rebuilt from parity, no map runs again.
+                let maps = self.rebuild(shuffle).await?;
+                self.seal(shuffle).await?;
+                return Ok(maps);
+            }
             let lost = self.lost_outputs(shuffle);
             if !lost.is_empty() && !self.places_locally(shuffle) {
                 return Err(Error::Cluster(format!(

@@ -395,7 +395,7 @@ impl BlockStore {
         for m in maps {
             match sh.committed.get(m) {
                 Some((_, ids)) if !sh.merged_into.contains_key(m) && seen.insert(*m) => {
-                    out.extend(ids)
+                    out.extend(ids.iter().filter(|b| b.partition != crate::parity::PARITY))
                 }
                 _ => {
                     return Err(Error::Precondition(format!(
@@ -610,7 +610,10 @@ impl BlockStore {
 
 /// Whether `id` may be put into `sh` now.
 fn check_put(sh: &ShuffleState, id: &BlockId) -> Result<()> {
-    if id.partition >= sh.info.partitions && id.partition != crate::packed::PACKED {
+    if id.partition >= sh.info.partitions
+        && id.partition != crate::packed::PACKED
+        && id.partition != crate::parity::PARITY
+    {
         return Err(Error::invalid(format!(
             "block {id}: partition out of range (shuffle has {})",
             sh.info.partitions

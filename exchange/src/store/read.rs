@@ -27,6 +27,22 @@ impl BlockStore {
         self.get_checked(id).map(|c| c.data)
     }
 
+    /// A block's metadata and bytes as stored, CRC32C checked, committed or pending (what a
+    /// rebuild from parity reads).
+    pub fn get_raw(&self, id: &BlockId) -> Result<(BlockMeta, Bytes)> {
+        let meta = {
+            let st = lock(&self.state);
+            let sh = st
+                .get(&id.shuffle)
+                .ok_or(Error::UnknownShuffle(id.shuffle))?;
+            sh.blocks
+                .get(id)
+                .map(|e| e.meta)
+                .ok_or(Error::BlockNotFound(*id))?
+        };
+        Ok((meta, self.get(id)?))
+    }
+
     /// Read a block, check its CRC32C and decode it: without arrow's second validation when
     /// this process encoded it ([`EncodedBlock`]), with it otherwise.
     ///
@@ -234,7 +250,12 @@ impl BlockStore {
         let rx = sh.version.subscribe();
         let ids = match sh.committed.get(&map) {
             Some((_, ids)) => {
-                let mut ids = ids.clone();
+                // Parity blocks are not rows of the map's output.
+                let mut ids: Vec<BlockId> = ids
+                    .iter()
+                    .filter(|b| b.partition != crate::parity::PARITY)
+                    .copied()
+                    .collect();
                 ids.sort_by_key(|b| (b.partition, b.seq));
                 Some(ids)
             }

@@ -94,6 +94,11 @@ pub struct StrategyOptions {
     /// worker, and a committed output lost with it, run again elsewhere. Off where readers
     /// stream during the map side (they may have read the lost output already).
     pub recover: bool,
+    /// Parity shards per stripe (0-2, [`crate::parity`]): the map side runs with blocks at
+    /// their partitions' owners and no merging, whatever `strategy` says (a stripe's shards
+    /// must sit on distinct workers), and the maps encode parity so a lost worker's blocks
+    /// are rebuilt rather than recomputed.
+    pub parity: u32,
 }
 
 impl Default for StrategyOptions {
@@ -108,6 +113,7 @@ impl Default for StrategyOptions {
             pack: false,
             expected_maps: None,
             recover: false,
+            parity: 0,
         }
     }
 }
@@ -131,6 +137,19 @@ pub async fn map_side(
     inputs: impl futures::Stream<Item = crate::driver::MapInput> + Unpin,
     opts: StrategyOptions,
 ) -> Result<pull::Mapped> {
+    if opts.parity > 0 {
+        driver.protect(spec.id, opts.parity)?;
+        driver.place(spec.id, Placement::Owner);
+        driver.note_choice(
+            spec.id,
+            format!(
+                "parity {}: blocks at their partitions' owners, not merged (forward coding), \
+                 in place of {}",
+                opts.parity, opts.strategy
+            ),
+        );
+        return pull::map_side(driver, spec, inputs, opts).await;
+    }
     match opts.strategy {
         Strategy::Pull => pull::map_side(driver, spec, inputs, opts).await,
         Strategy::Merged => merged::map_side(driver, spec, inputs, opts).await,

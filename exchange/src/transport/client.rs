@@ -369,6 +369,86 @@ impl WorkerClient {
         self.get(ticket, format!("output of map {map}")).await
     }
 
+    /// One block's metadata and stored bytes (committed or pending), not decoded; the bytes
+    /// are checked against the metadata's size and CRC32C.
+    pub async fn get_raw(&self, id: BlockId) -> Result<(crate::block::BlockMeta, Bytes)> {
+        let ticket = proto::Ticket {
+            kind: Some(proto::ticket::Kind::Raw(id.into())),
+        };
+        let mut client = self.client.clone();
+        let call = async move {
+            let mut stream = client
+                .do_get(Ticket {
+                    ticket: ticket.encode_to_vec().into(),
+                })
+                .await?
+                .into_inner();
+            let mut meta = None;
+            let mut data = Vec::new();
+            while let Some(msg) = stream.message().await? {
+                if meta.is_none() {
+                    meta = Some(msg.app_metadata.clone());
+                }
+                data.extend_from_slice(&msg.data_body);
+            }
+            Ok::<_, tonic::Status>((meta, data))
+        };
+        let (meta, data) = tokio::time::timeout(self.timeout, call)
+            .await
+            .map_err(|_| self.timed_out(&format!("raw block {id}"), self.timeout))?
+            .map_err(|s| self.remote(s))?;
+        let meta: proto::BlockMeta = decode(&meta.unwrap_or_default())?;
+        let meta = crate::block::BlockMeta::try_from(&meta)?;
+        let actual = crc32c::crc32c(&data);
+        if meta.id != id || meta.bytes != data.len() as u64 || meta.crc32c != actual {
+            return Err(Error::Checksum {
+                block: id,
+                expected: meta.crc32c,
+                actual,
+            });
+        }
+        Ok((meta, data.into()))
+    }
+
+    /// Store one block as given, pending under its attempt (a block rebuilt from parity);
+    /// the worker checks its size and CRC32C against `meta`.
+    pub async fn put_raw(&self, meta: crate::block::BlockMeta, data: Bytes) -> Result<()> {
+        let cmd = proto::PutCommand {
+            kind: Some(proto::put_command::Kind::Block(meta.id.into())),
+        };
+        let head: proto::BlockMeta = (&meta).into();
+        let pieces = data.len().div_ceil(super::server::RAW_PIECE).max(1);
+        let messages: Vec<FlightData> = (0..pieces)
+            .map(|i| {
+                let end = ((i + 1) * super::server::RAW_PIECE).min(data.len());
+                FlightData {
+                    flight_descriptor: (i == 0)
+                        .then(|| FlightDescriptor::new_cmd(cmd.encode_to_vec())),
+                    app_metadata: if i == 0 {
+                        head.encode_to_vec().into()
+                    } else {
+                        Default::default()
+                    },
+                    data_body: data.slice(i * super::server::RAW_PIECE..end),
+                    ..Default::default()
+                }
+            })
+            .collect();
+        let mut client = self.client.clone();
+        let call = async move {
+            let mut results = client
+                .do_put(futures::stream::iter(messages))
+                .await?
+                .into_inner();
+            while results.message().await?.is_some() {}
+            Ok::<_, tonic::Status>(())
+        };
+        tokio::time::timeout(self.timeout, call)
+            .await
+            .map_err(|_| self.timed_out(&format!("raw block {}", meta.id), self.timeout))?
+            .map_err(|s| self.remote(s))
+    }
+
     /// Stream one block.
     pub async fn read_block(&self, id: BlockId) -> Result<BatchStream> {
         let ticket = proto::Ticket {

@@ -150,6 +150,90 @@ impl WorkerService {
     }
 }
 
+/// Pieces a raw block is sent in (well under the message size limit).
+pub const RAW_PIECE: usize = 1 << 20;
+
+/// A raw block as Flight messages: its metadata with the first piece, then the other pieces.
+fn raw_messages(meta: crate::block::BlockMeta, data: bytes::Bytes) -> Stream<FlightData> {
+    let pieces = data.len().div_ceil(RAW_PIECE).max(1);
+    let head: proto::BlockMeta = (&meta).into();
+    let messages: Vec<Result<FlightData, Status>> = (0..pieces)
+        .map(|i| {
+            let end = ((i + 1) * RAW_PIECE).min(data.len());
+            Ok(FlightData {
+                app_metadata: if i == 0 {
+                    head.encode_to_vec().into()
+                } else {
+                    Default::default()
+                },
+                data_body: data.slice(i * RAW_PIECE..end),
+                ..Default::default()
+            })
+        })
+        .collect();
+    futures::stream::iter(messages).boxed()
+}
+
+impl WorkerService {
+    /// Store one raw block (a block rebuilt from parity), pending under its attempt: the
+    /// bytes must add up to the size and CRC32C its metadata names.
+    async fn put_raw(
+        &self,
+        id: BlockId,
+        first: FlightData,
+        mut rest: Streaming<FlightData>,
+    ) -> Result<proto::TaskResult> {
+        let sent = proto::BlockMeta::decode(first.app_metadata.clone())
+            .map_err(|e| Error::invalid(format!("malformed raw block metadata: {e}")))?;
+        let sent = crate::block::BlockMeta::try_from(&sent)?;
+        if sent.id != id {
+            return Err(Error::invalid(format!(
+                "raw block metadata names {} but the put command {id}",
+                sent.id
+            )));
+        }
+        self.state.store.shuffle_info(id.shuffle)?;
+        let cap = self.state.store.config().memory_budget.max(1 << 30);
+        if sent.bytes > cap {
+            return Err(Error::invalid(format!(
+                "raw block {id} claims {} bytes, over the {cap}-byte limit",
+                sent.bytes
+            )));
+        }
+        let mut data = Vec::with_capacity(sent.bytes as usize);
+        data.extend_from_slice(&first.data_body);
+        while let Some(msg) = rest
+            .message()
+            .await
+            .map_err(|s| Error::Cancelled(format!("raw block {id} broke off: {s}")))?
+        {
+            if data.len() + msg.data_body.len() > sent.bytes as usize {
+                return Err(Error::invalid(format!(
+                    "raw block {id} is longer than the {} bytes its metadata names",
+                    sent.bytes
+                )));
+            }
+            data.extend_from_slice(&msg.data_body);
+        }
+        let store = self.state.store.clone();
+        let meta = tokio::task::spawn_blocking(move || store.put(id, sent.rows, data.into()))
+            .await
+            .map_err(|e| Error::Cluster(format!("raw block store failed: {e}")))??;
+        if meta.crc32c != sent.crc32c || meta.bytes != sent.bytes {
+            self.state.store.abort(id.shuffle, id.map, id.attempt);
+            return Err(Error::Checksum {
+                block: id,
+                expected: sent.crc32c,
+                actual: meta.crc32c,
+            });
+        }
+        Ok(proto::TaskResult {
+            blocks: vec![(&meta).into()],
+            ..Default::default()
+        })
+    }
+}
+
 type Stream<T> = BoxStream<'static, Result<T, Status>>;
 
 #[tonic::async_trait]
@@ -249,6 +333,14 @@ impl FlightService for WorkerService {
                 let ids = futures::stream::iter(ids.into_iter().map(Ok)).boxed();
                 self.serve_blocks(shuffle, ids, None)?
             }
+            Some(proto::ticket::Kind::Raw(key)) => {
+                let id = BlockId::from(&key);
+                let store = self.state.store.clone();
+                let (meta, data) = tokio::task::spawn_blocking(move || store.get_raw(&id))
+                    .await
+                    .map_err(|e| Error::Cluster(format!("block read task failed: {e}")))??;
+                raw_messages(meta, data)
+            }
             None => return Err(bad("ticket names no block, partition or map output")),
         };
         Ok(Response::new(stream))
@@ -276,10 +368,8 @@ impl FlightService for WorkerService {
             Some(proto::put_command::Kind::Push(push)) => {
                 self.put_pushed(push, first, stream).await?
             }
-            Some(proto::put_command::Kind::Block(_)) => {
-                return Err(Status::unimplemented(
-                    "single raw blocks are not taken yet (reserved for parity)",
-                ))
+            Some(proto::put_command::Kind::Block(key)) => {
+                self.put_raw(BlockId::from(&key), first, stream).await?
             }
             None => return Err(bad("put command has no kind")),
         };
