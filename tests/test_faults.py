@@ -135,6 +135,47 @@ def test_worker_killed_at_a_random_moment_is_replaced_and_the_shuffle_stays_exac
     pids_gone(pids + replacements)
 
 
+@pytest.mark.parametrize(("parity", "seed"), [(1, 11), (2, 12)])
+def test_parity_rebuilds_a_killed_workers_blocks_without_running_maps_again(
+    pids_gone, parity, seed
+):
+    """Cluster(parity=r): a worker SIGKILLed after the map side (and, with r = 2, a second
+    one at the same time) loses its blocks; they are rebuilt from the survivors and the
+    parity, no map runs again, and the output is the input's multiset exactly. Then a kill at
+    a random moment of a streamed shuffle: still exact."""
+    rng = random.Random(seed)
+    c = fs.Cluster(workers=3, timeout=60, parity=parity)
+    pids = c.worker_pids
+    try:
+        df = pa.table({"key": list(range(300_000)), "v": [i % 7 for i in range(300_000)]})
+        result = c.shuffle(df, by="key", partitions=6, map_bytes="256KiB")
+        mapped = result.wait_mapped()
+        assert mapped["strategy_choice"].startswith(f"parity {parity}"), mapped
+        first = next(result)
+        before = c.recovery()
+        for victim in rng.sample(range(3), parity):
+            os.kill(c.worker_pids[victim], signal.SIGKILL)
+        parts = [first, *result]
+        assert result.partition_ids == list(range(6)), "no partition twice"
+        keys = sorted(k for p in parts for k in p["key"].to_pylist())
+        assert keys == list(range(300_000))
+        assert_keys_not_split([pl.from_arrow(p) for p in parts], ["key"])
+        after = c.recovery()
+        assert after["rebuilt_blocks"] > before["rebuilt_blocks"], after
+        assert after["recomputed_maps"] == before["recomputed_maps"], after
+        # Killed while a slow input is mapped: committed outputs rebuilt, running maps rerun.
+        result = c.shuffle(slow_reader(150, 20_000, 0.01), by="key", partitions=6, map_bytes="1MiB")
+        kill = threading.Timer(rng.uniform(0.3, 1.5), os.kill, (c.worker_pids[0], signal.SIGKILL))
+        kill.start()
+        ids = sorted(i for p in result for i in p["id"].to_pylist())
+        assert ids == list(range(150 * 20_000)), "every row exactly once"
+        kill.join()
+        replacements = c.worker_pids
+    finally:
+        c.close()
+    pids_gone(pids + replacements)
+
+
 def test_dropping_the_driver_stops_its_workers_and_leaves_no_spill_files(pids_gone, tmp_path):
     """A driver killed with SIGKILL mid-use: its workers exit and remove their spill
     directories, and the next local cluster sweeps the dead driver's spill root and the map
@@ -314,3 +355,10 @@ def test_a_worker_paused_during_a_shuffle_is_replaced_and_nothing_stale_is_read(
     finally:
         c.close()
     pids_gone(pids + replacements)
+
+
+def test_parity_settings_are_checked():
+    with pytest.raises(ValueError, match="parity=1 needs at least 2 workers"):
+        fs.Cluster(workers=1, parity=1)
+    with pytest.raises(ValueError, match="parity must be 0, 1 or 2"):
+        fs.Cluster(workers=3, parity=3)

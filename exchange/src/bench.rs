@@ -31,6 +31,8 @@ pub struct BenchConfig {
     /// The map side's strategy (`merged` starts the reducers after the seal: merges are
     /// refused once readers have started).
     pub strategy: crate::strategy::Strategy,
+    /// Parity shards per stripe ([`crate::parity`]; 0: none).
+    pub parity: u32,
 }
 
 /// Rows of the IPC ceiling sample (enough to be stable, small enough to be quick).
@@ -83,9 +85,11 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
             payload: serde_json::to_vec(&slice).unwrap_or_default(),
         })
     });
-    let sequential = cfg.sequential || cfg.strategy != crate::strategy::Strategy::Pull;
+    let sequential =
+        cfg.sequential || cfg.strategy != crate::strategy::Strategy::Pull || cfg.parity > 0;
     let opts = StrategyOptions {
         strategy: cfg.strategy,
+        parity: cfg.parity,
         // Reducers of every strategy but pull start after the seal.
         pack: sequential,
         ..StrategyOptions::default()
@@ -127,6 +131,7 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
     }
     let stats = driver.stats().await?;
     let choice = driver.choice(spec.id);
+    let parity_bytes = driver.parity_bytes(spec.id);
     driver.drop_shuffle(spec.id).await?;
     cluster.stop();
     if output != mapped.input || output.rows != cfg.rows {
@@ -154,6 +159,8 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
         "partitions": cfg.partitions,
         "strategy": cfg.strategy.to_string(),
         "strategy_choice": choice,
+        "parity": cfg.parity,
+        "parity_bytes": parity_bytes,
         "calibration": calibration,
         "reducers_start": if sequential { "after the map side is sealed" } else { "with the maps" },
         "maps": maps,

@@ -270,3 +270,43 @@ async fn parity_rebuilds_a_lost_workers_blocks_without_running_maps_again() {
         job.close().await.unwrap();
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parity_rebuilds_committed_outputs_when_a_worker_dies_while_mapping() {
+    let _serial = SERIAL.lock().await;
+    let mut cluster = LocalCluster::start(config(3, 1 << 30)).await.unwrap();
+    let input = batches(200, 2_000);
+    let rebuilt = cluster.driver.rebuilt_blocks();
+    // A slow producer (about 2 s): maps committed before the kill have their blocks on the
+    // lost worker rebuilt from parity; those running then run again from the kept inputs.
+    let opts = ShuffleOptions {
+        by: vec!["k".into()],
+        partitions: 6,
+        partitioner: job::PartitionerKind::Hash,
+        map_bytes: 60_000,
+        strategy: StrategyOptions {
+            parity: 1,
+            ..StrategyOptions::named("pull").unwrap()
+        },
+    };
+    let owned = input.clone();
+    let it: job::Input = Box::new(owned.into_iter().map(|b| {
+        std::thread::sleep(Duration::from_millis(10));
+        Ok(b)
+    }));
+    let (spec, it) = job::prepare(&schema(), it, &opts).unwrap();
+    let job = ShuffleJob::start(cluster.driver.clone(), spec, it, &opts)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    cluster.kill_worker(1).unwrap();
+    let mut parts = Vec::new();
+    read_rest(&job, 0, &mut parts).await;
+    assert_eq!(checksum(&parts.concat()), checksum(&input), "exact");
+    assert_keys_not_split(&parts);
+    assert!(
+        cluster.driver.rebuilt_blocks() > rebuilt,
+        "committed outputs rebuilt from parity, not the map side run again"
+    );
+    job.close().await.unwrap();
+}

@@ -156,6 +156,13 @@ class Cluster:
     running after k times their median duration (and at least a second) is started again on
     another worker and the first attempt to finish is kept (off by default, as in Spark; tasks
     fed from this process, such as ``shuffle()`` input, are not copied).
+
+    ``parity=r`` (0, 1 or 2; at least r + 1 workers) protects shuffles and dataset stages with
+    Reed-Solomon parity (EC-Shuffle's forward coding): their blocks go to the worker that owns
+    each partition (without merging, whatever the strategy), every map encodes r parity shards
+    per stripe of its output onto other workers, and the blocks a lost worker held are rebuilt
+    from the survivors and the parity instead of running their maps again (up to r workers
+    lost at once). SQL queries recover from lineage and do not use it.
     """
 
     def __init__(
@@ -167,9 +174,12 @@ class Cluster:
         timeout: float = 600.0,
         speculation: float | None = None,
         strategy: Strategy = "pull",
+        parity: int = 0,
     ) -> None:
         if workers < 1:
             raise ValueError("a cluster needs at least one worker")
+        if parity not in (0, 1, 2):
+            raise ValueError(f"parity must be 0, 1 or 2, not {parity!r}")
         self._native: Any = NativeCluster(
             workers,
             parse_bytes(memory_budget),
@@ -179,8 +189,10 @@ class Cluster:
             float(timeout),
             None if speculation is None else float(speculation),
             strategy,
+            int(parity),
         )
         self.strategy = strategy
+        self.parity = parity
         self.workers = workers
         self.last_metrics: dict[str, Any] = {}
         # Parquet paths of tables registered here (for online SQL).
@@ -196,6 +208,7 @@ class Cluster:
         partitioner: Literal["hash", "range", "round_robin"] | None = None,
         output: Literal["arrow", "polars"] = "arrow",
         map_bytes: int | str = "64MiB",
+        parity: int | None = None,
     ) -> ShuffleResult:
         """Shuffle ``data`` into ``partitions`` reduce partitions.
 
@@ -211,7 +224,8 @@ class Cluster:
         into a few large blocks per partition while the maps run (Riffle); ``"push"`` sends
         each partition's blocks to the worker that reduces it while the maps run, which
         merges them (Magnet); ``"two-level"`` pushes within a row of a √N grid and reads
-        within a column (Seer), for many workers.
+        within a column (Seer), for many workers. ``parity`` (default: the cluster's) protects
+        this shuffle with that many parity shards per stripe (see :class:`Cluster`).
         """
         keys = [by] if isinstance(by, str) else list(by or [])
         kind = partitioner or ("hash" if keys else "round_robin")
@@ -232,6 +246,7 @@ class Cluster:
             kind,
             parse_bytes(map_bytes),
             _size_of(data),
+            None if parity is None else int(parity),
         )
         return ShuffleResult(native, output)
 
@@ -429,11 +444,15 @@ class Cluster:
         return list(self._native.worker_pids())
 
     def recovery(self) -> dict[str, int]:
-        """What worker loss cost so far: ``replacements`` (lost workers given a new process)
-        and ``recomputed_maps`` (map outputs run again from their lineage because the worker
-        holding them was lost)."""
-        replacements, recomputed = self._native.recovery()
-        return {"replacements": replacements, "recomputed_maps": recomputed}
+        """What worker loss cost so far: ``replacements`` (lost workers given a new process),
+        ``recomputed_maps`` (map outputs run again from their lineage because the worker
+        holding them was lost) and ``rebuilt_blocks`` (blocks rebuilt from parity)."""
+        replacements, recomputed, rebuilt = self._native.recovery()
+        return {
+            "replacements": replacements,
+            "recomputed_maps": recomputed,
+            "rebuilt_blocks": rebuilt,
+        }
 
     @property
     def worker_addresses(self) -> list[str]:

@@ -26,6 +26,7 @@ def _bench(args: argparse.Namespace) -> int:
         shlex.split(args.worker_command) if args.worker_command else worker_command(),
         args.sequential,
         args.strategy,
+        args.parity,
     )
     print(report)
     return 0
@@ -44,6 +45,7 @@ def _kill_trials(args: argparse.Namespace) -> int:
         args.seed,
         lambda m: print(m, file=sys.stderr, flush=True),
         args.memory_budget,
+        args.parity,
     )
     summary = {k: {x: v for x, v in r.items() if x != "runs"} for k, r in report.items()}
     print(json.dumps(summary, indent=1), file=sys.stderr)
@@ -482,6 +484,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     b.add_argument("--maps", type=int, default=0, help="map tasks (0 = 4 per worker)")
     b.add_argument("--batch-rows", type=int, default=65_536)
+    b.add_argument(
+        "--parity",
+        type=int,
+        default=0,
+        choices=[0, 1, 2],
+        help="parity shards per stripe (blocks at their owners, not merged)",
+    )
     b.add_argument("--seed", type=int, default=42)
     b.add_argument("--compression", default="auto", choices=["auto", "none", "lz4", "zstd"])
     b.add_argument(
@@ -537,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     kt.add_argument(
         "--memory-budget", help="per worker (e.g. 32MiB: the shuffles spill, kills land in spills)"
     )
+    kt.add_argument("--parity", type=int, default=0, choices=[0, 1, 2], help="the clusters' parity")
     kt.add_argument("--json", help="also write the report to this file")
     kt.set_defaults(run=_kill_trials)
 

@@ -4,7 +4,8 @@ Each trial starts a fresh 3-worker cluster, runs the job twice without a fault (
 warm run is the reference time), then runs it again with a timer that kills a random worker
 after a random delay within that time, and compares the answer with the reference answer. A trial reports
 whether the answer was exact, the time with the kill, the extra time over the fault-free run
-(recovery time), the workers replaced and the map outputs recomputed. ``flightshuffle
+(recovery time), the workers replaced, the map outputs recomputed and the blocks rebuilt from parity (with
+``--parity r``, the cluster's ``parity``). ``flightshuffle
 kill-trials`` prints one JSON object per kind with the trials and a summary.
 
 Kinds: ``sql`` (TPC-H queries at SF 0.1, compared with DuckDB), ``shuffle`` (a
@@ -143,11 +144,13 @@ def _job(kind: str, trial: int) -> tuple[Callable[[Cluster], Any], Callable[[Any
     raise ValueError(f"unknown kind {kind!r}; choose from {KINDS}")
 
 
-def trial(kind: str, n: int, seed: int, memory_budget: str | None = None) -> dict[str, Any]:
+def trial(
+    kind: str, n: int, seed: int, memory_budget: str | None = None, parity: int = 0
+) -> dict[str, Any]:
     rng = random.Random(seed * 1000 + n)
     run, check = _job(kind, n)
     budget = {"memory_budget": memory_budget} if memory_budget else {}
-    with Cluster(workers=3, timeout=120, **budget) as c:
+    with Cluster(workers=3, timeout=120, parity=parity, **budget) as c:
         ok_clean = check(run(c))  # the first run warms up (files, caches, calibration)
         start = time.monotonic()
         ok_clean = check(run(c)) and ok_clean
@@ -182,6 +185,7 @@ def trial(kind: str, n: int, seed: int, memory_budget: str | None = None) -> dic
         "next_job_exact": bool(after_ok),
         "replacements": rec["replacements"],
         "recomputed_maps": rec["recomputed_maps"],
+        "rebuilt_blocks": rec["rebuilt_blocks"],
         "spilled_bytes": spilled,
         "error": error,
     }
@@ -193,12 +197,13 @@ def run_trials(
     seed: int,
     log: Callable[[str], None],
     memory_budget: str | None = None,
+    parity: int = 0,
 ) -> dict:
     out: dict[str, Any] = {}
     for kind in kinds:
         rows = []
         for n in range(trials):
-            r = trial(kind, n, seed, memory_budget)
+            r = trial(kind, n, seed, memory_budget, parity)
             log(f"{kind} trial {n}: {r}")
             rows.append(r)
         out[kind] = {
@@ -209,6 +214,7 @@ def run_trials(
             "mean_recovery_s": round(statistics.mean(r["recovery_s"] for r in rows), 3),
             "mean_clean_s": round(statistics.mean(r["clean_s"] for r in rows), 3),
             "recomputed_maps": sum(r["recomputed_maps"] for r in rows),
+            "rebuilt_blocks": sum(r["rebuilt_blocks"] for r in rows),
             "runs": rows,
         }
     return out

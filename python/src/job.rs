@@ -21,6 +21,8 @@ pub struct JobOptions {
     pub speculation: Option<f64>,
     /// The input's size in bytes where Python knows it (a table), for `auto`'s M.
     pub input_bytes: Option<usize>,
+    /// Parity shards per stripe ([`exchange::parity`]).
+    pub parity: u32,
 }
 
 impl JobOptions {
@@ -35,6 +37,7 @@ impl JobOptions {
                 expected_maps: self
                     .input_bytes
                     .map(|b| b.div_ceil(self.map_bytes.max(1)).max(1)),
+                parity: self.parity,
                 ..StrategyOptions::named(&self.strategy)?
             },
         })

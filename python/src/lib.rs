@@ -146,7 +146,7 @@ fn cluster_config(
 #[pymethods]
 impl NativeCluster {
     #[new]
-    #[pyo3(signature = (workers, memory_budget, spill_dir, compression, worker_command, timeout_secs, speculation=None, strategy="pull".to_string()))]
+    #[pyo3(signature = (workers, memory_budget, spill_dir, compression, worker_command, timeout_secs, speculation=None, strategy="pull".to_string(), parity=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -158,8 +158,11 @@ impl NativeCluster {
         timeout_secs: f64,
         speculation: Option<f64>,
         strategy: String,
+        parity: u32,
     ) -> PyResult<Self> {
         let strategy: exchange::strategy::Strategy = strategy.parse().map_err(to_py)?;
+        exchange::parity::check(workers, parity)
+            .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
         if speculation.is_some_and(|k| !(k.is_finite() && k > 1.0)) {
             return Err(pyo3::exceptions::PyValueError::new_err(
                 "speculation must be a factor above 1 (a map slower than that many times the \
@@ -200,6 +203,7 @@ impl NativeCluster {
             strategy: exchange::strategy::StrategyOptions {
                 speculation,
                 strategy,
+                parity,
                 ..Default::default()
             },
         })
@@ -290,10 +294,13 @@ impl NativeCluster {
         self.with(|c| c.pids()).unwrap_or_default()
     }
 
-    /// Lost workers replaced and map outputs recomputed so far.
-    fn recovery(&self) -> (u64, u64) {
-        self.with(|c| (c.driver.replacements(), c.driver.recomputed_maps()))
-            .unwrap_or_default()
+    /// Lost workers replaced, map outputs recomputed and blocks rebuilt from parity so far.
+    fn recovery(&self) -> (u64, u64, u64) {
+        self.with(|c| {
+            let d = &c.driver;
+            (d.replacements(), d.recomputed_maps(), d.rebuilt_blocks())
+        })
+        .unwrap_or_default()
     }
 
     fn worker_addresses(&self) -> Vec<String> {
@@ -325,7 +332,7 @@ impl NativeCluster {
         Ok(serde_json::Value::from(list).to_string())
     }
 
-    #[pyo3(signature = (data, by, partitions, strategy, partitioner, map_bytes, input_bytes=None))]
+    #[pyo3(signature = (data, by, partitions, strategy, partitioner, map_bytes, input_bytes=None, parity=None))]
     #[allow(clippy::too_many_arguments)]
     fn shuffle(
         &self,
@@ -337,6 +344,7 @@ impl NativeCluster {
         partitioner: String,
         map_bytes: usize,
         input_bytes: Option<usize>,
+        parity: Option<u32>,
     ) -> PyResult<job::NativeShuffle> {
         let strategy = strategy.unwrap_or_else(|| self.strategy.strategy.to_string());
         let reader = data.into_reader()?;
@@ -349,6 +357,7 @@ impl NativeCluster {
             map_bytes,
             speculation: self.strategy.speculation,
             input_bytes,
+            parity: parity.unwrap_or(self.strategy.parity),
         };
         job::NativeShuffle::start(py, self.rt.clone(), driver, reader, opts)
     }
@@ -460,7 +469,12 @@ impl NativeCluster {
         let ctx = Arc::new(
             exchange_datafusion::DistributedContext::new(driver, config)
                 .map_err(sql::df_err)?
-                .with_strategy_options(self.strategy),
+                // SQL stages recover from lineage (every stage input can be read again);
+                // parity protects shuffles and dataset stages.
+                .with_strategy_options(exchange::strategy::StrategyOptions {
+                    parity: 0,
+                    ..self.strategy
+                }),
         );
         *slot = Some(ctx.clone());
         Ok(ctx)
@@ -560,7 +574,7 @@ fn query_runtime() -> datafusion::error::Result<&'static tokio::runtime::Runtime
 
 /// `shuffle-bench`: returns the JSON report.
 #[pyfunction]
-#[pyo3(signature = (rows, workers, partitions, memory_budget, maps, batch_rows, seed, compression, worker_command, sequential=false, strategy="pull".to_string()))]
+#[pyo3(signature = (rows, workers, partitions, memory_budget, maps, batch_rows, seed, compression, worker_command, sequential=false, strategy="pull".to_string(), parity=0))]
 #[allow(clippy::too_many_arguments)]
 fn shuffle_bench(
     py: Python<'_>,
@@ -575,6 +589,7 @@ fn shuffle_bench(
     worker_command: Vec<String>,
     sequential: bool,
     strategy: String,
+    parity: u32,
 ) -> PyResult<String> {
     let rt = runtime()?;
     let cluster = cluster_config(
@@ -594,6 +609,7 @@ fn shuffle_bench(
         cluster,
         sequential,
         strategy: strategy.parse().map_err(to_py)?,
+        parity,
     };
     let report = py.detach(|| rt.block_on(run_bench(cfg))).map_err(to_py)?;
     Ok(serde_json::to_string_pretty(&report).unwrap_or_default())

@@ -54,8 +54,11 @@ pub async fn run_maps_observed(
     let mut live_attempts: HashMap<u32, usize> = HashMap::new();
     let mut tick = tokio::time::interval(std::time::Duration::from_millis(100));
     // In-place recovery: each map's input for another attempt, and its attempts lost so far.
+    // A parity shuffle rebuilds the blocks a lost worker held from parity instead
+    // ([`Driver::rebuild`]); its attempts that pushed to the lost worker run again.
+    let coded = driver.parity_of(spec.id) > 0;
     let recover = |driver: &Driver| {
-        opts.recover && driver.replaces_workers() && driver.places_locally(spec.id)
+        opts.recover && driver.replaces_workers() && (coded || driver.places_locally(spec.id))
     };
     let mut again: HashMap<u32, MapInput> = HashMap::new();
     let mut lost_attempts: HashMap<u32, usize> = HashMap::new();
@@ -98,6 +101,9 @@ pub async fn run_maps_observed(
             macro_rules! rerun_lost {
                 () => {{
                     driver.wait_all_live(crate::driver::REPLACE_TIMEOUT).await?;
+                    if coded {
+                        driver.rebuild(spec.id).await?;
+                    }
                     let done: Vec<u32> = done_maps.iter().copied().collect();
                     for (map, input) in driver.forget_outputs(spec.id, &done)? {
                         done_maps.remove(&map);
@@ -112,6 +118,10 @@ pub async fn run_maps_observed(
                 // replacement is up already) run again before the map side ends.
                 let done: Vec<u32> = done_maps.iter().copied().collect();
                 let lost = driver.lost_outputs(spec.id);
+                if recover(driver) && coded && !driver.coded_losses(spec.id).is_empty() {
+                    rerun_lost!();
+                    continue;
+                }
                 if recover(driver) && driver.any_lost(spec.id, &done) {
                     for (m, _, _) in &lost {
                         let retries = lost_attempts.entry(*m).or_default();
@@ -157,7 +167,7 @@ pub async fn run_maps_observed(
                     let done = match joined {
                         // Committed, but on a process lost since (its result came late): the
                         // output is gone with it.
-                        Ok(Ok(_)) if driver.generation(worker) != generation && recover(driver) => {
+                        Ok(Ok(_)) if driver.generation(worker) != generation && recover(driver) && !coded => {
                             let retries = lost_attempts.entry(map).or_default();
                             *retries += 1;
                             if *retries > MAX_RERUNS {
@@ -184,7 +194,7 @@ pub async fn run_maps_observed(
                         Ok(Err(e)) if recover(driver)
                             && again.contains_key(&map)
                             && (driver.generation(worker) != generation
-                                || matches!(e, crate::Error::WorkerLost { worker: w, .. } if w == worker)) =>
+                                || matches!(e, crate::Error::WorkerLost { worker: w, .. } if w == worker || coded)) =>
                         {
                             let retries = lost_attempts.entry(map).or_default();
                             *retries += 1;

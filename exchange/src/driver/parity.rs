@@ -60,6 +60,17 @@ impl Driver {
             .unwrap_or(0)
     }
 
+    /// Bytes of the parity blocks of `shuffle`'s committed maps.
+    pub fn parity_bytes(&self, shuffle: ShuffleId) -> u64 {
+        lock(&self.parity)
+            .maps
+            .iter()
+            .filter(|((s, _), _)| *s == shuffle)
+            .flat_map(|(_, c)| &c.parity)
+            .map(|b| b.meta.bytes)
+            .sum()
+    }
+
     /// Blocks rebuilt from parity so far, over all shuffles.
     pub fn rebuilt_blocks(&self) -> u64 {
         lock(&self.parity).rebuilt_blocks
