@@ -3,16 +3,20 @@
 //! and the parity instead of running its map again.
 //!
 //! A parity shuffle places every block on its partition's owner ([`Placement::Owner`]), so a
-//! map's output is already spread over the workers: its **shard** for worker `o` is the
-//! concatenation of its blocks held by `o`, in (partition, seq) order. A stripe protects up
-//! to `r` lost shards, so its shards and its `r` parity shards must sit on distinct workers:
-//! with N workers a stripe has at most `k = N - r` data shards, and a map's N shards form
-//! ⌈N / k⌉ stripes ([`stripes`], rotated by map so parity spreads evenly). The map encodes
-//! each stripe's parity once its blocks are written and sends the parity shards as blocks of
-//! the reserved partition [`PARITY`] (never read as rows) with the attempt's other blocks,
-//! so they commit and abort with it. The driver rebuilds a lost shard by fetching `k` of the
-//! stripe's surviving shards raw, decoding, cutting the shard back into its blocks and
-//! checking each against the CRC32C its map reported ([`crate::driver::parity`]).
+//! map's output is already spread over the workers: its **shard** for worker `w` is the
+//! concatenation of its blocks held by `w`, in (partition, seq) order. A stripe protects up
+//! to `r` lost pieces, so its pieces and its `r` parity pieces must sit on distinct workers:
+//! with N workers a stripe has at most `k = N - r` data pieces. Each shard is cut into `k`
+//! pieces and the map's output forms N stripes, stripe `s` made of piece `j` of worker
+//! `s + j` (mod N) for j < k, with parity on the `r` workers after them ([`stripes`]). So
+//! every worker holds `r` parity pieces per map and the parity is `r / (N - r)` of the data
+//! (EC-Shuffle's forward coding assumes parity nodes beyond the N receivers; here they are
+//! the receivers). The map encodes each stripe's parity once its blocks are written and
+//! sends the parity pieces as blocks of the reserved partition [`PARITY`] (never read as
+//! rows) with the attempt's other blocks, so they commit and abort with it. The driver
+//! rebuilds a lost worker's pieces by fetching `k` of each stripe's surviving pieces raw and
+//! decoding, joins them into the shard, cuts it back into its blocks and checks each against
+//! the CRC32C its map reported ([`crate::driver::parity`]).
 //!
 //! EC-Shuffle's backward coding (each receiver encodes the M chunks it collected) is not
 //! built: there the senders keep their outputs (Spark's shuffle files), so the receiver's
@@ -30,11 +34,11 @@ pub const PARITY: u32 = u32::MAX - 1;
 /// The highest parity a shuffle may ask for.
 pub const MAX_PARITY: u32 = 2;
 
-/// One stripe of a map's output: the workers holding its data shards and those holding its
-/// parity shards (all distinct).
+/// One stripe of a map's output: its data pieces as (worker, piece of that worker's shard)
+/// and the workers holding its parity pieces (all workers distinct).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Stripe {
-    pub members: Vec<usize>,
+    pub members: Vec<(usize, usize)>,
     pub parity: Vec<usize>,
 }
 
@@ -55,8 +59,10 @@ pub fn check(workers: usize, r: u32) -> Result<()> {
     Ok(())
 }
 
-/// The stripes of map `map`'s output over `workers` workers with `r` parity shards each.
-pub fn stripes(workers: usize, r: u32, map: u32) -> Result<Vec<Stripe>> {
+/// The stripes of a map's output over `workers` workers with `r` parity pieces each (none
+/// for r = 0): stripe `s` holds piece `j` of worker `(s + j) mod N` for `j < N - r`, its
+/// parity on the next `r` workers.
+pub fn stripes(workers: usize, r: u32) -> Result<Vec<Stripe>> {
     check(workers, r)?;
     let r = r as usize;
     if r == 0 {
@@ -64,21 +70,26 @@ pub fn stripes(workers: usize, r: u32, map: u32) -> Result<Vec<Stripe>> {
     }
     let n = workers;
     let k = n - r;
-    let order: Vec<usize> = (0..n).map(|j| (map as usize + j) % n).collect();
-    let mut out = Vec::new();
-    let mut start = 0;
-    while start < n {
-        let len = k.min(n - start);
-        let members = order[start..start + len].to_vec();
-        // The workers after the stripe, wrapping round: exactly those not in it.
-        let parity = (0..r).map(|i| order[(start + len + i) % n]).collect();
-        out.push(Stripe { members, parity });
-        start += len;
-    }
-    Ok(out)
+    Ok((0..n)
+        .map(|s| Stripe {
+            members: (0..k).map(|j| ((s + j) % n, j)).collect(),
+            parity: (0..r).map(|i| (s + k + i) % n).collect(),
+        })
+        .collect())
 }
 
-/// The `seq` of parity shard `j` of stripe `s` (its block key's sequence number).
+/// The pieces each worker's shard is cut into.
+pub fn pieces(workers: usize, r: u32) -> usize {
+    workers.saturating_sub(r as usize).max(1)
+}
+
+/// The byte range of piece `j` of a shard of `len` bytes cut into `k` pieces.
+pub fn piece(len: usize, k: usize, j: usize) -> std::ops::Range<usize> {
+    let c = len.div_ceil(k.max(1));
+    (j * c).min(len)..((j + 1) * c).min(len)
+}
+
+/// The `seq` of parity piece `j` of stripe `s` (its block key's sequence number).
 pub fn parity_seq(stripe: usize, r: u32, j: usize) -> u32 {
     (stripe * r as usize + j) as u32
 }
@@ -180,37 +191,50 @@ mod tests {
     use proptest::prelude::*;
 
     #[test]
-    fn stripes_put_each_shard_and_parity_on_distinct_workers() {
+    fn stripes_put_each_piece_once_and_parity_on_other_workers() {
         for n in 1..=9 {
             for r in 0..=MAX_PARITY {
-                for map in 0..12u32 {
-                    let Ok(stripes) = stripes(n, r, map) else {
-                        assert!(r > 0 && n < r as usize + 1, "n={n} r={r}");
-                        continue;
-                    };
-                    if r == 0 {
-                        assert!(stripes.is_empty());
-                        continue;
-                    }
-                    // Every worker's shard in exactly one stripe.
-                    let mut seen: Vec<usize> =
-                        stripes.iter().flat_map(|s| s.members.clone()).collect();
-                    seen.sort();
-                    assert_eq!(seen, (0..n).collect::<Vec<_>>());
-                    for s in &stripes {
-                        let mut all = s.members.clone();
-                        all.extend(&s.parity);
-                        let len = all.len();
-                        all.sort();
-                        all.dedup();
-                        assert_eq!(all.len(), len, "n={n} r={r} {s:?}");
-                        assert_eq!(s.parity.len(), r as usize);
-                    }
+                let Ok(stripes) = stripes(n, r) else {
+                    assert!(r > 0 && n < r as usize + 1, "n={n} r={r}");
+                    continue;
+                };
+                if r == 0 {
+                    assert!(stripes.is_empty());
+                    continue;
+                }
+                let k = pieces(n, r);
+                // Every piece of every worker's shard in exactly one stripe.
+                let mut seen: Vec<(usize, usize)> =
+                    stripes.iter().flat_map(|s| s.members.clone()).collect();
+                seen.sort();
+                let all: Vec<(usize, usize)> =
+                    (0..n).flat_map(|w| (0..k).map(move |j| (w, j))).collect();
+                assert_eq!(seen, all, "n={n} r={r}");
+                for s in &stripes {
+                    let mut ws: Vec<usize> = s.members.iter().map(|m| m.0).collect();
+                    ws.extend(&s.parity);
+                    let len = ws.len();
+                    ws.sort();
+                    ws.dedup();
+                    assert_eq!(ws.len(), len, "n={n} r={r} {s:?}");
+                    assert_eq!(s.parity.len(), r as usize);
+                }
+                // Parity spread evenly: r pieces per worker.
+                for w in 0..n {
+                    let held = stripes.iter().filter(|s| s.parity.contains(&w)).count();
+                    assert_eq!(held, r as usize);
                 }
             }
         }
-        assert!(stripes(2, 2, 0).is_err());
-        assert!(stripes(5, 3, 0).is_err());
+        assert!(stripes(2, 2).is_err());
+        assert!(stripes(5, 3).is_err());
+        // Pieces cover a shard exactly, in order.
+        for len in [0usize, 1, 5, 64, 1000] {
+            for k in 1..5 {
+                let joined: Vec<usize> = (0..k).flat_map(|j| piece(len, k, j)).collect();
+                assert_eq!(joined, (0..len).collect::<Vec<_>>());
+            }
+        }
     }
 
     proptest! {

@@ -158,8 +158,8 @@ impl Pusher {
     }
 
     /// Encode the parity of this attempt's output, stripe by stripe ([`crate::parity`]): a
-    /// worker's shard is the blocks it holds, in (partition, seq) order. Parity for this
-    /// worker goes into its store, the rest to their holders.
+    /// worker's shard is the blocks it holds, in (partition, seq) order, cut into pieces.
+    /// Parity for this worker goes into its store, the rest to their holders.
     async fn send_parity(
         &mut self,
         store: &crate::store::BlockStore,
@@ -181,17 +181,16 @@ impl Pusher {
         }
         let push = self.push;
         let encoded = tokio::task::block_in_place(|| -> Result<Vec<(usize, BlockId, Bytes)>> {
+            let shards: Vec<Vec<u8>> = held.iter_mut().map(|b| shard(b)).collect();
+            let k = crate::parity::pieces(n, r);
             let mut parity = Vec::new();
-            for (s, stripe) in crate::parity::stripes(n, r, push.map_id)?
-                .iter()
-                .enumerate()
-            {
-                let shards: Vec<Vec<u8>> = stripe
+            for (s, stripe) in crate::parity::stripes(n, r)?.iter().enumerate() {
+                let pieces: Vec<Vec<u8>> = stripe
                     .members
                     .iter()
-                    .map(|&o| shard(&mut held[o]))
+                    .map(|&(w, j)| shards[w][crate::parity::piece(shards[w].len(), k, j)].to_vec())
                     .collect();
-                for (j, p) in crate::parity::encode(&shards, r)?.into_iter().enumerate() {
+                for (j, p) in crate::parity::encode(&pieces, r)?.into_iter().enumerate() {
                     let id = BlockId {
                         shuffle: ShuffleId(push.shuffle_id),
                         map: push.map_id,

@@ -166,36 +166,43 @@ impl Driver {
         let jobs = losses.into_iter().map(|(map, coded, lost)| {
             let data = by_map.remove(&map).unwrap_or_default();
             async move {
+                // The processes rebuilt onto (a slot replaced again meanwhile is not whole).
+                let onto: Vec<(usize, u64)> =
+                    lost.iter().map(|&s| (s, self.generation(s))).collect();
                 let put = self
                     .rebuild_map(shuffle, r, map, &coded, &lost, &data)
                     .await?;
-                Ok::<_, Error>((map, lost, put))
+                self.rebuilt_map(shuffle, map, &onto, put);
+                Ok::<_, Error>(())
             }
         });
-        let done: Vec<(u32, Vec<usize>, u64)> = futures::stream::iter(jobs)
+        futures::stream::iter(jobs)
             .buffer_unordered(4)
-            .try_collect()
+            .try_collect::<Vec<()>>()
             .await?;
-        for (map, lost, put) in done {
-            let mut st = lock(&self.parity);
-            st.rebuilt_blocks += put;
-            if let Some(c) = st.maps.get_mut(&(shuffle, map)) {
-                for &slot in &lost {
-                    if let Some(g) = c.generations.get_mut(slot) {
-                        *g = self.generation(slot);
-                    }
-                }
-            }
-            drop(st);
-            // The map's output is whole again where it ran, too.
-            if let Some((w, g, _)) = lock(&self.lineage).get_mut(&(shuffle, map)) {
-                if lost.contains(w) {
-                    *g = self.generation(*w);
+        tracing::warn!(%shuffle, maps = count, "blocks lost with their worker rebuilt from parity");
+        Ok(count)
+    }
+
+    /// Record that `map` of `shuffle` is whole again on the processes `onto` ((slot,
+    /// generation); `put` blocks were rebuilt), so a rebuild that starts over does not redo it.
+    fn rebuilt_map(&self, shuffle: ShuffleId, map: u32, onto: &[(usize, u64)], put: u64) {
+        let mut st = lock(&self.parity);
+        st.rebuilt_blocks += put;
+        if let Some(c) = st.maps.get_mut(&(shuffle, map)) {
+            for &(slot, generation) in onto {
+                if let Some(g) = c.generations.get_mut(slot) {
+                    *g = generation;
                 }
             }
         }
-        tracing::warn!(%shuffle, maps = count, "blocks lost with their worker rebuilt from parity");
-        Ok(count)
+        drop(st);
+        // The map's output is whole again where it ran, too.
+        if let Some((w, g, _)) = lock(&self.lineage).get_mut(&(shuffle, map)) {
+            if let Some(&(_, generation)) = onto.iter().find(|(s, _)| s == w) {
+                *g = generation;
+            }
+        }
     }
 
     /// Rebuild the blocks (data and parity) one map lost on the slots `lost`, put them there
@@ -209,50 +216,57 @@ impl Driver {
         lost: &[usize],
         data: &[BlockRef],
     ) -> Result<u64> {
-        let mut put_on: HashMap<usize, u32> = HashMap::new();
-        for (s, stripe) in parity::stripes(self.num_workers(), r, map)?
+        let n = self.num_workers();
+        let k = parity::pieces(n, r);
+        // Each worker's blocks of this map in shard order, and its shard's length.
+        let blocks: Vec<Vec<BlockMeta>> = (0..n)
+            .map(|w| {
+                let mut v: Vec<BlockMeta> = data
+                    .iter()
+                    .filter(|b| b.worker == w)
+                    .map(|b| b.meta)
+                    .collect();
+                v.sort_by_key(|m| (m.id.partition, m.id.seq));
+                v
+            })
+            .collect();
+        let shard_lens: Vec<usize> = blocks
             .iter()
-            .enumerate()
-        {
+            .map(|v| v.iter().map(|m| m.bytes as usize).sum())
+            .collect();
+        // Surviving shards, fetched once; the lost shards' pieces as they are decoded.
+        let mut shards: HashMap<usize, Vec<u8>> = HashMap::new();
+        let mut rebuilt: HashMap<(usize, usize), Vec<u8>> = HashMap::new();
+        let mut put_on: HashMap<usize, u32> = HashMap::new();
+        for (s, stripe) in parity::stripes(n, r)?.iter().enumerate() {
             let lost_members: Vec<usize> = (0..stripe.members.len())
-                .filter(|&i| lost.contains(&stripe.members[i]))
+                .filter(|&i| lost.contains(&stripe.members[i].0))
                 .collect();
             let lost_parity: Vec<usize> = (0..r as usize)
                 .filter(|&j| lost.contains(&stripe.parity[j]))
                 .collect();
-            if lost_members.is_empty() && lost_parity.is_empty() {
-                continue;
-            }
-            // Each member's blocks in shard order, and the shard lengths.
-            let blocks: Vec<Vec<BlockMeta>> = stripe
+            let lens: Vec<usize> = stripe
                 .members
                 .iter()
-                .map(|&o| {
-                    let mut v: Vec<BlockMeta> = data
-                        .iter()
-                        .filter(|b| b.worker == o)
-                        .map(|b| b.meta)
-                        .collect();
-                    v.sort_by_key(|m| (m.id.partition, m.id.seq));
-                    v
-                })
+                .map(|&(w, j)| parity::piece(shard_lens[w], k, j).len())
                 .collect();
-            let lens: Vec<usize> = blocks
-                .iter()
-                .map(|v| v.iter().map(|m| m.bytes as usize).sum())
-                .collect();
-            if lens.iter().all(|&l| l == 0) {
-                continue; // nothing in this stripe, no parity either
+            if (lost_members.is_empty() && lost_parity.is_empty()) || lens.iter().all(|&l| l == 0) {
+                continue; // nothing lost here, or nothing in it (and no parity either)
             }
             let mut present = Vec::new();
-            for (i, &o) in stripe.members.iter().enumerate() {
-                if !lost_members.contains(&i) {
-                    present.push((i, self.fetch_shard(o, &blocks[i]).await?));
+            for (i, &(w, j)) in stripe.members.iter().enumerate() {
+                if lost_members.contains(&i) {
+                    continue;
                 }
+                if !shards.contains_key(&w) {
+                    shards.insert(w, self.fetch_shard(w, &blocks[w]).await?);
+                }
+                let shard = &shards[&w];
+                present.push((i, shard[parity::piece(shard.len(), k, j)].to_vec()));
             }
-            let mut parity_shards = Vec::new();
+            let mut parity_pieces = Vec::new();
             for j in (0..r as usize).filter(|j| !lost_parity.contains(j)) {
-                if parity_shards.len() == lost_members.len() {
+                if parity_pieces.len() == lost_members.len() {
                     break;
                 }
                 let seq = parity::parity_seq(s, r, j);
@@ -262,40 +276,21 @@ impl Driver {
                     .find(|b| b.meta.id.seq == seq)
                     .ok_or_else(|| {
                         Error::Cluster(format!(
-                            "map {map} of shuffle {shuffle}: parity shard {seq} was never stored"
+                            "map {map} of shuffle {shuffle}: parity piece {seq} was never stored"
                         ))
                     })?;
                 let (_, bytes) = self.worker(p.worker)?.get_raw(p.meta.id).await?;
-                parity_shards.push((j, bytes.to_vec()));
+                parity_pieces.push((j, bytes.to_vec()));
             }
-            let rebuilt = parity::decode(&lens, r, &present, &parity_shards)
+            let decoded = parity::decode(&lens, r, &present, &parity_pieces)
                 .map_err(|e| Error::Cluster(format!("map {map} of shuffle {shuffle}: {e}")))?;
-            for (i, shard) in &rebuilt {
-                let slot = stripe.members[*i];
-                let shard = bytes::Bytes::from(shard.clone());
-                let mut at = 0usize;
-                for meta in &blocks[*i] {
-                    let piece = shard.slice(at..at + meta.bytes as usize);
-                    at += meta.bytes as usize;
-                    let crc = crc32c::crc32c(&piece);
-                    if crc != meta.crc32c {
-                        return Err(Error::Checksum {
-                            block: meta.id,
-                            expected: meta.crc32c,
-                            actual: crc,
-                        });
-                    }
-                    self.worker(slot)?.put_raw(*meta, piece).await?;
-                    *put_on.entry(slot).or_default() += 1;
-                }
-            }
             if !lost_parity.is_empty() {
-                // The whole stripe is at hand now: its lost parity shards are encoded again.
-                let mut shards = vec![Vec::new(); lens.len()];
-                for (i, s) in present.into_iter().chain(rebuilt) {
-                    shards[i] = s;
+                // The whole stripe is at hand now: its lost parity pieces are encoded again.
+                let mut all = vec![Vec::new(); lens.len()];
+                for (i, p) in present.into_iter().chain(decoded.iter().cloned()) {
+                    all[i] = p;
                 }
-                let encoded = parity::encode(&shards, r)?;
+                let encoded = parity::encode(&all, r)?;
                 for j in lost_parity {
                     let Some(p) = encoded.get(j) else { continue };
                     let data = bytes::Bytes::from(p.clone());
@@ -314,6 +309,44 @@ impl Driver {
                     self.worker(stripe.parity[j])?.put_raw(meta, data).await?;
                     *put_on.entry(stripe.parity[j]).or_default() += 1;
                 }
+            }
+            for (i, p) in decoded {
+                rebuilt.insert(stripe.members[i], p);
+            }
+        }
+        // Each lost shard joined from its pieces and cut back into its blocks.
+        for &w in lost {
+            if shard_lens[w] == 0 {
+                continue;
+            }
+            let mut shard = Vec::with_capacity(shard_lens[w]);
+            for j in 0..k {
+                match rebuilt.remove(&(w, j)) {
+                    Some(p) => shard.extend_from_slice(&p),
+                    None if parity::piece(shard_lens[w], k, j).is_empty() => {}
+                    None => {
+                        return Err(Error::Cluster(format!(
+                            "map {map} of shuffle {shuffle}: piece {j} of worker {w}'s blocks \
+                             was not rebuilt"
+                        )))
+                    }
+                }
+            }
+            let shard = bytes::Bytes::from(shard);
+            let mut at = 0usize;
+            for meta in &blocks[w] {
+                let piece = shard.slice(at..at + meta.bytes as usize);
+                at += meta.bytes as usize;
+                let crc = crc32c::crc32c(&piece);
+                if crc != meta.crc32c {
+                    return Err(Error::Checksum {
+                        block: meta.id,
+                        expected: meta.crc32c,
+                        actual: crc,
+                    });
+                }
+                self.worker(w)?.put_raw(*meta, piece).await?;
+                *put_on.entry(w).or_default() += 1;
             }
         }
         let mut total = 0u64;

@@ -176,7 +176,8 @@ fn raw_messages(meta: crate::block::BlockMeta, data: bytes::Bytes) -> Stream<Fli
 
 impl WorkerService {
     /// Store one raw block (a block rebuilt from parity), pending under its attempt: the
-    /// bytes must add up to the size and CRC32C its metadata names.
+    /// bytes must add up to the size and CRC32C its metadata names. Putting a block this
+    /// worker holds already, with the same size and CRC32C, is a no-op.
     async fn put_raw(
         &self,
         id: BlockId,
@@ -214,6 +215,15 @@ impl WorkerService {
                 )));
             }
             data.extend_from_slice(&msg.data_body);
+        }
+        // The same block put again (a rebuild that started over) is taken as it is.
+        if let Ok((had, _)) = self.state.store.get_raw(&id) {
+            if had.crc32c == sent.crc32c && had.bytes == sent.bytes {
+                return Ok(proto::TaskResult {
+                    blocks: vec![(&had).into()],
+                    ..Default::default()
+                });
+            }
         }
         let store = self.state.store.clone();
         let meta = tokio::task::spawn_blocking(move || store.put(id, sent.rows, data.into()))
