@@ -310,3 +310,70 @@ async fn parity_rebuilds_committed_outputs_when_a_worker_dies_while_mapping() {
     );
     job.close().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_replacements_a_paused_worker_is_suspected_then_cleared() {
+    let _serial = SERIAL.lock().await;
+    let mut cfg = config(3, 1 << 30);
+    cfg.driver.health_timeout = Duration::from_secs(1);
+    cfg.driver.health_interval = Duration::from_millis(200);
+    cfg.driver.rpc_timeout = Duration::from_secs(5);
+    let cluster = LocalCluster::start(cfg).await.unwrap();
+    // A cluster whose workers are started elsewhere: nobody replaces a lost one.
+    cluster.driver.stop_replacing();
+    let pid = cluster.pids()[1].to_string();
+    let signal = |sig: &str| {
+        let ok = std::process::Command::new("kill")
+            .args([sig, pid.as_str()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill {sig} {pid}");
+    };
+    let input = batches(20, 2_000);
+    signal("-STOP");
+    // The job that meets the paused worker fails with the loss, within the timeouts.
+    let opts = ShuffleOptions {
+        by: vec!["k".into()],
+        partitions: 6,
+        partitioner: job::PartitionerKind::Hash,
+        map_bytes: 60_000,
+        strategy: StrategyOptions::named("pull").unwrap(),
+    };
+    let run = |input: Vec<RecordBatch>| {
+        let opts = opts.clone();
+        let driver = cluster.driver.clone();
+        async move {
+            let it: job::Input = Box::new(input.into_iter().map(Ok));
+            let (spec, it) = job::prepare(&schema(), it, &opts)?;
+            let job = ShuffleJob::start(driver, spec, it, &opts).await?;
+            let mut parts = Vec::new();
+            while let Some(p) = job.next_partition().await {
+                parts.push(p?.1);
+            }
+            job.close().await?;
+            Ok::<_, exchange::Error>(parts)
+        }
+    };
+    let failed = tokio::time::timeout(Duration::from_secs(60), run(input.clone()))
+        .await
+        .expect("the job ends within 60 s");
+    assert!(
+        matches!(failed, Err(exchange::Error::WorkerLost { worker: 1, .. })),
+        "{failed:?}"
+    );
+    assert!(!cluster.driver.is_alive(1), "suspected");
+    // It answers again: the next job clears it and runs on all three, exactly.
+    signal("-CONT");
+    let parts = tokio::time::timeout(Duration::from_secs(60), run(input.clone()))
+        .await
+        .expect("the job ends within 60 s")
+        .unwrap();
+    assert_eq!(checksum(&parts.concat()), checksum(&input));
+    assert!(cluster.driver.is_alive(1), "cleared");
+    assert_eq!(
+        cluster.driver.generation(1),
+        0,
+        "the same process, not a replacement"
+    );
+}

@@ -1,6 +1,8 @@
 //! The live set: a lost worker's slot gets a replacement process (the local cluster starts
 //! it, see [`Driver::set_replacer`]) that the driver puts in place after a health check; work
-//! that needs every worker waits for it ([`Driver::wait_all_live`]).
+//! that needs every worker waits for it ([`Driver::wait_all_live`]). On a cluster that does
+//! not replace workers a lost worker is only suspected: the job that found it lost fails, and
+//! once it answers a health check again (it was paused or starved) it is cleared.
 
 use super::{lock, Driver, Replacer};
 use crate::error::{Error, Result};
@@ -89,7 +91,20 @@ impl Driver {
             let dead = (0..self.num_workers()).find(|&i| !self.is_alive(i));
             let Some(i) = dead else { return Ok(()) };
             if lock(&self.replacer).is_none() {
-                return Err(self.lost(i, "lost earlier; no replacement on this cluster".into()));
+                // Not replaced: only suspected. A worker that answers again (it was paused or
+                // starved) is cleared: its process and blocks are the same, and nothing ran
+                // again in its place (recovery needs a replacer).
+                let client = self.worker(i)?;
+                if let Err(e) = client.health(self.cfg.health_timeout).await {
+                    return Err(self.lost(
+                        i,
+                        format!("lost earlier, no replacement on this cluster; still: {e}"),
+                    ));
+                }
+                self.alive[i].store(true, Ordering::SeqCst);
+                self.live.send_modify(|v| *v += 1);
+                tracing::warn!(worker = i, "a worker found lost answers again: cleared");
+                continue;
             }
             let changed = tokio::time::timeout_at(deadline, rx.changed()).await;
             if !matches!(changed, Ok(Ok(()))) {

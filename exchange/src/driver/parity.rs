@@ -258,8 +258,8 @@ impl Driver {
                 if lost_members.contains(&i) {
                     continue;
                 }
-                if !shards.contains_key(&w) {
-                    shards.insert(w, self.fetch_shard(w, &blocks[w]).await?);
+                if let std::collections::hash_map::Entry::Vacant(e) = shards.entry(w) {
+                    e.insert(self.fetch_shard(w, &blocks[w]).await?);
                 }
                 let shard = &shards[&w];
                 present.push((i, shard[parity::piece(shard.len(), k, j)].to_vec()));
