@@ -1,6 +1,7 @@
 //! The live set: a lost worker's slot gets a replacement process (the local cluster starts
 //! it, see [`Driver::set_replacer`]) that the driver puts in place after a health check; work
-//! that needs every worker waits for it ([`Driver::wait_all_live`]). On a cluster that does
+//! that needs every worker waits for it ([`Driver::wait_all_live`]). Calls that fail are
+//! classified here: a worker that does not answer a health check is lost. On a cluster that does
 //! not replace workers a lost worker is only suspected: the job that found it lost fails, and
 //! once it answers a health check again (it was paused or starved) it is cleared.
 
@@ -113,6 +114,85 @@ impl Driver {
                     format!("lost earlier; its replacement was not up within {timeout:?}"),
                 ));
             }
+        }
+    }
+
+    pub(super) fn lost(&self, worker: usize, reason: String) -> Error {
+        let was_alive = self.alive[worker].swap(false, Ordering::SeqCst);
+        let lost_blocks = self.blocks_on(worker).len();
+        // Logged once, when the worker is first found lost (every task that was waiting on it
+        // reports the loss too, at debug level).
+        let addr = self.worker(worker).map(|w| w.addr).unwrap_or_default();
+        if was_alive {
+            tracing::warn!(worker, %addr, %reason, lost_blocks, "worker lost");
+            self.start_replacement(worker);
+        } else {
+            tracing::debug!(worker, %reason, "worker already lost");
+        }
+        Error::WorkerLost {
+            worker,
+            addr,
+            reason,
+            lost_blocks,
+        }
+    }
+
+    /// Turn a failed call into `WorkerLost` when the worker no longer answers health checks.
+    pub async fn classify(&self, err: Error) -> Error {
+        let worker = match &err {
+            Error::Remote { worker, code, .. }
+                if !matches!(
+                    code,
+                    tonic::Code::InvalidArgument
+                        | tonic::Code::NotFound
+                        | tonic::Code::DataLoss
+                        | tonic::Code::Unauthenticated
+                        | tonic::Code::ResourceExhausted
+                        | tonic::Code::FailedPrecondition
+                ) =>
+            {
+                *worker
+            }
+            Error::Timeout { .. } => match self.first_dead().await {
+                Some((w, reason)) => return self.lost(w, format!("{reason}; after: {err}")),
+                None => return err,
+            },
+            _ => return err,
+        };
+        if !self.is_alive(worker) {
+            return self.lost(worker, err.to_string());
+        }
+        let client = match self.worker(worker) {
+            Ok(c) => c,
+            Err(_) => return err,
+        };
+        match client.health(self.cfg.health_timeout).await {
+            // The worker that answered is alive, but the failure may be a peer's it was
+            // talking to (a push, a read): name a lost peer as the cause when there is one.
+            Ok(_) => match self.first_dead().await {
+                Some((w, reason)) => self.lost(w, format!("{reason}; after: {err}")),
+                None => err,
+            },
+            Err(h) => self.lost(worker, format!("{err}; health check: {h}")),
+        }
+    }
+
+    async fn first_dead(&self) -> Option<(usize, String)> {
+        let clients = self.clients();
+        let checks = clients
+            .iter()
+            .map(|w| async move { (w.index, w.health(self.cfg.health_timeout).await) });
+        futures::future::join_all(checks)
+            .await
+            .into_iter()
+            .find_map(|(i, r)| r.err().map(|e| (i, format!("health check failed: {e}"))))
+    }
+
+    /// Check every worker once; the first that does not answer is reported lost.
+    pub async fn check_health(&self) -> Result<()> {
+        match self.first_dead().await {
+            Some((w, reason)) => Err(self.lost(w, reason)),
+            None => Ok(()),
         }
     }
 }
