@@ -103,6 +103,8 @@ def test_bad_arguments_are_clear_errors(cluster):
         cluster.shuffle([1, 2, 3], by="key")
     with pytest.raises(ValueError, match="needs key columns"):
         cluster.shuffle(df, partitioner="hash")
+    with pytest.raises(ValueError, match="at most 65536"):
+        list(cluster.shuffle(df, by="key", partitions=2**31))
     with pytest.raises(ValueError, match="byte size"):
         fs.parse_bytes("lots")
     assert fs.parse_bytes("1.5KiB") == 1536

@@ -260,9 +260,16 @@ pub fn encode_schema(schema: &Schema) -> Result<Bytes> {
 }
 
 pub fn decode_schema(bytes: &[u8]) -> Result<SchemaRef> {
-    let reader = StreamReader::try_new(std::io::Cursor::new(bytes), None)
-        .map_err(|e| Error::invalid(format!("bad IPC schema: {e}")))?;
-    Ok(reader.schema())
+    // Schemas come from the network: a malformed one must be an error, even where arrow's
+    // flatbuffer decoding panics on it.
+    let decoded = std::panic::catch_unwind(|| {
+        StreamReader::try_new(std::io::Cursor::new(bytes), None).map(|r| r.schema())
+    });
+    match decoded {
+        Ok(Ok(schema)) => Ok(schema),
+        Ok(Err(e)) => Err(Error::invalid(format!("bad IPC schema: {e}"))),
+        Err(_) => Err(Error::invalid("bad IPC schema: it could not be decoded")),
+    }
 }
 
 /// Whether a view array's data buffers hold more than twice the bytes its views use.

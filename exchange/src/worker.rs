@@ -20,6 +20,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use subtle::ConstantTimeEq;
 use tokio::task::AbortHandle;
 
 /// Block reads a fold task keeps in flight.
@@ -590,7 +591,8 @@ pub async fn serve(
             .get(TOKEN_HEADER)
             .and_then(|v| v.to_str().ok())
         {
-            Some(v) if v == expected => Ok(req),
+            // In constant time: how long a wrong token takes to refuse tells nothing of it.
+            Some(v) if bool::from(v.as_bytes().ct_eq(expected.as_bytes())) => Ok(req),
             Some(_) => Err(tonic::Status::unauthenticated("wrong cluster token")),
             None => Err(tonic::Status::unauthenticated("missing cluster token")),
         }

@@ -293,6 +293,78 @@ async fn bad_requests_get_clear_statuses() {
     let err = cluster.driver.create_shuffle(&bad).await.unwrap_err();
     assert!(err.to_string().contains("missing"), "{err}");
     let _ = proto::Ticket::default().encode_to_vec();
+
+    // Bounded inputs: a partition count over the cap, on the driver and on the worker.
+    let huge = ShuffleSpec {
+        partitions: 1 << 31,
+        id: ShuffleId::random(),
+        partitioner: partitioner::hash(&["k"]),
+        ..bad
+    };
+    let err = cluster.driver.create_shuffle(&huge).await.unwrap_err();
+    assert!(err.to_string().contains("at most 65536"), "{err}");
+    let create = |partitions: u32, schema_ipc: Vec<u8>| proto::CreateShuffle {
+        shuffle_id: 7,
+        schema_ipc,
+        partitions,
+        partitioner: Some(partitioner::hash(&["k"])),
+        combine: None,
+    };
+    let schema_ipc = exchange::block::encode_schema(&schema()).unwrap().to_vec();
+    let err = w
+        .create_shuffle(&create(u32::MAX, schema_ipc))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("at most 65536"), "{err}");
+    assert_eq!(code(err), tonic::Code::InvalidArgument);
+    // Garbage where a schema should be.
+    for garbage in [vec![], vec![0xff; 9], (0..200u8).collect::<Vec<_>>()] {
+        let err = w.create_shuffle(&create(2, garbage)).await.unwrap_err();
+        assert_eq!(code(err), tonic::Code::InvalidArgument);
+    }
+    // Map input whose buffers are compressed (they name the length to allocate): refused.
+    let lz4 = arrow::ipc::writer::IpcWriteOptions::default()
+        .try_with_compression(Some(arrow::ipc::CompressionType::LZ4_FRAME))
+        .unwrap();
+    let batch = RecordBatch::try_new(
+        schema(),
+        vec![
+            Arc::new(Int64Array::from(vec![1, 2, 3])),
+            Arc::new(StringArray::from(vec!["a", "b", "c"])),
+        ],
+    )
+    .unwrap();
+    let put = proto::PutCommand {
+        kind: Some(proto::put_command::Kind::Map(proto::MapTask {
+            shuffle_id: spec.id.0,
+            map_id: 9,
+            ..Default::default()
+        })),
+    };
+    let flights: Vec<arrow_flight::FlightData> =
+        arrow_flight::encode::FlightDataEncoderBuilder::new()
+            .with_options(lz4)
+            .with_flight_descriptor(Some(arrow_flight::FlightDescriptor::new_cmd(
+                put.encode_to_vec(),
+            )))
+            .build(futures::stream::iter(vec![Ok(batch)]))
+            .try_collect()
+            .await
+            .unwrap();
+    let mut req = tonic::Request::new(futures::stream::iter(flights));
+    req.metadata_mut()
+        .insert("authorization", token_hdr.parse().unwrap());
+    let status = match raw.do_put(req).await {
+        Err(s) => s,
+        Ok(r) => match r.into_inner().message().await {
+            Err(s) => s,
+            Ok(m) => panic!("a compressed map input must be refused, got {m:?}"),
+        },
+    };
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status}");
+    assert!(status.message().contains("compressed"), "{status}");
+    // The worker is still well.
+    w.health(Duration::from_secs(5)).await.unwrap();
 }
 
 /// Streaming strategy: one partial result per round, the row count folded so far grows with

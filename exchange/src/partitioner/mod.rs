@@ -73,6 +73,10 @@ fn sort_fields(schema: &Schema, keys: &[usize], descending: &[bool]) -> Vec<Sort
         .collect()
 }
 
+/// The most reduce partitions a shuffle may have: every map task and every worker keeps
+/// state per partition, so the count is checked before anything is allocated for it.
+pub const MAX_PARTITIONS: u32 = 1 << 16;
+
 impl Partitioner {
     /// Build from the protocol message. `seed` varies round-robin start offsets between maps.
     pub fn from_proto(
@@ -83,6 +87,12 @@ impl Partitioner {
     ) -> Result<Self> {
         if partitions == 0 {
             return Err(Error::invalid("a shuffle needs at least one partition"));
+        }
+        if partitions > MAX_PARTITIONS {
+            return Err(Error::invalid(format!(
+                "{partitions} partitions asked for; a shuffle has at most {MAX_PARTITIONS} \
+                 (every map task and worker keeps state per partition)"
+            )));
         }
         let kind = match &spec.kind {
             Some(proto::partitioner::Kind::Hash(h)) => {

@@ -80,10 +80,26 @@ impl WorkerService {
         first: FlightData,
         rest: Streaming<FlightData>,
     ) -> Result<proto::TaskResult> {
+        // Compressed buffers are refused before arrow decodes them: a compressed buffer
+        // names its decompressed length, which arrow would allocate as claimed. Drivers send
+        // map input uncompressed (the loopback or LAN is faster than a codec).
         let data = futures::stream::once(async move { Ok(first) })
-            .chain(rest.map_err(|s| arrow_flight::error::FlightError::Tonic(Box::new(s))));
-        let input = FlightRecordBatchStream::new_from_flight_data(data)
-            .map_err(|e| Error::Cancelled(format!("map input stream broke before its end: {e}")));
+            .chain(rest.map_err(|s| arrow_flight::error::FlightError::Tonic(Box::new(s))))
+            .and_then(|m| async move {
+                uncompressed(&m)
+                    .map_err(|e| arrow_flight::error::FlightError::ExternalError(Box::new(e)))?;
+                Ok(m)
+            });
+        let input = FlightRecordBatchStream::new_from_flight_data(data).map_err(|e| match e {
+            // Input refused here keeps its own error (and status).
+            arrow_flight::error::FlightError::ExternalError(inner) => {
+                match inner.downcast::<Error>() {
+                    Ok(refused) => *refused,
+                    Err(other) => Error::Cancelled(format!("map input stream broke: {other}")),
+                }
+            }
+            e => Error::Cancelled(format!("map input stream broke before its end: {e}")),
+        });
         self.state.run_map(task, Box::pin(input)).await
     }
 
@@ -148,6 +164,31 @@ impl WorkerService {
         }
         Ok(out)
     }
+}
+
+/// Refuse a Flight message whose IPC header says its buffers are compressed (map input).
+fn uncompressed(m: &FlightData) -> Result<()> {
+    if m.data_header.is_empty() {
+        return Ok(());
+    }
+    let msg = arrow::ipc::root_as_message(&m.data_header)
+        .map_err(|e| Error::invalid(format!("malformed IPC message header: {e}")))?;
+    let compressed = match msg.header_type() {
+        arrow::ipc::MessageHeader::RecordBatch => msg
+            .header_as_record_batch()
+            .is_some_and(|b| b.compression().is_some()),
+        arrow::ipc::MessageHeader::DictionaryBatch => msg
+            .header_as_dictionary_batch()
+            .and_then(|d| d.data())
+            .is_some_and(|b| b.compression().is_some()),
+        _ => false,
+    };
+    if compressed {
+        return Err(Error::invalid(
+            "compressed IPC buffers are not accepted as map input: send them uncompressed",
+        ));
+    }
+    Ok(())
 }
 
 /// Pieces a raw block is sent in (well under the message size limit).
