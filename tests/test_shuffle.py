@@ -215,3 +215,30 @@ def test_a_one_chunk_frame_is_cut_into_several_map_tasks(cluster):
     # ~6.7 MB in 256 KiB maps: one map task before frames were cut, 19 now.
     maps = result.wait_mapped()["maps"]
     assert maps >= 10, maps
+
+
+def test_connection_info_reaches_workers_and_the_token_stays_out_of_their_environment(cluster):
+    """A pyarrow Flight client with the token from connection_info() is served; without it,
+    or with another, it is refused; the workers never had the token in their environment
+    (user code there could read it)."""
+    from pyarrow import flight
+
+    info = cluster.connection_info()
+    assert info["ca"] is None and len(info["addresses"]) == cluster.workers
+    client = flight.FlightClient(f"grpc://{info['addresses'][0]}")
+    good = flight.FlightCallOptions(
+        headers=[(b"authorization", f"Bearer {info['token']}".encode())]
+    )
+    assert list(client.do_action(flight.Action("health", b""), options=good))
+    for headers in ([], [(b"authorization", b"Bearer not-the-token")]):
+        with pytest.raises(flight.FlightUnauthenticatedError):
+            list(
+                client.do_action(
+                    flight.Action("health", b""), flight.FlightCallOptions(headers=headers)
+                )
+            )
+    for pid in cluster.worker_pids:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read()
+        assert info["token"].encode() not in environ
+        assert b"FLIGHTSHUFFLE_TOKEN" not in environ

@@ -6,7 +6,7 @@
 use crate::driver::{Driver, DriverConfig};
 use crate::error::{Error, Result};
 use crate::worker::{READY_LINE, TOKEN_ENV};
-use std::io::BufRead;
+use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
@@ -98,12 +98,27 @@ impl Launcher {
             .arg("--timeout-secs")
             .arg(self.rpc_timeout.as_secs().max(1).to_string())
             .arg("--exit-with-stdin")
-            .env(TOKEN_ENV, &self.token)
+            .arg("--token-stdin")
+            .env_remove(TOKEN_ENV)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .map_err(|e| Error::Cluster(format!("cannot start worker {:?}: {e}", self.program)))?;
+        // The token goes on the worker's stdin, which stays open (the worker exits when it
+        // closes): not in its environment, where its user code would see it.
+        let sent = child.stdin.as_mut().map(|stdin| {
+            stdin
+                .write_all(format!("{}\n", self.token).as_bytes())
+                .and_then(|_| stdin.flush())
+        });
+        if !matches!(sent, Some(Ok(()))) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(Error::Cluster(format!(
+                "cannot pass the token to worker {i}: {sent:?}"
+            )));
+        }
         let stdout = child.stdout.take();
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {

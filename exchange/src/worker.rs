@@ -65,6 +65,11 @@ pub struct WorkerArgs {
     /// Exit when standard input closes (the driver that started this worker is gone).
     #[arg(long)]
     pub exit_with_stdin: bool,
+    /// Read the cluster token from the first line of standard input (how the local cluster
+    /// passes it: not in the environment, where user code on the worker would see it).
+    /// Without it, the token is read from `$FLIGHTSHUFFLE_TOKEN`.
+    #[arg(long)]
+    pub token_stdin: bool,
 }
 
 /// Everything a worker's Flight service shares.
@@ -565,7 +570,7 @@ pub async fn serve(
 ) -> Result<()> {
     if token.is_empty() {
         return Err(Error::invalid(format!(
-            "the worker needs a token in ${TOKEN_ENV}"
+            "the worker needs a token: in ${TOKEN_ENV}, or on stdin with --token-stdin"
         )));
     }
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -654,7 +659,15 @@ pub fn main_with_args(argv: Vec<String>, sources: SourceRegistry) -> Result<()> 
     let args = WorkerArgs::try_parse_from(argv).map_err(|e| Error::invalid(e.to_string()))?;
     limit_malloc_arenas();
     init_logging();
-    let token = std::env::var(TOKEN_ENV).unwrap_or_default();
+    let token = if args.token_stdin {
+        let mut line = String::new();
+        std::io::stdin()
+            .read_line(&mut line)
+            .map_err(|e| Error::Cluster(format!("cannot read the token from stdin: {e}")))?;
+        line.trim().to_string()
+    } else {
+        std::env::var(TOKEN_ENV).unwrap_or_default()
+    };
     if args.exit_with_stdin {
         let spill_dir = args.spill_dir.clone();
         std::thread::spawn(move || {

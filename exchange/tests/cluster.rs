@@ -219,15 +219,15 @@ async fn bad_requests_get_clear_statuses() {
         tonic::Code::NotFound
     );
     // Malformed ticket, through a client that carries the right token.
-    let token_hdr = {
-        let s = std::fs::read_to_string(format!("/proc/{}/environ", cluster.pids()[0])).unwrap();
-        let t = s
-            .split('\0')
-            .find_map(|kv| kv.strip_prefix("FLIGHTSHUFFLE_TOKEN="))
-            .unwrap()
-            .to_string();
-        format!("Bearer {t}")
-    };
+    let token_hdr = format!("Bearer {}", cluster.driver.token());
+    // The token reached the worker on its stdin, not in its environment (user code there
+    // must not see it).
+    let environ = std::fs::read_to_string(format!("/proc/{}/environ", cluster.pids()[0])).unwrap();
+    assert!(
+        !environ.contains(cluster.driver.token()),
+        "token in a worker's environment"
+    );
+    assert!(!environ.contains("FLIGHTSHUFFLE_TOKEN"));
     let mut req = tonic::Request::new(Ticket {
         ticket: vec![0x0a, 0xff, 0x01].into(),
     });

@@ -454,6 +454,13 @@ class Cluster:
             "rebuilt_blocks": rebuilt,
         }
 
+    def connection_info(self) -> dict[str, Any]:
+        """How to reach the workers with your own Flight client: ``addresses`` (``host:port``
+        strings), ``token`` (send it as ``authorization: Bearer <token>`` on every call) and
+        ``ca`` (PEM text of the certificate authority; None: the workers speak plaintext on
+        loopback). The token grants running code on every worker: keep it secret."""
+        return {"addresses": self.worker_addresses, "token": self._native.token(), "ca": None}
+
     @property
     def worker_addresses(self) -> list[str]:
         return list(self._native.worker_addresses())

@@ -303,6 +303,11 @@ impl NativeCluster {
         .unwrap_or_default()
     }
 
+    /// The cluster token (for advanced clients: every call carries `Bearer <token>`).
+    fn token(&self) -> Option<String> {
+        self.with(|c| c.driver.token().to_string())
+    }
+
     fn worker_addresses(&self) -> Vec<String> {
         self.with(|c| c.driver.addresses()).unwrap_or_default()
     }
