@@ -362,3 +362,37 @@ def test_parity_settings_are_checked():
         fs.Cluster(workers=1, parity=1)
     with pytest.raises(ValueError, match="parity must be 0, 1 or 2"):
         fs.Cluster(workers=3, parity=3)
+
+
+def test_a_full_spill_disk_is_a_clear_error_frees_its_space_and_the_next_job_works(tmp_path):
+    """Spill directories on an 8 MiB tmpfs, a shuffle that must spill more than that: a clear
+    error naming the full disk, no partition handed out, the space freed once the shuffle is
+    closed, and the next (smaller) shuffle on the same cluster is exact."""
+    import shutil
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        df = frame(400_000)
+        with fs.Cluster(workers=2, memory_budget="1MiB", spill_dir=str(mnt), timeout=60) as c:
+            result = c.shuffle(df, by="key", partitions=4, map_bytes="1MiB")
+            handed = []
+            with pytest.raises(fs.ShuffleError, match="(?i)no space|full") as err:
+                handed.extend(result)
+            assert handed == [], "nothing partial is returned"
+            result.close()
+            time.sleep(0.5)
+            used = shutil.disk_usage(mnt).used
+            assert used < 1 << 20, f"{used} bytes still used after the failed shuffle closed"
+            small = frame(20_000)
+            parts = [pl.from_arrow(p) for p in c.shuffle(small, by="key", partitions=4)]
+            assert_same_multiset(small, parts)
+        assert "No space left on device" in str(err.value), err.value
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
