@@ -292,7 +292,7 @@ impl WorkerState {
                     None
                 }
                 (false, Some(slot)) => Some(slot.take().ok_or_else(|| {
-                    Error::Cluster(format!(
+                    Error::Precondition(format!(
                         "reduce state of {shuffle} partition {} is busy or was lost by a \
                          failed fold",
                         m.partition

@@ -100,6 +100,17 @@ impl WorkerService {
             }
             e => Error::Cancelled(format!("map input stream broke before its end: {e}")),
         });
+        // Arrow panics on some malformed messages (a buffer slice past the body's end, an
+        // unknown type): that is bad input, not a failed task.
+        let input = std::panic::AssertUnwindSafe(input)
+            .catch_unwind()
+            .map(|item| match item {
+                Ok(r) => r,
+                Err(panic) => Err(Error::invalid(format!(
+                    "map input could not be decoded: {}",
+                    panic_message(&panic)
+                ))),
+            });
         self.state.run_map(task, Box::pin(input)).await
     }
 
@@ -164,6 +175,15 @@ impl WorkerService {
         }
         Ok(out)
     }
+}
+
+/// The message a panic carried, if it was a string.
+fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "a decoder panicked".into())
 }
 
 /// Refuse a Flight message whose IPC header says its buffers are compressed (map input).
