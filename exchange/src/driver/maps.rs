@@ -102,14 +102,16 @@ pub async fn run_maps_observed(
                 () => {{
                     driver.wait_all_live(crate::driver::REPLACE_TIMEOUT).await?;
                     if coded {
+                        // Rebuilt, never run again (the survivors hold the committed attempt).
                         driver.rebuild(spec.id).await?;
-                    }
-                    let done: Vec<u32> = done_maps.iter().copied().collect();
-                    for (map, input) in driver.forget_outputs(spec.id, &done)? {
-                        done_maps.remove(&map);
-                        out.maps.retain(|d| d.map != map);
-                        tracing::warn!(shuffle = %spec.id, map, "map output lost with its worker: running it again");
-                        start!(map, input);
+                    } else {
+                        let done: Vec<u32> = done_maps.iter().copied().collect();
+                        for (map, input) in driver.forget_outputs(spec.id, &done)? {
+                            done_maps.remove(&map);
+                            out.maps.retain(|d| d.map != map);
+                            tracing::warn!(shuffle = %spec.id, map, "map output lost with its worker: running it again");
+                            start!(map, input);
+                        }
                     }
                 }};
             }

@@ -172,6 +172,19 @@ impl Driver {
                 let put = self
                     .rebuild_map(shuffle, r, map, &coded, &lost, &data)
                     .await?;
+                // Recorded only if those processes are still the slots' live ones (a slot
+                // found lost meanwhile may have taken the puts on its old process).
+                if let Some(&(slot, _)) = onto
+                    .iter()
+                    .find(|&&(s, g)| self.generation(s) != g || !self.is_alive(s))
+                {
+                    return Err(Error::WorkerLost {
+                        worker: slot,
+                        addr: String::new(),
+                        reason: format!("lost while map {map} was rebuilt onto it"),
+                        lost_blocks: 0,
+                    });
+                }
                 self.rebuilt_map(shuffle, map, &onto, put);
                 Ok::<_, Error>(())
             }

@@ -211,6 +211,9 @@ fn uncompressed(m: &FlightData) -> Result<()> {
     Ok(())
 }
 
+/// The largest raw block a worker takes (blocks are far smaller: a map flushes at a few MiB).
+pub const RAW_BLOCK_LIMIT: u64 = 1 << 30;
+
 /// Pieces a raw block is sent in (well under the message size limit).
 pub const RAW_PIECE: usize = 1 << 20;
 
@@ -255,15 +258,15 @@ impl WorkerService {
             )));
         }
         self.state.store.shuffle_info(id.shuffle)?;
-        let cap = self.state.store.config().memory_budget.max(1 << 30);
-        if sent.bytes > cap {
+        let cap = RAW_BLOCK_LIMIT;
+        if sent.bytes > cap || first.data_body.len() as u64 > sent.bytes {
             return Err(Error::invalid(format!(
                 "raw block {id} claims {} bytes, over the {cap}-byte limit",
                 sent.bytes
             )));
         }
-        let mut data = Vec::with_capacity(sent.bytes as usize);
-        data.extend_from_slice(&first.data_body);
+        // Grown as the bytes arrive: a claimed size alone allocates nothing.
+        let mut data = first.data_body.to_vec();
         while let Some(msg) = rest
             .message()
             .await
@@ -286,18 +289,20 @@ impl WorkerService {
                 });
             }
         }
+        // Checked before it is stored: a bad put is refused alone (the attempt it names, maybe
+        // a committed one being rebuilt, is left as it was).
+        let actual = crc32c::crc32c(&data);
+        if actual != sent.crc32c || data.len() as u64 != sent.bytes {
+            return Err(Error::Checksum {
+                block: id,
+                expected: sent.crc32c,
+                actual,
+            });
+        }
         let store = self.state.store.clone();
         let meta = tokio::task::spawn_blocking(move || store.put(id, sent.rows, data.into()))
             .await
             .map_err(|e| Error::Cluster(format!("raw block store failed: {e}")))??;
-        if meta.crc32c != sent.crc32c || meta.bytes != sent.bytes {
-            self.state.store.abort(id.shuffle, id.map, id.attempt);
-            return Err(Error::Checksum {
-                block: id,
-                expected: sent.crc32c,
-                actual: meta.crc32c,
-            });
-        }
         Ok(proto::TaskResult {
             blocks: vec![(&meta).into()],
             ..Default::default()
