@@ -679,14 +679,39 @@ impl Driver {
         }
     }
 
-    /// Run a fold task on `worker` (streaming strategy): fold `blocks` of `partition` into
-    /// the partition's running state there and return the partial result.
-    pub async fn fold(
+    /// Fold round `round` of `partition` of `shuffle` (streaming strategy) on the partition's
+    /// owner (worker p mod N): the round's blocks of that partition, read from where `maps`
+    /// left them, into the partition's running state there; returns the partial result.
+    pub async fn fold_partition(
         &self,
-        worker: usize,
-        task: proto::FoldTask,
+        shuffle: ShuffleId,
+        partition: u32,
+        round: usize,
+        maps: &[MapDone],
+        reducer: &str,
+        payload: &[u8],
     ) -> Result<(SchemaRef, Vec<arrow::array::RecordBatch>, proto::FoldResult)> {
-        match self.worker(worker)?.fold(&task).await {
+        let addrs = self.addresses();
+        let blocks = maps
+            .iter()
+            .flat_map(|m| &m.blocks)
+            .filter(|b| b.meta.id.partition == partition)
+            .map(|b| proto::BlockLocation {
+                key: Some(b.meta.id.into()),
+                peer: addrs.get(b.worker).cloned().unwrap_or_default(),
+            })
+            .collect();
+        let task = proto::FoldTask {
+            shuffle_id: shuffle.0,
+            partition,
+            blocks,
+            reducer: reducer.to_string(),
+            payload: payload.to_vec(),
+            first: round == 0,
+            round: round as u32,
+        };
+        let owner = Placement::owner(partition, self.num_workers());
+        match self.worker(owner)?.fold(&task).await {
             Ok(r) => {
                 let (schema, batches) =
                     crate::block::decode_block(&bytes::Bytes::from(r.result_ipc.clone()))?;

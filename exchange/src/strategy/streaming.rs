@@ -8,7 +8,6 @@
 use super::{pull, AbortOnDrop, StrategyOptions};
 use crate::driver::{Driver, MapDone, MapInput, ShuffleSpec};
 use crate::error::{Error, Result};
-use crate::proto;
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use std::sync::Arc;
@@ -243,9 +242,10 @@ async fn rebuild(
         let done = &done;
         async move {
             for r in 0..upto {
-                let maps = done.get(r).cloned().unwrap_or_default();
-                let task = fold_task(driver, f, p, r, &maps);
-                driver.fold(p as usize % n, task).await?;
+                let maps = done.get(r).map_or(&[][..], |m| &m[..]);
+                driver
+                    .fold_partition(f.spec.id, p, r, maps, &f.reducer, &f.payload)
+                    .await?;
             }
             Ok::<_, Error>(())
         }
@@ -278,35 +278,6 @@ struct RoundInfo {
     start: Instant,
 }
 
-/// The fold of `partition` for round `round`: the round's blocks of that partition.
-fn fold_task(
-    driver: &Driver,
-    f: &FoldSpec,
-    partition: u32,
-    round: usize,
-    maps: &[MapDone],
-) -> proto::FoldTask {
-    let addrs = driver.addresses();
-    let blocks = maps
-        .iter()
-        .flat_map(|m| &m.blocks)
-        .filter(|b| b.meta.id.partition == partition)
-        .map(|b| proto::BlockLocation {
-            key: Some(b.meta.id.into()),
-            peer: addrs.get(b.worker).cloned().unwrap_or_default(),
-        })
-        .collect();
-    proto::FoldTask {
-        shuffle_id: f.spec.id.0,
-        partition,
-        blocks,
-        reducer: f.reducer.clone(),
-        payload: f.payload.clone(),
-        first: round == 0,
-        round: round as u32,
-    }
-}
-
 /// Fold one round's blocks: partition p on worker p mod N, all partitions at once.
 async fn fold_round(
     driver: &Arc<Driver>,
@@ -314,11 +285,8 @@ async fn fold_round(
     round: &RoundInfo,
     maps: Vec<MapDone>,
 ) -> Result<Partial> {
-    let n = driver.num_workers();
-    let folds = (0..f.spec.partitions).map(|p| {
-        let task = fold_task(driver, f, p, round.round, &maps);
-        driver.fold(p as usize % n, task)
-    });
+    let folds = (0..f.spec.partitions)
+        .map(|p| driver.fold_partition(f.spec.id, p, round.round, &maps, &f.reducer, &f.payload));
     let results = futures::future::try_join_all(folds).await?;
     let mut schema = None;
     let mut partitions = Vec::with_capacity(results.len());
