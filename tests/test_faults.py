@@ -81,6 +81,25 @@ def slow_reader(batches: int, rows: int, delay: float) -> pa.RecordBatchReader:
     return pa.RecordBatchReader.from_batches(schema, gen())
 
 
+def kill_after_the_map_side(c: fs.Cluster, victims: list[int], **opts) -> tuple[dict, dict]:
+    """Shuffle a 300k-row table, read its first partition, SIGKILL `victims`, read the rest:
+    every key once, no partition twice. Returns the recovery counts before the kill and the
+    map side's summary."""
+    df = pa.table({"key": list(range(300_000)), "v": [i % 7 for i in range(300_000)]})
+    result = c.shuffle(df, by="key", partitions=6, map_bytes="256KiB", **opts)
+    mapped = result.wait_mapped()
+    first = next(result)
+    before = c.recovery()
+    for victim in victims:
+        os.kill(c.worker_pids[victim], signal.SIGKILL)
+    parts = [first, *result]
+    assert result.partition_ids == list(range(6)), "no partition twice"
+    keys = sorted(k for p in parts for k in p["key"].to_pylist())
+    assert keys == list(range(300_000))
+    assert_keys_not_split([pl.from_arrow(p) for p in parts], ["key"])
+    return before, mapped
+
+
 @pytest.mark.parametrize(
     ("strategy", "seed"), [("pull", 1), ("merged", 2), ("push", 3), ("two-level", 4), ("auto", 5)]
 )
@@ -110,18 +129,7 @@ def test_worker_killed_at_a_random_moment_is_replaced_and_the_shuffle_stays_exac
         assert ids == list(range(200 * 20_000)), "every row exactly once"
         kill.join()
         # After the map side: the next partitions need the lost worker's blocks.
-        df = pa.table({"key": list(range(300_000)), "v": [i % 7 for i in range(300_000)]})
-        result = c.shuffle(df, by="key", partitions=6, map_bytes="256KiB", strategy=strategy)
-        result.wait_mapped()
-        first = next(result)
-        before = c.recovery()
-        victim2 = rng.randrange(3)
-        os.kill(c.worker_pids[victim2], signal.SIGKILL)
-        parts = [first, *result]
-        assert result.partition_ids == list(range(6)), "no partition twice"
-        keys = sorted(k for p in parts for k in p["key"].to_pylist())
-        assert keys == list(range(300_000))
-        assert_keys_not_split([pl.from_arrow(p) for p in parts], ["key"])
+        before, _ = kill_after_the_map_side(c, [rng.randrange(3)], strategy=strategy)
         after = c.recovery()
         assert after["replacements"] == before["replacements"] + 1
         if strategy in ("pull", "merged"):
@@ -147,19 +155,8 @@ def test_parity_rebuilds_a_killed_workers_blocks_without_running_maps_again(
     c = fs.Cluster(workers=3, timeout=60, parity=parity)
     pids = c.worker_pids
     try:
-        df = pa.table({"key": list(range(300_000)), "v": [i % 7 for i in range(300_000)]})
-        result = c.shuffle(df, by="key", partitions=6, map_bytes="256KiB")
-        mapped = result.wait_mapped()
+        before, mapped = kill_after_the_map_side(c, rng.sample(range(3), parity))
         assert mapped["strategy_choice"].startswith(f"parity {parity}"), mapped
-        first = next(result)
-        before = c.recovery()
-        for victim in rng.sample(range(3), parity):
-            os.kill(c.worker_pids[victim], signal.SIGKILL)
-        parts = [first, *result]
-        assert result.partition_ids == list(range(6)), "no partition twice"
-        keys = sorted(k for p in parts for k in p["key"].to_pylist())
-        assert keys == list(range(300_000))
-        assert_keys_not_split([pl.from_arrow(p) for p in parts], ["key"])
         after = c.recovery()
         assert after["rebuilt_blocks"] > before["rebuilt_blocks"], after
         assert after["recomputed_maps"] == before["recomputed_maps"], after

@@ -33,20 +33,43 @@ async fn start_paced(
     strategy: &str,
     pace: Duration,
 ) -> ShuffleJob {
-    let opts = ShuffleOptions {
+    let strategy = StrategyOptions::named(strategy).unwrap();
+    start_job(cluster, input, &options(partitions, strategy), pace).await
+}
+
+/// A hash shuffle on `k` into `partitions` under `strategy`.
+fn options(partitions: u32, strategy: StrategyOptions) -> ShuffleOptions {
+    ShuffleOptions {
         by: vec!["k".into()],
         partitions,
         partitioner: job::PartitionerKind::Hash,
         map_bytes: 60_000,
-        strategy: StrategyOptions::named(strategy).unwrap(),
-    };
+        strategy,
+    }
+}
+
+/// Pull with `parity` shards per stripe.
+fn with_parity(parity: u32) -> StrategyOptions {
+    StrategyOptions {
+        parity,
+        ..StrategyOptions::named("pull").unwrap()
+    }
+}
+
+/// Start a job of `input` with `opts`, one batch handed over every `pace`.
+async fn start_job(
+    cluster: &LocalCluster,
+    input: &[RecordBatch],
+    opts: &ShuffleOptions,
+    pace: Duration,
+) -> ShuffleJob {
     let owned: Vec<RecordBatch> = input.to_vec();
     let it: job::Input = Box::new(owned.into_iter().map(move |b| {
         std::thread::sleep(pace);
         Ok(b)
     }));
-    let (spec, it) = job::prepare(&schema(), it, &opts).unwrap();
-    ShuffleJob::start(cluster.driver.clone(), spec, it, &opts)
+    let (spec, it) = job::prepare(&schema(), it, opts).unwrap();
+    ShuffleJob::start(cluster.driver.clone(), spec, it, opts)
         .await
         .unwrap()
 }
@@ -206,31 +229,6 @@ async fn a_seal_after_an_unnoticed_loss_fails_and_repair_makes_it_whole() {
     assert_eq!(got, mapped.input);
 }
 
-/// A shuffle job with `parity` shards per stripe.
-async fn start_with_parity(
-    cluster: &LocalCluster,
-    input: &[RecordBatch],
-    partitions: u32,
-    parity: u32,
-) -> ShuffleJob {
-    let opts = ShuffleOptions {
-        by: vec!["k".into()],
-        partitions,
-        partitioner: job::PartitionerKind::Hash,
-        map_bytes: 60_000,
-        strategy: StrategyOptions {
-            parity,
-            ..StrategyOptions::named("pull").unwrap()
-        },
-    };
-    let owned: Vec<RecordBatch> = input.to_vec();
-    let it: job::Input = Box::new(owned.into_iter().map(Ok));
-    let (spec, it) = job::prepare(&schema(), it, &opts).unwrap();
-    ShuffleJob::start(cluster.driver.clone(), spec, it, &opts)
-        .await
-        .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parity_rebuilds_a_lost_workers_blocks_without_running_maps_again() {
     let _serial = SERIAL.lock().await;
@@ -244,7 +242,8 @@ async fn parity_rebuilds_a_lost_workers_blocks_without_running_maps_again() {
             cluster.driver.recomputed_maps(),
             cluster.driver.rebuilt_blocks(),
         );
-        let job = start_with_parity(&cluster, &input, 8, parity).await;
+        let opts = options(8, with_parity(parity));
+        let job = start_job(&cluster, &input, &opts, Duration::ZERO).await;
         let summary = job.mapped().await.unwrap();
         assert!(summary.maps >= 6, "{summary:?}");
         let (_, first) = job.next_partition().await.unwrap().unwrap();
@@ -279,25 +278,8 @@ async fn parity_rebuilds_committed_outputs_when_a_worker_dies_while_mapping() {
     let rebuilt = cluster.driver.rebuilt_blocks();
     // A slow producer (about 2 s): maps committed before the kill have their blocks on the
     // lost worker rebuilt from parity; those running then run again from the kept inputs.
-    let opts = ShuffleOptions {
-        by: vec!["k".into()],
-        partitions: 6,
-        partitioner: job::PartitionerKind::Hash,
-        map_bytes: 60_000,
-        strategy: StrategyOptions {
-            parity: 1,
-            ..StrategyOptions::named("pull").unwrap()
-        },
-    };
-    let owned = input.clone();
-    let it: job::Input = Box::new(owned.into_iter().map(|b| {
-        std::thread::sleep(Duration::from_millis(10));
-        Ok(b)
-    }));
-    let (spec, it) = job::prepare(&schema(), it, &opts).unwrap();
-    let job = ShuffleJob::start(cluster.driver.clone(), spec, it, &opts)
-        .await
-        .unwrap();
+    let opts = options(6, with_parity(1));
+    let job = start_job(&cluster, &input, &opts, Duration::from_millis(10)).await;
     tokio::time::sleep(Duration::from_millis(900)).await;
     cluster.kill_worker(1).unwrap();
     let mut parts = Vec::new();
@@ -333,13 +315,7 @@ async fn without_replacements_a_paused_worker_is_suspected_then_cleared() {
     let input = batches(20, 2_000);
     signal("-STOP");
     // The job that meets the paused worker fails with the loss, within the timeouts.
-    let opts = ShuffleOptions {
-        by: vec!["k".into()],
-        partitions: 6,
-        partitioner: job::PartitionerKind::Hash,
-        map_bytes: 60_000,
-        strategy: StrategyOptions::named("pull").unwrap(),
-    };
+    let opts = options(6, StrategyOptions::named("pull").unwrap());
     let run = |input: Vec<RecordBatch>| {
         let opts = opts.clone();
         let driver = cluster.driver.clone();

@@ -416,24 +416,8 @@ impl WorkerClient {
         let cmd = proto::PutCommand {
             kind: Some(proto::put_command::Kind::Block(meta.id.into())),
         };
-        let head: proto::BlockMeta = (&meta).into();
-        let pieces = data.len().div_ceil(super::server::RAW_PIECE).max(1);
-        let messages: Vec<FlightData> = (0..pieces)
-            .map(|i| {
-                let end = ((i + 1) * super::server::RAW_PIECE).min(data.len());
-                FlightData {
-                    flight_descriptor: (i == 0)
-                        .then(|| FlightDescriptor::new_cmd(cmd.encode_to_vec())),
-                    app_metadata: if i == 0 {
-                        head.encode_to_vec().into()
-                    } else {
-                        Default::default()
-                    },
-                    data_body: data.slice(i * super::server::RAW_PIECE..end),
-                    ..Default::default()
-                }
-            })
-            .collect();
+        let mut messages = super::server::raw_pieces(&meta, &data);
+        messages[0].flight_descriptor = Some(FlightDescriptor::new_cmd(cmd.encode_to_vec()));
         let mut client = self.client.clone();
         let call = async move {
             let mut results = client

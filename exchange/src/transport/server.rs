@@ -218,24 +218,23 @@ pub const RAW_BLOCK_LIMIT: u64 = 1 << 30;
 pub const RAW_PIECE: usize = 1 << 20;
 
 /// A raw block as Flight messages: its metadata with the first piece, then the other pieces.
-fn raw_messages(meta: crate::block::BlockMeta, data: bytes::Bytes) -> Stream<FlightData> {
-    let pieces = data.len().div_ceil(RAW_PIECE).max(1);
-    let head: proto::BlockMeta = (&meta).into();
-    let messages: Vec<Result<FlightData, Status>> = (0..pieces)
-        .map(|i| {
-            let end = ((i + 1) * RAW_PIECE).min(data.len());
-            Ok(FlightData {
-                app_metadata: if i == 0 {
-                    head.encode_to_vec().into()
-                } else {
-                    Default::default()
-                },
-                data_body: data.slice(i * RAW_PIECE..end),
-                ..Default::default()
-            })
+pub(crate) fn raw_pieces(meta: &crate::block::BlockMeta, data: &bytes::Bytes) -> Vec<FlightData> {
+    let head: proto::BlockMeta = meta.into();
+    (0..data.len().div_ceil(RAW_PIECE).max(1))
+        .map(|i| FlightData {
+            app_metadata: if i == 0 {
+                head.encode_to_vec().into()
+            } else {
+                Default::default()
+            },
+            data_body: data.slice(i * RAW_PIECE..((i + 1) * RAW_PIECE).min(data.len())),
+            ..Default::default()
         })
-        .collect();
-    futures::stream::iter(messages).boxed()
+        .collect()
+}
+
+fn raw_messages(meta: crate::block::BlockMeta, data: bytes::Bytes) -> Stream<FlightData> {
+    futures::stream::iter(raw_pieces(&meta, &data).into_iter().map(Ok)).boxed()
 }
 
 impl WorkerService {
