@@ -359,6 +359,12 @@ def test_parity_settings_are_checked():
         fs.Cluster(workers=1, parity=1)
     with pytest.raises(ValueError, match="parity must be 0, 1 or 2"):
         fs.Cluster(workers=3, parity=3)
+    with fs.Cluster(workers=2) as c:
+        table = pa.table({"k": [1, 2, 3]})
+        with pytest.raises(ValueError, match="at most 2 parity"):
+            c.shuffle(table, by="k", partitions=2, parity=3)
+        with pytest.raises(ValueError, match="parity=2 needs at least 3 workers"):
+            c.shuffle(table, by="k", partitions=2, parity=2)
 
 
 def test_a_full_spill_disk_is_a_clear_error_frees_its_space_and_the_next_job_works(tmp_path):

@@ -352,8 +352,11 @@ impl NativeCluster {
         parity: Option<u32>,
     ) -> PyResult<job::NativeShuffle> {
         let strategy = strategy.unwrap_or_else(|| self.strategy.strategy.to_string());
-        let reader = data.into_reader()?;
         let driver = self.driver()?;
+        let parity = parity.unwrap_or(self.strategy.parity);
+        exchange::parity::check(driver.num_workers(), parity)
+            .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+        let reader = data.into_reader()?;
         let opts = job::JobOptions {
             by,
             partitions,
@@ -362,7 +365,7 @@ impl NativeCluster {
             map_bytes,
             speculation: self.strategy.speculation,
             input_bytes,
-            parity: parity.unwrap_or(self.strategy.parity),
+            parity,
         };
         job::NativeShuffle::start(py, self.rt.clone(), driver, reader, opts)
     }
