@@ -138,8 +138,9 @@ def test_bad_sql_is_a_clear_error(data):
 @pytest.mark.parametrize(("q", "seed"), [(9, 1), (18, 2), (21, 3)])
 def test_a_query_whose_worker_is_killed_recovers_exactly(data, reference, q, seed):
     """SIGKILL a random worker at a random moment of a query (seeded): the lost worker is
-    replaced by a new process, the query runs again and equals DuckDB's answer, and the
-    cluster keeps working; no process is left after close."""
+    replaced by a new process, the query's stages are finished without starting it over
+    and it equals DuckDB's answer, and the cluster keeps working; no process is left after
+    close."""
     rng = random.Random(seed)
     c = fs.Cluster(workers=3, timeout=60)
     pids = c.worker_pids
@@ -154,6 +155,9 @@ def test_a_query_whose_worker_is_killed_recovers_exactly(data, reference, q, see
         got = c.sql(sql)
         assert tpch.compare(reference[q], got, ordered) is None
         killer.join()
+        # A loss during the query is recovered by finishing its stages, not by running it
+        # again whole.
+        assert c.recovery()["rerun_jobs"] == 0, c.recovery()
         # Whether the kill came during that query or after it, the next one is exact too.
         got = c.sql(sql)
         assert tpch.compare(reference[q], got, ordered) is None
@@ -167,7 +171,7 @@ def test_a_query_whose_worker_is_killed_recovers_exactly(data, reference, q, see
 def test_a_paused_worker_is_replaced_and_nothing_stale_is_read(data, reference):
     """SIGSTOP a worker mid-query for longer than the health timeout (10 s), then SIGCONT:
     the driver declares it lost, kills it (so it cannot come back with stale attempts),
-    starts a replacement and runs the query again: the answer equals DuckDB's."""
+    starts a replacement and finishes the query's stages: the answer equals DuckDB's."""
     c = fs.Cluster(workers=2, timeout=60)
     pids = c.worker_pids
     replacements: list[int] = []
@@ -189,6 +193,7 @@ def test_a_paused_worker_is_replaced_and_nothing_stale_is_read(data, reference):
         got = c.sql(sql)
         pauser.join()
         assert tpch.compare(reference[18], got, ordered) is None
+        assert c.recovery()["rerun_jobs"] == 0, c.recovery()
         replacements = c.worker_pids
         assert replacements[1] != pids[1]
         assert not alive(pids[1]), "the paused worker was killed, not left to come back"

@@ -184,6 +184,10 @@ pub struct Driver {
     calibration: tokio::sync::OnceCell<proto::Calibration>,
     /// Parity shuffles and their committed maps ([`parity`]).
     parity: Mutex<parity::ParityState>,
+    /// Held (read) by each commit in progress; [`Driver::settle`] waits for them to end.
+    committing: Arc<tokio::sync::RwLock<()>>,
+    /// Jobs (queries) run again whole after a lost worker, their partial results dropped.
+    reruns: std::sync::atomic::AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -229,6 +233,8 @@ impl Driver {
             choices: Mutex::new(HashMap::new()),
             calibration: tokio::sync::OnceCell::new(),
             parity: Mutex::new(Default::default()),
+            committing: Default::default(),
+            reruns: Default::default(),
         }))
     }
 
@@ -535,55 +541,65 @@ impl Driver {
                     return Err(me.classify(e).await);
                 }
             };
-            let claimed = *lock(&me.claims).entry((shuffle, map)).or_insert(attempt) == attempt;
-            if !claimed {
-                // Another attempt of this map finished first: this one's blocks go.
-                me.cancel_on(&holders, &cancel).await;
-                return Err(Error::Superseded {
+            // Claiming, committing and recording run to their end even when the attempt's
+            // caller is dropped (its job failed elsewhere), so the driver's records always
+            // match what the workers committed: recovery relies on it ([`Driver::settle`]).
+            let committing = me.committing.clone().read_owned().await;
+            let inner = tokio::spawn(async move {
+                let _committing = committing;
+                let claimed = *lock(&me.claims).entry((shuffle, map)).or_insert(attempt) == attempt;
+                if !claimed {
+                    // Another attempt of this map finished first: this one's blocks go.
+                    me.cancel_on(&holders, &cancel).await;
+                    return Err(Error::Superseded {
+                        map,
+                        attempt,
+                        worker,
+                    });
+                }
+                // Commit on every worker holding blocks of the attempt: where it ran, and where
+                // it pushed blocks to.
+                let mut commits = vec![(worker, result.blocks.len() as u32)];
+                for p in &result.pushed {
+                    if p.worker as usize >= n || p.worker as usize == worker {
+                        lock(&me.claims).remove(&(shuffle, map));
+                        me.cancel_on(&holders, &cancel).await;
+                        return Err(Error::Cluster(format!(
+                            "map {map} reported blocks pushed to worker {} (cluster of {n})",
+                            p.worker
+                        )));
+                    }
+                    commits.push((p.worker as usize, p.blocks.len() as u32));
+                }
+                me.commit_on_holders(&commits, &cancel).await?;
+                // The committed attempt's lineage (a speculative copy that lost leaves none).
+                lock(&me.lineage).insert((shuffle, map), (worker, generation, lineage));
+                let mut blocks = me.record_blocks(shuffle, worker, &result, &[])?;
+                for p in &result.pushed {
+                    let pushed = proto::TaskResult {
+                        blocks: p.blocks.clone(),
+                        ..Default::default()
+                    };
+                    blocks.extend(me.record_blocks(shuffle, p.worker as usize, &pushed, &[])?);
+                }
+                me.record_coded(shuffle, map, attempt, generations, &mut blocks);
+                Ok(MapDone {
                     map,
                     attempt,
                     worker,
-                });
-            }
-            // Commit on every worker holding blocks of the attempt: where it ran, and where
-            // it pushed blocks to.
-            let mut commits = vec![(worker, result.blocks.len() as u32)];
-            for p in &result.pushed {
-                if p.worker as usize >= n || p.worker as usize == worker {
-                    lock(&me.claims).remove(&(shuffle, map));
-                    me.cancel_on(&holders, &cancel).await;
-                    return Err(Error::Cluster(format!(
-                        "map {map} reported blocks pushed to worker {} (cluster of {n})",
-                        p.worker
-                    )));
-                }
-                commits.push((p.worker as usize, p.blocks.len() as u32));
-            }
-            me.commit_on_holders(&commits, &cancel).await?;
-            // The committed attempt's lineage (a speculative copy that lost leaves none).
-            lock(&me.lineage).insert((shuffle, map), (worker, generation, lineage));
-            let mut blocks = me.record_blocks(shuffle, worker, &result, &[])?;
-            for p in &result.pushed {
-                let pushed = proto::TaskResult {
-                    blocks: p.blocks.clone(),
-                    ..Default::default()
-                };
-                blocks.extend(me.record_blocks(shuffle, p.worker as usize, &pushed, &[])?);
-            }
-            me.record_coded(shuffle, map, attempt, generations, &mut blocks);
-            Ok(MapDone {
-                map,
-                attempt,
-                worker,
-                blocks,
-                input: Checksum {
-                    rows: result.input_rows,
-                    sum: result.input_checksum,
-                },
-                input_bytes: result.input_bytes,
-                spilled_bytes: result.spilled_bytes,
-                committed_at: std::time::Instant::now(),
-            })
+                    blocks,
+                    input: Checksum {
+                        rows: result.input_rows,
+                        sum: result.input_checksum,
+                    },
+                    input_bytes: result.input_bytes,
+                    spilled_bytes: result.spilled_bytes,
+                    committed_at: std::time::Instant::now(),
+                })
+            });
+            inner
+                .await
+                .map_err(|e| Error::Cluster(format!("committing map {map} failed: {e}")))?
         })
     }
 

@@ -450,6 +450,7 @@ async fn run(
             Err(e) if recoveries < MAX_RECOVERIES && worker_lost(&driver, &e, replacements) => {
                 tracing::warn!(shuffle = %spec.id, error = %e, "worker lost during the map side: running it again");
                 recoveries += 1;
+                driver.note_rerun();
                 replacements = driver.replacements();
                 continue 'shuffle;
             }
@@ -480,6 +481,7 @@ async fn run(
                         }
                         Err(r) => {
                             tracing::warn!(shuffle = %spec.id, error = %r, "worker lost while reading: running the shuffle again");
+                            driver.note_rerun();
                             replacements = driver.replacements();
                             first = p;
                             continue 'shuffle;

@@ -446,12 +446,14 @@ class Cluster:
     def recovery(self) -> dict[str, int]:
         """What worker loss cost so far: ``replacements`` (lost workers given a new process),
         ``recomputed_maps`` (map outputs run again from their lineage because the worker
-        holding them was lost) and ``rebuilt_blocks`` (blocks rebuilt from parity)."""
-        replacements, recomputed, rebuilt = self._native.recovery()
+        holding them was lost), ``rebuilt_blocks`` (blocks rebuilt from parity) and
+        ``rerun_jobs`` (jobs run again whole: a loss their stages could not recover from)."""
+        replacements, recomputed, rebuilt, reruns = self._native.recovery()
         return {
             "replacements": replacements,
             "recomputed_maps": recomputed,
             "rebuilt_blocks": rebuilt,
+            "rerun_jobs": reruns,
         }
 
     def connection_info(self) -> dict[str, Any]:

@@ -186,6 +186,7 @@ def trial(
         "replacements": rec["replacements"],
         "recomputed_maps": rec["recomputed_maps"],
         "rebuilt_blocks": rec["rebuilt_blocks"],
+        "rerun_jobs": rec["rerun_jobs"],
         "spilled_bytes": spilled,
         "error": error,
     }
@@ -215,6 +216,7 @@ def run_trials(
             "mean_clean_s": round(statistics.mean(r["clean_s"] for r in rows), 3),
             "recomputed_maps": sum(r["recomputed_maps"] for r in rows),
             "rebuilt_blocks": sum(r["rebuilt_blocks"] for r in rows),
+            "rerun_jobs": sum(r["rerun_jobs"] for r in rows),
             "runs": rows,
         }
     return out

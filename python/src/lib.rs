@@ -294,11 +294,17 @@ impl NativeCluster {
         self.with(|c| c.pids()).unwrap_or_default()
     }
 
-    /// Lost workers replaced, map outputs recomputed and blocks rebuilt from parity so far.
-    fn recovery(&self) -> (u64, u64, u64) {
+    /// Lost workers replaced, map outputs recomputed, blocks rebuilt from parity and jobs
+    /// run again whole so far.
+    fn recovery(&self) -> (u64, u64, u64, u64) {
         self.with(|c| {
             let d = &c.driver;
-            (d.replacements(), d.recomputed_maps(), d.rebuilt_blocks())
+            (
+                d.replacements(),
+                d.recomputed_maps(),
+                d.rebuilt_blocks(),
+                d.reruns(),
+            )
         })
         .unwrap_or_default()
     }

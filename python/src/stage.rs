@@ -121,6 +121,7 @@ pub async fn run_stage(
                     && job::worker_lost(driver, &e, replacements) =>
             {
                 recoveries += 1;
+                driver.note_rerun();
             }
             Err(e) => return Err(e),
         }

@@ -77,8 +77,8 @@ pub struct QueryResult {
     pub rpcs: u64,
 }
 
-/// How many times a query runs again after losing a worker (each time once the lost worker's
-/// replacement is up).
+/// How many times a query runs again whole after losing a worker its scheduler could not
+/// recover from (each time once the lost worker's replacement is up).
 pub const QUERY_RETRIES: u32 = 2;
 
 pub struct DistributedContext {
@@ -229,9 +229,11 @@ impl DistributedContext {
         if lower.starts_with("set ") {
             return self.set(sql, start).await;
         }
-        // A query that fails because a worker was lost runs again, whole, once the lost
-        // worker's replacement is up (the local cluster replaces lost workers): queries read
-        // their inputs again, so nothing is counted twice. At most QUERY_RETRIES times.
+        // A worker lost while the stages run is recovered by the scheduler (only the missing
+        // maps run again, see `exchange::scheduler`). If that fails too (lost again and
+        // again, or while planning), the query runs again, whole, once the lost worker's
+        // replacement is up: it reads its inputs again, so nothing is counted twice. At most
+        // QUERY_RETRIES times.
         let mut retries = 0;
         let (staged, batches, stages) = loop {
             // Plans and tasks name the workers' addresses: a lost worker's replacement (found
@@ -249,6 +251,7 @@ impl DistributedContext {
                 Ok(done) => break done,
                 Err(e) if retries < QUERY_RETRIES && self.recoverable(&e, replacements) => {
                     retries += 1;
+                    self.driver.note_rerun();
                     tracing::warn!(error = %e, retries, "worker lost during a query: running it again");
                 }
                 Err(e) => return Err(e),
@@ -358,17 +361,38 @@ impl DistributedContext {
         let rpcs_before = self.rpcs().await;
         let skew = self.skew_config();
         let combine = self.options().combine;
+        let shuffle_of = |stage: &u32| {
+            staged
+                .stages
+                .iter()
+                .find(|s| s.id() == *stage)
+                .map(|s| s.writer.shuffle)
+        };
         let runs = staged
             .stages
             .iter()
-            .map(|s| self.stage_run(s, &skew, combine))
+            .map(|s| {
+                let mut run = self.stage_run(s, &skew, combine)?;
+                run.reads = s.inputs.iter().filter_map(shuffle_of).collect();
+                Ok(run)
+            })
             .collect::<Result<Vec<_>>>()?;
-        let root = async {
+        let root_reads: Vec<_> = staged.root_inputs.iter().filter_map(shuffle_of).collect();
+        // Made again when a lost worker's stages were finished (the first one's rows dropped).
+        let root = || async {
             collect(staged.root.clone(), self.task_ctx())
                 .await
-                .map_err(|e| exchange::Error::Task(e.to_string()))
+                .map_err(root_error)
         };
-        let result = run_pipelined(&self.driver, runs, root, started, self.strategy_options).await;
+        let result = run_pipelined(
+            &self.driver,
+            runs,
+            &root_reads,
+            root,
+            started,
+            self.strategy_options,
+        )
+        .await;
         let drops = staged
             .stages
             .iter()
@@ -454,6 +478,8 @@ impl DistributedContext {
                 inputs: tasks.inputs(writer)?,
                 strategy,
                 deferred: None,
+                reads: Vec::new(),
+                refresh: Some(Arc::new(refresh_workers)),
             });
         };
         let (writer, skew) = (writer.clone(), *skew);
@@ -477,6 +503,8 @@ impl DistributedContext {
                 after: probe,
                 decide: Box::new(decide),
             }),
+            reads: Vec::new(),
+            refresh: Some(Arc::new(refresh_workers)),
         })
     }
 
@@ -539,6 +567,59 @@ impl TaskBuilder {
             })
             .collect())
     }
+}
+
+/// A failure of the driver's part as an exchange error: a lost worker, a failed call or a
+/// timeout underneath stays one (so the scheduler can tell a loss and recover); anything
+/// else is a task error.
+fn root_error(e: datafusion::error::DataFusionError) -> exchange::Error {
+    use exchange::Error as X;
+    let text = e.to_string();
+    let e = Error::from(e);
+    match e.exchange() {
+        Some(X::WorkerLost {
+            worker,
+            addr,
+            reason,
+            lost_blocks,
+        }) => X::WorkerLost {
+            worker: *worker,
+            addr: addr.clone(),
+            reason: reason.clone(),
+            lost_blocks: *lost_blocks,
+        },
+        Some(X::Remote {
+            worker,
+            addr,
+            code,
+            message,
+        }) => X::Remote {
+            worker: *worker,
+            addr: addr.clone(),
+            code: *code,
+            message: message.clone(),
+        },
+        Some(X::Timeout { what, seconds }) => X::Timeout {
+            what: what.clone(),
+            seconds: *seconds,
+        },
+        _ => X::Task(text),
+    }
+}
+
+/// A stage task made for the workers' addresses now (a lost worker's replacement has
+/// another); any other input as it is.
+fn refresh_workers(input: MapInput, workers: &[String]) -> MapInput {
+    let MapInput::Source(mut source) = input else {
+        return input;
+    };
+    if source.kind == STAGE_SOURCE {
+        if let Ok(mut task) = StageTask::decode(source.payload.as_slice()) {
+            task.workers = workers.to_vec();
+            source.payload = task.encode_to_vec();
+        }
+    }
+    MapInput::Source(source)
 }
 
 fn text_result(text: &str, seconds: f64) -> QueryResult {

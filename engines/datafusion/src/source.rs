@@ -48,7 +48,7 @@ pub struct StageTask {
 #[derive(Default)]
 pub struct StageSource {
     sessions: Mutex<HashMap<(Vec<String>, u32), SessionContext>>,
-    plans: Mutex<HashMap<ShuffleId, StagePlan>>,
+    plans: Mutex<HashMap<ShuffleId, (Vec<String>, StagePlan)>>,
 }
 
 /// A decoded stage plan and the session it runs in.
@@ -82,9 +82,14 @@ impl StageSource {
     /// The stage's plan instance on this worker, decoded by its first task.
     fn plan(&self, ctx: &TaskContext, task: &StageTask) -> exchange::Result<StagePlan> {
         // Held while decoding so concurrent first tasks of one stage share one instance.
+        // A task for other workers (a lost worker replaced since) decodes a fresh instance:
+        // one that read from the lost worker may hold its failure (a join's shared build
+        // side) and the old peers.
         let mut plans = lock(&self.plans);
-        if let Some(p) = plans.get(&ctx.shuffle) {
-            return Ok(p.clone());
+        if let Some((workers, p)) = plans.get(&ctx.shuffle) {
+            if *workers == task.workers {
+                return Ok(p.clone());
+            }
         }
         let session = self.session(ctx, task);
         let plan = physical_plan_from_bytes_with_extension_codec(
@@ -93,7 +98,10 @@ impl StageSource {
             &ExchangeCodec,
         )
         .map_err(|e| Error::invalid(format!("cannot decode stage plan: {e}")))?;
-        plans.insert(ctx.shuffle, (plan.clone(), session.clone()));
+        plans.insert(
+            ctx.shuffle,
+            (task.workers.clone(), (plan.clone(), session.clone())),
+        );
         Ok((plan, session))
     }
 }

@@ -258,6 +258,53 @@ impl Driver {
         Ok(reruns)
     }
 
+    /// Wait (a bounded time) until no map commit is in progress: every attempt the workers
+    /// committed is then in the driver's records, even one whose caller was dropped.
+    pub async fn settle(&self) {
+        let limit = self.config().rpc_timeout * 2;
+        let _ = tokio::time::timeout(limit, self.committing.write()).await;
+    }
+
+    /// The maps among `0..maps` of `shuffle` with no committed output on record (never
+    /// committed, or forgotten as lost), to run again; a claim left by an attempt whose commit
+    /// failed is cleared so a new attempt can commit. Call after [`Driver::settle`].
+    pub fn uncommitted(&self, shuffle: ShuffleId, maps: u32) -> Vec<u32> {
+        let lineage = lock(&self.lineage);
+        let mut claims = lock(&self.claims);
+        (0..maps)
+            .filter(|m| !lineage.contains_key(&(shuffle, *m)))
+            .inspect(|m| {
+                claims.remove(&(shuffle, *m));
+            })
+            .collect()
+    }
+
+    /// What the committed blocks on record of `shuffle` hold: (blocks, bytes, rows, bytes
+    /// of each of its `partitions`), parity blocks left out.
+    pub fn recorded(&self, shuffle: ShuffleId, partitions: u32) -> (usize, u64, u64, Vec<u64>) {
+        let mut per = vec![0u64; partitions as usize];
+        let (mut blocks, mut bytes, mut rows) = (0, 0, 0);
+        for b in lock(&self.blocks).get(&shuffle).into_iter().flatten() {
+            if let Some(p) = per.get_mut(b.meta.id.partition as usize) {
+                *p += b.meta.bytes;
+                blocks += 1;
+                bytes += b.meta.bytes;
+                rows += b.meta.rows;
+            }
+        }
+        (blocks, bytes, rows, per)
+    }
+
+    /// Count a job run again whole after a lost worker (its partial results dropped).
+    pub fn note_rerun(&self) {
+        self.reruns.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Jobs run again whole after lost workers, over the driver's life.
+    pub fn reruns(&self) -> u64 {
+        self.reruns.load(Ordering::SeqCst)
+    }
+
     /// `input` for a new attempt: a stage partition input names the current workers (a lost
     /// worker's replacement has another address).
     pub fn refresh(&self, input: MapInput) -> MapInput {

@@ -1,0 +1,132 @@
+//! The pipelined scheduler with real worker processes: a worker killed while a run's stages
+//! are half done is replaced, and the run goes on from where it was (only the missing maps
+//! run again), without starting over.
+
+use arrow::array::RecordBatch;
+use exchange::checksum::Checksum;
+use exchange::cluster::LocalCluster;
+use exchange::driver::{Driver, MapInput, ShuffleSpec};
+use exchange::gen::LineitemSlice;
+use exchange::scheduler::{run_pipelined, StageRun};
+use exchange::strategy::{Strategy, StrategyOptions};
+use futures::TryStreamExt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+mod common;
+use common::*;
+
+const MAPS: u64 = 6;
+const ROWS: u64 = 4_000;
+
+/// A stage of `MAPS` lineitem maps of `ROWS` rows each; their first attempts wait `delay_ms`.
+fn stage(first: u64, delay_ms: u64) -> (StageRun, Checksum) {
+    let mut spec: ShuffleSpec = lineitem_spec(false);
+    spec.partitions = 4;
+    let mut want = Checksum::default();
+    let inputs = (0..MAPS)
+        .map(|m| {
+            let from = first + m * ROWS;
+            let slice = LineitemSlice {
+                first_attempt_delay_ms: delay_ms,
+                first: from,
+                rows: ROWS,
+                seed: 7,
+                batch_rows: 1000,
+            };
+            for b in slice.batches() {
+                want.add(Checksum::of_batch(&b.unwrap()).unwrap());
+            }
+            MapInput::Source(lineitem_slice(from, ROWS, 1000, delay_ms))
+        })
+        .collect();
+    let run = StageRun {
+        spec,
+        inputs,
+        strategy: Strategy::Pull,
+        deferred: None,
+        reads: vec![],
+        refresh: None,
+    };
+    (run, want)
+}
+
+async fn read_all(driver: &Arc<Driver>, spec: &ShuffleSpec) -> exchange::Result<Checksum> {
+    let mut sum = Checksum::default();
+    for p in 0..spec.partitions {
+        let stream = driver.read_partition(spec.id, p, true).await?;
+        let batches: Vec<RecordBatch> = stream.try_collect().await?;
+        sum.add(checksum(&batches));
+    }
+    Ok(sum)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_lost_mid_run_reruns_only_the_missing_maps() {
+    let cluster = LocalCluster::start(config(3, 1 << 30)).await.unwrap();
+    let driver = cluster.driver.clone();
+    // Stage A is quick and sealed before the kill; stage B's first attempts wait 4 s, so all
+    // of its maps are unfinished when the worker goes.
+    let (a, want_a) = stage(0, 0);
+    let (b, want_b) = stage(MAPS * ROWS, 4_000);
+    let (spec_a, spec_b) = (a.spec.clone(), b.spec.clone());
+    let victim = cluster.pids()[1];
+    let calls = AtomicUsize::new(0);
+    let recomputed = driver.recomputed_maps();
+    let consumer = || async {
+        let call = calls.fetch_add(1, Ordering::SeqCst);
+        let got_a = read_all(&driver, &spec_a).await?;
+        if call == 0 {
+            let killed = std::process::Command::new("kill")
+                .args(["-9", &victim.to_string()])
+                .status()
+                .map(|s| s.success());
+            assert!(matches!(killed, Ok(true)), "kill -9 {victim}");
+        }
+        let got_b = read_all(&driver, &spec_b).await?;
+        Ok((got_a, got_b))
+    };
+    let started = Instant::now();
+    let ((got_a, got_b), reports) = run_pipelined(
+        &driver,
+        vec![a, b],
+        &[spec_a.id, spec_b.id],
+        consumer,
+        started,
+        StrategyOptions::named("pull").unwrap(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(got_a, want_a, "stage A exact");
+    assert_eq!(got_b, want_b, "stage B exact");
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        2,
+        "the consumer ran again once"
+    );
+    assert_eq!(driver.generation(1), 1, "worker 1 was replaced");
+    // Only A's outputs on the lost worker ran again; B's maps had not finished.
+    let lost = driver.recomputed_maps() - recomputed;
+    assert!(
+        lost > 0 && lost < MAPS,
+        "{lost} of {MAPS} lost outputs ran again"
+    );
+    assert!(
+        reports[0]
+            .strategy
+            .contains(&format!("{lost} lost map outputs ran again"))
+            && reports[0].strategy.contains("kept"),
+        "{:?}",
+        reports[0].strategy
+    );
+    assert!(
+        reports[1].strategy.contains("0 lost map outputs"),
+        "{:?}",
+        reports[1].strategy
+    );
+    assert_eq!(driver.reruns(), 0, "nothing ran again whole");
+    for s in [spec_a.id, spec_b.id] {
+        driver.drop_shuffle(s).await.unwrap();
+    }
+}
