@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import duckdb
 import flightshuffle as fs
@@ -224,8 +225,9 @@ def test_connection_info_reaches_workers_and_the_token_stays_out_of_their_enviro
     from pyarrow import flight
 
     info = cluster.connection_info()
-    assert info["ca"] is None and len(info["addresses"]) == cluster.workers
-    client = flight.FlightClient(f"grpc://{info['addresses'][0]}")
+    assert info["ca"].startswith("-----BEGIN CERTIFICATE")
+    assert len(info["addresses"]) == cluster.workers
+    client = flight.FlightClient(f"grpc+tls://{info['addresses'][0]}", tls_root_certs=info["ca"])
     good = flight.FlightCallOptions(
         headers=[(b"authorization", f"Bearer {info['token']}".encode())]
     )
@@ -242,3 +244,53 @@ def test_connection_info_reaches_workers_and_the_token_stays_out_of_their_enviro
             environ = f.read()
         assert info["token"].encode() not in environ
         assert b"FLIGHTSHUFFLE_TOKEN" not in environ
+
+
+def _health(location: str, token: str, **tls: Any) -> None:
+    from pyarrow import flight
+
+    client = flight.FlightClient(location, **tls)
+    options = flight.FlightCallOptions(
+        headers=[(b"authorization", f"Bearer {token}".encode())], timeout=10
+    )
+    try:
+        list(client.do_action(flight.Action("health", b""), options=options))
+    finally:
+        client.close()
+
+
+def test_tls_is_on_by_default_plaintext_and_unknown_cas_are_refused(cluster, tmp_path):
+    """Workers speak TLS only: a plaintext client and a TLS client that does not trust the
+    cluster's CA both fail, even with the token. Under mutual TLS a client without a
+    certificate is refused and one with the cluster's is served; a cluster started with
+    certificate files of its own works; tls=False runs plaintext."""
+    from pyarrow import flight
+
+    info = cluster.connection_info()
+    addr = info["addresses"][0]
+    _health(f"grpc+tls://{addr}", info["token"], tls_root_certs=info["ca"])
+    with pytest.raises(flight.FlightError):
+        _health(f"grpc://{addr}", info["token"])
+    with pytest.raises(flight.FlightError):
+        _health(f"grpc+tls://{addr}", info["token"])  # the system's CAs only
+
+    with fs.Cluster(workers=1, tls="mutual") as c:
+        m = c.connection_info()
+        loc = f"grpc+tls://{m['addresses'][0]}"
+        with pytest.raises(flight.FlightError):
+            _health(loc, m["token"], tls_root_certs=m["ca"])
+        _health(loc, m["token"], tls_root_certs=m["ca"], cert_chain=m["cert"], private_key=m["key"])
+        files = {}
+        for name in ("ca", "cert", "key"):
+            files[name] = tmp_path / f"{name}.pem"
+            files[name].write_text(m[name])
+    table = pa.table({"k": list(range(1000))})
+    for tls in (files, {**files, "mutual": True}, False):
+        with fs.Cluster(workers=2, tls=tls) as c:
+            got = pa.concat_tables(c.shuffle(table, by="k", partitions=3))
+            assert sorted(got["k"].to_pylist()) == list(range(1000)), tls
+            assert (c.connection_info()["ca"] is None) == (tls is False)
+    with pytest.raises(ValueError, match="tls"):
+        fs.Cluster(workers=1, tls="sometimes")
+    with pytest.raises(ValueError, match="missing"):
+        fs.Cluster(workers=1, tls={"ca": files["ca"]})

@@ -1,7 +1,7 @@
 //! The local cluster, the embedded default: N worker processes on this machine (loopback,
-//! ephemeral ports, a random token), started healthy and stopped on drop — also when the
-//! driver fails. Workers also exit by themselves when the driver process dies (their stdin
-//! closes).
+//! ephemeral ports, a random token, TLS with a CA made for the cluster), started healthy and
+//! stopped on drop — also when the driver fails. Workers also exit by themselves when the
+//! driver process dies (their stdin closes).
 
 use crate::driver::{Driver, DriverConfig};
 use crate::error::{Error, Result};
@@ -25,6 +25,30 @@ pub struct LocalClusterConfig {
     pub worker_command: Vec<String>,
     pub driver: DriverConfig,
     pub startup_timeout: Duration,
+    pub tls: TlsSetting,
+}
+
+/// How a local cluster's connections are secured.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TlsSetting {
+    /// Plaintext on loopback: the token and blocks in clear to anyone who can read it.
+    Off,
+    /// TLS with a CA and certificate made for this cluster at start (the default);
+    /// `mutual`: workers also ask their clients for a certificate signed by that CA.
+    Local { mutual: bool },
+    /// TLS with certificate files of your own (the certificate must name `127.0.0.1`).
+    Files {
+        ca: PathBuf,
+        cert: PathBuf,
+        key: PathBuf,
+        mutual: bool,
+    },
+}
+
+impl Default for TlsSetting {
+    fn default() -> Self {
+        TlsSetting::Local { mutual: false }
+    }
 }
 
 impl LocalClusterConfig {
@@ -37,6 +61,7 @@ impl LocalClusterConfig {
             worker_command,
             driver: DriverConfig::default(),
             startup_timeout: Duration::from_secs(60),
+            tls: TlsSetting::default(),
         }
     }
 }
@@ -56,6 +81,8 @@ pub struct LocalCluster {
     pub driver: Arc<Driver>,
     pub spill_root: PathBuf,
     _tempdir: Option<tempfile::TempDir>,
+    /// Where a made CA and certificate are (removed with the cluster).
+    _tls_dir: Option<tempfile::TempDir>,
 }
 
 /// How this cluster starts a worker process (the first ones, and replacements).
@@ -69,6 +96,8 @@ struct Launcher {
     rpc_timeout: Duration,
     token: String,
     startup_timeout: Duration,
+    /// TLS flags of every worker (empty: plaintext).
+    tls_args: Vec<String>,
 }
 
 impl Launcher {
@@ -99,6 +128,7 @@ impl Launcher {
             .arg(self.rpc_timeout.as_secs().max(1).to_string())
             .arg("--exit-with-stdin")
             .arg("--token-stdin")
+            .args(&self.tls_args)
             .env_remove(TOKEN_ENV)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -236,6 +266,46 @@ pub fn sweep_stale_roots(tmp: &Path, keep: &Path) -> usize {
     swept
 }
 
+/// The certificate files `setting` asks for (made in a private temporary directory for
+/// [`TlsSetting::Local`]), and whether TLS is mutual; `None`: plaintext.
+#[allow(clippy::type_complexity)]
+fn local_tls(
+    setting: &TlsSetting,
+) -> Result<(
+    Option<tempfile::TempDir>,
+    Option<(crate::transport::tls::LocalTls, bool)>,
+)> {
+    use crate::transport::tls::LocalTls;
+    match setting {
+        TlsSetting::Off => Ok((None, None)),
+        TlsSetting::Files {
+            ca,
+            cert,
+            key,
+            mutual,
+        } => {
+            let files = LocalTls {
+                ca: ca.clone(),
+                cert: cert.clone(),
+                key: key.clone(),
+            };
+            Ok((None, Some((files, *mutual))))
+        }
+        TlsSetting::Local { mutual } => {
+            let dir = tempfile::Builder::new()
+                .prefix("flightshuffle-tls-")
+                .tempdir()
+                .map_err(|e| Error::io(std::env::temp_dir(), e))?;
+            // Swept like a spill root if this process dies without removing it.
+            let owner = dir.path().join(OWNER_FILE);
+            std::fs::write(&owner, std::process::id().to_string())
+                .map_err(|e| Error::io(&owner, e))?;
+            let files = LocalTls::generate(dir.path())?;
+            Ok((Some(dir), Some((files, *mutual))))
+        }
+    }
+}
+
 impl LocalCluster {
     pub async fn start(cfg: LocalClusterConfig) -> Result<Self> {
         if cfg.workers == 0 {
@@ -263,7 +333,19 @@ impl LocalCluster {
             }
         };
         let token = format!("{:032x}", rand::random::<u128>());
+        let (tls_dir, tls) = local_tls(&cfg.tls)?;
+        let creds = crate::transport::Credentials {
+            token: token.clone(),
+            tls: match &tls {
+                Some((files, mutual)) => Some(files.client(*mutual)?),
+                None => None,
+            },
+        };
         let launcher = Launcher {
+            tls_args: tls
+                .as_ref()
+                .map(|(files, mutual)| files.worker_args(*mutual))
+                .unwrap_or_default(),
             program: program.clone(),
             lead: lead.to_vec(),
             memory_budget: cfg.memory_budget,
@@ -275,9 +357,10 @@ impl LocalCluster {
         };
         let mut cluster = LocalCluster {
             children: Arc::new(Mutex::new(Vec::new())),
-            driver: Driver::connect(&["127.0.0.1:1".into()], &token, cfg.driver.clone())?,
+            driver: Driver::connect(&["127.0.0.1:1".into()], &creds, cfg.driver.clone())?,
             spill_root: spill_root.clone(),
             _tempdir: tempdir,
+            _tls_dir: tls_dir,
         };
         // Start every worker, then wait for each to be ready (they start in parallel).
         let mut waiting = Vec::new();
@@ -297,7 +380,7 @@ impl LocalCluster {
             };
             addrs.push(launcher.ready(i, child, rx, deadline)?);
         }
-        cluster.driver = Driver::connect(&addrs, &token, cfg.driver.clone())?;
+        cluster.driver = Driver::connect(&addrs, &creds, cfg.driver.clone())?;
         cluster.driver.check_health().await?;
         // A lost worker is replaced by a new process in its slot (see `Driver::set_replacer`).
         let children = cluster.children.clone();

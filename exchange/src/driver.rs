@@ -149,7 +149,7 @@ pub struct Driver {
     /// Changes whenever a slot becomes live again (or its replacement failed).
     live: tokio::sync::watch::Sender<u64>,
     me: std::sync::Weak<Driver>,
-    token: String,
+    creds: crate::transport::Credentials,
     alive: Vec<AtomicBool>,
     cfg: DriverConfig,
     blocks: Mutex<HashMap<ShuffleId, Vec<BlockRef>>>,
@@ -195,23 +195,27 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Driver {
-    pub fn connect(addrs: &[String], token: &str, cfg: DriverConfig) -> Result<Arc<Self>> {
+    pub fn connect(
+        addrs: &[String],
+        creds: &crate::transport::Credentials,
+        cfg: DriverConfig,
+    ) -> Result<Arc<Self>> {
         if addrs.is_empty() {
             return Err(Error::invalid("a cluster needs at least one worker"));
         }
         let workers = addrs
             .iter()
             .enumerate()
-            .map(|(i, a)| WorkerClient::new(i, a, token, cfg.rpc_timeout))
+            .map(|(i, a)| WorkerClient::new(i, a, creds, cfg.rpc_timeout))
             .collect::<Result<Vec<_>>>()?;
         let reader = Arc::new(crate::transport::peers::PeerReader::with_clients(
-            token,
+            creds,
             cfg.rpc_timeout,
             &workers,
         ));
         Ok(Arc::new_cyclic(|me| Driver {
             reader,
-            token: token.to_string(),
+            creds: creds.clone(),
             alive: workers.iter().map(|_| AtomicBool::new(true)).collect(),
             generations: workers.iter().map(|_| Default::default()).collect(),
             replacer: Mutex::new(None),
@@ -244,7 +248,12 @@ impl Driver {
 
     /// The cluster token (engines hand it to in-process readers).
     pub fn token(&self) -> &str {
-        &self.token
+        &self.creds.token
+    }
+
+    /// How this driver dials workers (token, TLS).
+    pub fn credentials(&self) -> &crate::transport::Credentials {
+        &self.creds
     }
 
     /// Reads shuffle output on the driver over the driver's own connections.

@@ -70,6 +70,38 @@ pub struct WorkerArgs {
     /// Without it, the token is read from `$FLIGHTSHUFFLE_TOKEN`.
     #[arg(long)]
     pub token_stdin: bool,
+    /// Serve TLS with this PEM certificate (chain); needs `--tls-key` and `--tls-ca`.
+    #[arg(long, requires_all = ["tls_key", "tls_ca"])]
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM key of `--tls-cert`.
+    #[arg(long, requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// PEM of the CA that signed every worker's certificate: peers are verified with it.
+    #[arg(long, requires = "tls_cert")]
+    pub tls_ca: Option<PathBuf>,
+    /// Mutual TLS: clients must show a certificate signed by `--tls-ca` (this worker shows
+    /// its own to its peers).
+    #[arg(long, requires = "tls_cert")]
+    pub tls_client_auth: bool,
+    /// Allow plaintext on an address other than loopback (anyone on the network could read
+    /// the token and blocks).
+    #[arg(long)]
+    pub insecure: bool,
+}
+
+impl WorkerArgs {
+    /// The TLS this worker serves, if any.
+    pub fn tls(&self) -> Result<Option<crate::transport::tls::ServerTls>> {
+        match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
+            (Some(cert), Some(key), Some(ca)) => Ok(Some(
+                crate::transport::tls::ServerTls::from_files(cert, key, ca, self.tls_client_auth)?,
+            )),
+            (None, None, None) => Ok(None),
+            _ => Err(Error::invalid(
+                "TLS needs --tls-cert, --tls-key and --tls-ca together",
+            )),
+        }
+    }
 }
 
 /// Everything a worker's Flight service shares.
@@ -526,7 +558,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// Build the worker state from its arguments, the token and the address it advertises.
 pub fn build_state(
     args: &WorkerArgs,
-    token: String,
+    creds: &crate::transport::Credentials,
     sources: SourceRegistry,
     addr: String,
 ) -> Result<WorkerState> {
@@ -538,7 +570,7 @@ pub fn build_state(
     })?);
     let timeout = Duration::from_secs(args.timeout_secs.max(1));
     let reader = Arc::new(PeerReader::new(
-        &token,
+        creds,
         timeout,
         Some((addr.clone(), store.clone())),
     ));
@@ -573,18 +605,25 @@ pub async fn serve(
             "the worker needs a token: in ${TOKEN_ENV}, or on stdin with --token-stdin"
         )));
     }
+    let tls = args.tls()?;
+    if tls.is_none() && !args.listen.ip().is_loopback() && !args.insecure {
+        return Err(Error::invalid(format!(
+            "refusing to listen on {} without TLS: the token and every block would cross the \
+             network in clear (pass --tls-cert, --tls-key and --tls-ca, or --insecure)",
+            args.listen
+        )));
+    }
+    let creds = crate::transport::Credentials {
+        token: token.clone(),
+        tls: tls.as_ref().map(|t| t.client()),
+    };
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| Error::Cluster(format!("cannot listen on {}: {e}", args.listen)))?;
     let addr = listener
         .local_addr()
         .map_err(|e| Error::Cluster(format!("no local address: {e}")))?;
-    let state = Arc::new(build_state(
-        &args,
-        token.clone(),
-        sources,
-        addr.to_string(),
-    )?);
+    let state = Arc::new(build_state(&args, &creds, sources, addr.to_string())?);
     let expected = bearer(&token);
     let counted = state.clone();
     let check = move |req: tonic::Request<()>| -> Result<tonic::Request<()>, tonic::Status> {
@@ -610,7 +649,13 @@ pub async fn serve(
     // tonic applies `Server::tcp_nodelay` only when it binds the socket itself; with our own
     // listener the incoming stream must set it, or every small reply waits for a delayed ACK.
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-    tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = &tls {
+        server = server
+            .tls_config(tls.config())
+            .map_err(|e| Error::invalid(format!("bad TLS certificate or key: {e}")))?;
+    }
+    server
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .http2_keepalive_interval(Some(crate::transport::KEEPALIVE))

@@ -155,13 +155,7 @@ async fn killed_worker_fails_the_shuffle_quickly_names_it_and_is_replaced() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_clear_statuses() {
     let cluster = LocalCluster::start(config(1, 1 << 20)).await.unwrap();
-    let addr = cluster.driver.worker(0).unwrap().addr.clone();
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut raw = FlightServiceClient::new(channel);
+    let mut raw = raw_client(&cluster, 0).await;
     // No token, then a wrong one.
     let status = raw
         .do_action(Action {
@@ -657,4 +651,93 @@ async fn shuffle_jobs_keep_the_multiset_with_every_partitioner() {
     .unwrap();
     let err = job::conform(narrow, &schema()).err().unwrap();
     assert!(err.to_string().contains("columns"), "{err}");
+}
+
+/// A health call with the cluster token through `endpoint` (TLS as configured on it).
+async fn health_through(endpoint: tonic::transport::Endpoint, token: &str) -> Result<(), String> {
+    let channel = endpoint.connect().await.map_err(|e| format!("{e:?}"))?;
+    let mut req = tonic::Request::new(Action {
+        r#type: "health".into(),
+        body: Default::default(),
+    });
+    req.metadata_mut()
+        .insert("authorization", format!("Bearer {token}").parse().unwrap());
+    FlightServiceClient::new(channel)
+        .do_action(req)
+        .await
+        .map(|_| ())
+        .map_err(|s| format!("{s}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_is_on_by_default_and_refuses_plaintext_and_other_cas() {
+    use exchange::cluster::TlsSetting;
+    use exchange::transport::tls::{ClientTls, LocalTls};
+    use tonic::transport::Endpoint;
+    let cluster = LocalCluster::start(config(1, 1 << 20)).await.unwrap();
+    let tls = cluster
+        .driver
+        .credentials()
+        .tls
+        .clone()
+        .expect("TLS by default");
+    let token = cluster.driver.token().to_string();
+    let addr = cluster.driver.worker(0).unwrap().addr.clone();
+    let https = || Endpoint::from_shared(format!("https://{addr}")).unwrap();
+    // The cluster's CA and token: served.
+    health_through(https().tls_config(tls.config()).unwrap(), &token)
+        .await
+        .unwrap();
+    // Plaintext, even with the token: refused.
+    let plain = Endpoint::from_shared(format!("http://{addr}")).unwrap();
+    assert!(
+        health_through(plain, &token).await.is_err(),
+        "plaintext served"
+    );
+    // A client trusting another CA: the worker's certificate fails verification.
+    let dir = tempfile::tempdir().unwrap();
+    let other = LocalTls::generate(dir.path())
+        .unwrap()
+        .client(false)
+        .unwrap();
+    let err = health_through(https().tls_config(other.config()).unwrap(), &token)
+        .await
+        .unwrap_err();
+    assert!(err.contains("InvalidCertificate"), "{err}");
+
+    // Mutual TLS: the driver works; a client with the CA but no certificate is refused.
+    let mut cfg = config(1, 1 << 20);
+    cfg.tls = TlsSetting::Local { mutual: true };
+    let mutual = LocalCluster::start(cfg).await.unwrap();
+    mutual.driver.check_health().await.unwrap();
+    let creds = mutual.driver.credentials().tls.clone().unwrap();
+    assert!(creds.identity.is_some());
+    let addr = mutual.driver.worker(0).unwrap().addr.clone();
+    let ca_only = ClientTls {
+        ca: creds.ca.clone(),
+        identity: None,
+    };
+    let endpoint = Endpoint::from_shared(format!("https://{addr}"))
+        .unwrap()
+        .tls_config(ca_only.config())
+        .unwrap();
+    assert!(
+        health_through(endpoint, mutual.driver.token())
+            .await
+            .is_err(),
+        "a client without a certificate was served under mutual TLS"
+    );
+
+    // A worker refuses a non-loopback address without TLS, unless told it is insecure.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_flightshuffle-worker"))
+        .args(["--listen", "0.0.0.0:0", "--spill-dir"])
+        .arg(dir.path().join("spill"))
+        .env("FLIGHTSHUFFLE_TOKEN", "t")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("without TLS"),
+        "{stderr}"
+    );
 }

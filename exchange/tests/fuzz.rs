@@ -8,7 +8,6 @@
 //! design (its disk sample is capped at 256 MiB).
 
 use arrow::array::{Int64Array, RecordBatch, StringArray};
-use arrow_flight::flight_service_client::FlightServiceClient;
 use arrow_flight::{FlightData, FlightDescriptor, Ticket};
 use exchange::cluster::LocalCluster;
 use exchange::driver::ShuffleSpec;
@@ -228,13 +227,7 @@ async fn a_worker_survives_fuzzed_actions_tickets_and_puts() {
         .await
         .unwrap();
 
-    let addr = w.addr.clone();
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut raw = FlightServiceClient::new(channel);
+    let mut raw = raw_client(&cluster, 0).await;
     let auth = format!("Bearer {}", cluster.driver.token());
     let mut rng = SmallRng::seed_from_u64(seed);
     let deadline = Duration::from_secs(5);

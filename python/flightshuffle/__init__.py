@@ -145,6 +145,27 @@ class ShuffleResult:
         self.close()
 
 
+def _tls_setting(tls: Any) -> tuple[str, tuple[str, str, str] | None]:
+    """``Cluster(tls=...)`` as the native mode ("on", "off", "mutual") and certificate files."""
+    if tls is True:
+        return "on", None
+    if tls is False:
+        return "off", None
+    if tls == "mutual":
+        return "mutual", None
+    if isinstance(tls, dict):
+        unknown = set(tls) - {"ca", "cert", "key", "mutual"}
+        missing = {"ca", "cert", "key"} - set(tls)
+        if unknown or missing:
+            raise ValueError(
+                f"tls= needs PEM file paths ca, cert and key (and optionally mutual); "
+                f"missing {sorted(missing)}, unknown {sorted(unknown)}"
+            )
+        files = (str(tls["ca"]), str(tls["cert"]), str(tls["key"]))
+        return ("mutual" if tls.get("mutual") else "on"), files
+    raise ValueError(f'tls must be True, False, "mutual" or a dict of files, not {tls!r}')
+
+
 class Cluster:
     """A local cluster: ``workers`` worker processes on this machine, stopped on exit.
 
@@ -163,6 +184,13 @@ class Cluster:
     per stripe of its output onto other workers, and the blocks a lost worker held are rebuilt
     from the survivors and the parity instead of running their maps again (up to r workers
     lost at once). SQL queries recover from lineage and do not use it.
+
+    ``tls`` secures every connection (driver to workers, worker to worker): ``True`` (the
+    default) makes a CA and a certificate for this cluster when it starts; ``"mutual"`` also
+    makes workers ask every client for a certificate signed by that CA; a dict
+    ``{"ca": ..., "cert": ..., "key": ...}`` (PEM file paths, optionally ``"mutual": True``)
+    uses certificates of your own, which must name ``127.0.0.1``; ``False`` speaks plaintext
+    on loopback, where anyone who can read loopback traffic sees the token and the data.
     """
 
     def __init__(
@@ -175,9 +203,11 @@ class Cluster:
         speculation: float | None = None,
         strategy: Strategy = "pull",
         parity: int = 0,
+        tls: bool | Literal["mutual"] | dict[str, Any] = True,
     ) -> None:
         if workers < 1:
             raise ValueError("a cluster needs at least one worker")
+        tls_mode, tls_files = _tls_setting(tls)
         if parity not in (0, 1, 2):
             raise ValueError(f"parity must be 0, 1 or 2, not {parity!r}")
         self._native: Any = NativeCluster(
@@ -190,6 +220,8 @@ class Cluster:
             None if speculation is None else float(speculation),
             strategy,
             int(parity),
+            tls_mode,
+            tls_files,
         )
         self.strategy = strategy
         self.parity = parity
@@ -460,8 +492,20 @@ class Cluster:
         """How to reach the workers with your own Flight client: ``addresses`` (``host:port``
         strings), ``token`` (send it as ``authorization: Bearer <token>`` on every call) and
         ``ca`` (PEM text of the certificate authority; None: the workers speak plaintext on
-        loopback). The token grants running code on every worker: keep it secret."""
-        return {"addresses": self.worker_addresses, "token": self._native.token(), "ca": None}
+        loopback). Under mutual TLS also ``cert`` and ``key`` (PEM text of a client
+        certificate the workers accept). The token grants running code on every worker: keep
+        it secret."""
+        info: dict[str, Any] = {
+            "addresses": self.worker_addresses,
+            "token": self._native.token(),
+            "ca": None,
+        }
+        tls = self._native.tls()
+        if tls is not None:
+            info["ca"], identity = tls
+            if identity is not None:
+                info["cert"], info["key"] = identity
+        return info
 
     @property
     def worker_addresses(self) -> list[str]:

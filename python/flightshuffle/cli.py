@@ -27,6 +27,7 @@ def _bench(args: argparse.Namespace) -> int:
         args.sequential,
         args.strategy,
         args.parity,
+        args.tls,
     )
     print(report)
     return 0
@@ -232,8 +233,9 @@ def _tpch(args: argparse.Namespace) -> int:
     queries = args.queries or list(range(1, 23))
     duck = tpch.duckdb_connect(root) if args.check else None
     rows = []
+    tls = {"on": True, "off": False, "mutual": "mutual"}[args.tls]
     with Cluster(
-        workers=args.workers, memory_budget=args.memory_budget, strategy=args.strategy
+        workers=args.workers, memory_budget=args.memory_budget, strategy=args.strategy, tls=tls
     ) as c:
         for name, path in tpch.table_paths(root).items():
             c.register_parquet(name, path)
@@ -244,7 +246,9 @@ def _tpch(args: argparse.Namespace) -> int:
                 return 2
             c.sql(f"SET {name.strip()} = '{value.strip()}'")
         settings = "".join(f", {s}" for s in args.set)
-        print(f"strategy {args.strategy}, {args.workers} workers, SF{args.sf:g}{settings}")
+        print(
+            f"strategy {args.strategy}, {args.workers} workers, SF{args.sf:g}, tls {args.tls}{settings}"
+        )
         print(
             f"{'query':>5} {'cluster s':>10} {'1-proc DF s':>11} {'ratio':>6} {'duckdb s':>9} "
             f"{'stages':>6} {'shuffled MB':>12} {'calls':>6}  answer"
@@ -494,6 +498,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--seed", type=int, default=42)
     b.add_argument("--compression", default="auto", choices=["auto", "none", "lz4", "zstd"])
     b.add_argument(
+        "--tls", default="on", choices=["on", "off", "mutual"], help="TLS between the processes"
+    )
+    b.add_argument(
         "--worker-command",
         help="command starting one worker (default: this Python's flightshuffle.worker); e.g. "
         "the Rust flightshuffle-worker binary, to measure a worker without Python",
@@ -582,6 +589,9 @@ def main(argv: list[str] | None = None) -> int:
         help="e.g. 1,3,18 (default all 22)",
     )
     t.add_argument("--memory-budget", default="4GiB")
+    t.add_argument(
+        "--tls", default="on", choices=["on", "off", "mutual"], help="TLS between the processes"
+    )
     t.add_argument(
         "--strategy",
         default="pull",

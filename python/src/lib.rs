@@ -8,7 +8,7 @@ mod sql;
 mod stage;
 
 use exchange::bench::{shuffle_bench as run_bench, BenchConfig};
-use exchange::cluster::{LocalCluster, LocalClusterConfig};
+use exchange::cluster::{LocalCluster, LocalClusterConfig, TlsSetting};
 use exchange::Error;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -127,6 +127,7 @@ fn runtime() -> PyResult<Rt> {
         .map_err(|e| ShuffleError::new_err(format!("cannot start runtime: {e}")))
 }
 
+#[allow(clippy::too_many_arguments)]
 fn cluster_config(
     workers: usize,
     memory_budget: u64,
@@ -134,19 +135,47 @@ fn cluster_config(
     compression: String,
     worker_command: Vec<String>,
     timeout_secs: f64,
-) -> LocalClusterConfig {
+    tls: &str,
+    tls_files: Option<(String, String, String)>,
+) -> PyResult<LocalClusterConfig> {
     let mut cfg = LocalClusterConfig::new(workers, worker_command);
     cfg.memory_budget = memory_budget;
     cfg.spill_dir = spill_dir.map(Into::into);
     cfg.compression = compression;
     cfg.driver.rpc_timeout = Duration::from_secs_f64(timeout_secs.max(1.0));
-    cfg
+    cfg.tls = tls_setting(tls, tls_files)?;
+    Ok(cfg)
+}
+
+/// `tls`: "on" (a CA made for the cluster), "mutual" (clients show certificates too) or
+/// "off"; with `files` (ca, cert, key), those certificates instead of made ones.
+fn tls_setting(tls: &str, files: Option<(String, String, String)>) -> PyResult<TlsSetting> {
+    let mutual = match tls {
+        "off" if files.is_none() => return Ok(TlsSetting::Off),
+        "on" => false,
+        "mutual" => true,
+        other => {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "tls must be True, False, \"mutual\" or a dict of ca, cert and key files, not \
+                 {other:?}"
+            )))
+        }
+    };
+    Ok(match files {
+        Some((ca, cert, key)) => TlsSetting::Files {
+            ca: ca.into(),
+            cert: cert.into(),
+            key: key.into(),
+            mutual,
+        },
+        None => TlsSetting::Local { mutual },
+    })
 }
 
 #[pymethods]
 impl NativeCluster {
     #[new]
-    #[pyo3(signature = (workers, memory_budget, spill_dir, compression, worker_command, timeout_secs, speculation=None, strategy="pull".to_string(), parity=0))]
+    #[pyo3(signature = (workers, memory_budget, spill_dir, compression, worker_command, timeout_secs, speculation=None, strategy="pull".to_string(), parity=0, tls="on".to_string(), tls_files=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -159,6 +188,8 @@ impl NativeCluster {
         speculation: Option<f64>,
         strategy: String,
         parity: u32,
+        tls: String,
+        tls_files: Option<(String, String, String)>,
     ) -> PyResult<Self> {
         let strategy: exchange::strategy::Strategy = strategy.parse().map_err(to_py)?;
         exchange::parity::check(workers, parity)
@@ -177,7 +208,9 @@ impl NativeCluster {
             compression,
             worker_command,
             timeout_secs,
-        );
+            &tls,
+            tls_files,
+        )?;
         let cluster = py
             .detach(|| {
                 rt.block_on(async {
@@ -307,6 +340,20 @@ impl NativeCluster {
             )
         })
         .unwrap_or_default()
+    }
+
+    /// The CA workers' certificates are signed by (PEM), and under mutual TLS the client
+    /// certificate and key (PEM); None on a plaintext cluster.
+    #[allow(clippy::type_complexity)]
+    fn tls(&self) -> Option<(String, Option<(String, String)>)> {
+        self.with(|c| {
+            c.driver
+                .credentials()
+                .tls
+                .as_ref()
+                .map(|t| (t.ca.clone(), t.identity.clone()))
+        })
+        .flatten()
     }
 
     /// The cluster token (for advanced clients: every call carries `Bearer <token>`).
@@ -588,7 +635,7 @@ fn query_runtime() -> datafusion::error::Result<&'static tokio::runtime::Runtime
 
 /// `shuffle-bench`: returns the JSON report.
 #[pyfunction]
-#[pyo3(signature = (rows, workers, partitions, memory_budget, maps, batch_rows, seed, compression, worker_command, sequential=false, strategy="pull".to_string(), parity=0))]
+#[pyo3(signature = (rows, workers, partitions, memory_budget, maps, batch_rows, seed, compression, worker_command, sequential=false, strategy="pull".to_string(), parity=0, tls="on".to_string()))]
 #[allow(clippy::too_many_arguments)]
 fn shuffle_bench(
     py: Python<'_>,
@@ -604,6 +651,7 @@ fn shuffle_bench(
     sequential: bool,
     strategy: String,
     parity: u32,
+    tls: String,
 ) -> PyResult<String> {
     let rt = runtime()?;
     let cluster = cluster_config(
@@ -613,7 +661,9 @@ fn shuffle_bench(
         compression,
         worker_command,
         600.0,
-    );
+        &tls,
+        None,
+    )?;
     let cfg = BenchConfig {
         rows,
         partitions,

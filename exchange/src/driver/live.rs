@@ -44,7 +44,7 @@ impl Driver {
     /// Put worker `addr` in slot `i` (a lost worker's replacement): it must answer a health
     /// check; readers on the driver connect to it on first use.
     pub async fn replace_worker(&self, i: usize, addr: &str) -> Result<()> {
-        let client = WorkerClient::new(i, addr, &self.token, self.cfg.rpc_timeout)?;
+        let client = WorkerClient::new(i, addr, &self.creds, self.cfg.rpc_timeout)?;
         client.health(self.cfg.health_timeout).await?;
         {
             let mut slots = self.workers.write().unwrap_or_else(|p| p.into_inner());

@@ -50,13 +50,19 @@ pub struct WorkerClient {
 
 impl WorkerClient {
     /// Connects lazily: the first call opens the connection (bounded by a connect timeout).
-    pub fn new(index: usize, addr: &str, token: &str, timeout: Duration) -> Result<Self> {
+    pub fn new(
+        index: usize,
+        addr: &str,
+        creds: &super::Credentials,
+        timeout: Duration,
+    ) -> Result<Self> {
         if tokio::runtime::Handle::try_current().is_err() {
             return Err(Error::Cluster(
                 "a worker client must be created inside a tokio runtime".into(),
             ));
         }
-        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+        let scheme = if creds.tls.is_some() { "https" } else { "http" };
+        let mut endpoint = Endpoint::from_shared(format!("{scheme}://{addr}"))
             .map_err(|e| Error::invalid(format!("bad worker address {addr:?}: {e}")))?
             .connect_timeout(Duration::from_secs(5))
             .tcp_nodelay(true)
@@ -65,7 +71,12 @@ impl WorkerClient {
             .keep_alive_while_idle(true)
             .initial_stream_window_size(STREAM_WINDOW)
             .initial_connection_window_size(CONNECTION_WINDOW);
-        let value = bearer(token)
+        if let Some(tls) = &creds.tls {
+            endpoint = endpoint
+                .tls_config(tls.config())
+                .map_err(|e| Error::invalid(format!("bad TLS settings for {addr}: {e}")))?;
+        }
+        let value = bearer(&creds.token)
             .parse()
             .map_err(|_| Error::invalid("the cluster token must be printable ASCII"))?;
         let client = FlightServiceClient::with_interceptor(

@@ -5,6 +5,7 @@
 pub mod client;
 pub mod peers;
 pub mod server;
+pub mod tls;
 
 use crate::error::{Error, Result};
 use arrow::ipc::{root_as_message, MessageHeader};
@@ -26,6 +27,24 @@ pub const KEEPALIVE: Duration = Duration::from_secs(10);
 /// seen to take over 10 s, and the closed connection failed every stream on it; a worker that
 /// is really gone is found by the driver's health checks.
 pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What a client shows the workers: the cluster token and, on a TLS cluster, how to verify
+/// them (and its own certificate, under mutual TLS).
+#[derive(Clone, Default)]
+pub struct Credentials {
+    pub token: String,
+    pub tls: Option<tls::ClientTls>,
+}
+
+impl Credentials {
+    /// Plaintext, with `token`.
+    pub fn plain(token: &str) -> Self {
+        Credentials {
+            token: token.to_string(),
+            tls: None,
+        }
+    }
+}
 
 pub fn bearer(token: &str) -> String {
     format!("Bearer {token}")

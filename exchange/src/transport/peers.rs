@@ -3,6 +3,7 @@
 //! own worker are read straight from its block store, not over loopback.
 
 use super::client::WorkerClient;
+use super::Credentials;
 use crate::block::{BlockId, ShuffleId, Slice};
 use crate::error::{Error, Result};
 use crate::store::BlockStore;
@@ -17,7 +18,7 @@ use std::time::Duration;
 const LOCAL_PREFETCH: usize = 2;
 
 pub struct PeerReader {
-    token: String,
+    creds: Credentials,
     timeout: Duration,
     clients: Mutex<HashMap<String, WorkerClient>>,
     /// This process's own worker: its advertised address and its store.
@@ -25,10 +26,14 @@ pub struct PeerReader {
 }
 
 impl PeerReader {
-    /// A pool for `token`; `local` is the worker this process hosts, if any.
-    pub fn new(token: &str, timeout: Duration, local: Option<(String, Arc<BlockStore>)>) -> Self {
+    /// A pool dialing with `creds`; `local` is the worker this process hosts, if any.
+    pub fn new(
+        creds: &Credentials,
+        timeout: Duration,
+        local: Option<(String, Arc<BlockStore>)>,
+    ) -> Self {
         PeerReader {
-            token: token.to_string(),
+            creds: creds.clone(),
             timeout,
             clients: Mutex::new(HashMap::new()),
             local,
@@ -36,8 +41,8 @@ impl PeerReader {
     }
 
     /// A pool seeded with existing clients (the driver's).
-    pub fn with_clients(token: &str, timeout: Duration, clients: &[WorkerClient]) -> Self {
-        let me = PeerReader::new(token, timeout, None);
+    pub fn with_clients(creds: &Credentials, timeout: Duration, clients: &[WorkerClient]) -> Self {
+        let me = PeerReader::new(creds, timeout, None);
         lock(&me.clients).extend(clients.iter().map(|c| (c.addr.clone(), c.clone())));
         me
     }
@@ -48,7 +53,7 @@ impl PeerReader {
         if let Some(c) = clients.get(addr) {
             return Ok(c.clone());
         }
-        let c = WorkerClient::new(index, addr, &self.token, self.timeout)?;
+        let c = WorkerClient::new(index, addr, &self.creds, self.timeout)?;
         clients.insert(addr.to_string(), c.clone());
         Ok(c)
     }

@@ -132,6 +132,23 @@ pub fn checksum_rows(batches: &[RecordBatch]) -> Checksum {
     c
 }
 
+/// A raw Flight client (no token) to worker `w`, over TLS with the cluster's CA when it has
+/// one.
+pub async fn raw_client(
+    cluster: &LocalCluster,
+    w: usize,
+) -> arrow_flight::flight_service_client::FlightServiceClient<tonic::transport::Channel> {
+    let addr = cluster.driver.worker(w).unwrap().addr.clone();
+    let tls = cluster.driver.credentials().tls.clone();
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let mut endpoint =
+        tonic::transport::Endpoint::from_shared(format!("{scheme}://{addr}")).unwrap();
+    if let Some(tls) = tls {
+        endpoint = endpoint.tls_config(tls.config()).unwrap();
+    }
+    arrow_flight::flight_service_client::FlightServiceClient::new(endpoint.connect().await.unwrap())
+}
+
 pub fn lineitem_task(rows: u64) -> proto::TaskSource {
     lineitem_slice(0, rows, 4096, 0)
 }

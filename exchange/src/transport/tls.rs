@@ -1,0 +1,177 @@
+//! TLS for every Flight connection (tonic with rustls).
+//!
+//! A worker serves TLS with a certificate signed by the cluster's CA; every client (the
+//! driver, and workers dialing their peers) verifies it against that CA and the host of the
+//! address it dials (so certificates name the hosts, or IP addresses, workers are reached
+//! by). With mutual TLS a worker also asks its clients for a certificate signed by the CA.
+//!
+//! The local cluster makes its own CA and one certificate for `localhost` and `127.0.0.1`
+//! (server and client use), at start, in its private directory ([`LocalTls::generate`]). A
+//! multi-host deployment brings its own files (worker flags `--tls-cert`, `--tls-key`,
+//! `--tls-ca`, `--tls-client-auth`).
+
+use crate::error::{Error, Result};
+use std::path::{Path, PathBuf};
+use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
+
+/// How a client reaches TLS workers.
+#[derive(Clone, Debug)]
+pub struct ClientTls {
+    /// PEM of the CA that signed the workers' certificates.
+    pub ca: String,
+    /// PEM certificate and key shown to workers that ask for one (mutual TLS).
+    pub identity: Option<(String, String)>,
+}
+
+impl ClientTls {
+    pub fn config(&self) -> ClientTlsConfig {
+        let cfg = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(&self.ca));
+        match &self.identity {
+            Some((cert, key)) => cfg.identity(Identity::from_pem(cert, key)),
+            None => cfg,
+        }
+    }
+}
+
+/// How a worker serves TLS.
+#[derive(Clone, Debug)]
+pub struct ServerTls {
+    pub cert: String,
+    pub key: String,
+    /// The CA its peers' certificates are signed by (the worker dials them with it).
+    pub ca: String,
+    /// Mutual TLS: clients must show a certificate signed by `ca`.
+    pub client_auth: bool,
+}
+
+impl ServerTls {
+    /// Read the PEM files a worker was given.
+    pub fn from_files(cert: &Path, key: &Path, ca: &Path, client_auth: bool) -> Result<Self> {
+        Ok(ServerTls {
+            cert: read(cert)?,
+            key: read(key)?,
+            ca: read(ca)?,
+            client_auth,
+        })
+    }
+
+    pub fn config(&self) -> ServerTlsConfig {
+        let cfg = ServerTlsConfig::new().identity(Identity::from_pem(&self.cert, &self.key));
+        match self.client_auth {
+            true => cfg.client_ca_root(Certificate::from_pem(&self.ca)),
+            false => cfg,
+        }
+    }
+
+    /// How this worker dials its peers.
+    pub fn client(&self) -> ClientTls {
+        ClientTls {
+            ca: self.ca.clone(),
+            identity: self
+                .client_auth
+                .then(|| (self.cert.clone(), self.key.clone())),
+        }
+    }
+}
+
+fn read(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).map_err(|e| Error::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })
+}
+
+/// A local cluster's CA and its one certificate, as files in a private directory.
+#[derive(Clone, Debug)]
+pub struct LocalTls {
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+impl LocalTls {
+    /// Make a CA and a certificate it signs for `localhost` and `127.0.0.1` (server and
+    /// client use) and write them to `dir` (created; the key readable by the owner only).
+    pub fn generate(dir: &Path) -> Result<Self> {
+        use rcgen::{
+            BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
+            KeyPair, KeyUsagePurpose,
+        };
+        let fail = |e: rcgen::Error| Error::Cluster(format!("cannot make TLS certificates: {e}"));
+        let ca_key = KeyPair::generate().map_err(fail)?;
+        let mut ca = CertificateParams::new(Vec::<String>::new()).map_err(fail)?;
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        ca.distinguished_name
+            .push(DnType::CommonName, "flightshuffle local cluster CA");
+        let ca_cert = ca.self_signed(&ca_key).map_err(fail)?;
+        let key = KeyPair::generate().map_err(fail)?;
+        let mut leaf = CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".into()])
+            .map_err(fail)?;
+        leaf.distinguished_name
+            .push(DnType::CommonName, "flightshuffle local worker");
+        leaf.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let issuer = Issuer::new(ca, ca_key);
+        let cert = leaf.signed_by(&key, &issuer).map_err(fail)?;
+        std::fs::create_dir_all(dir).map_err(|e| Error::Io {
+            path: dir.to_path_buf(),
+            source: e,
+        })?;
+        let files = LocalTls {
+            ca: dir.join("ca.pem"),
+            cert: dir.join("worker.pem"),
+            key: dir.join("worker.key"),
+        };
+        write_private(&files.key, &key.serialize_pem())?;
+        write_private(&files.cert, &cert.pem())?;
+        write_private(&files.ca, &ca_cert.pem())?;
+        Ok(files)
+    }
+
+    /// The worker flags that serve these files (`mutual`: clients must show a certificate).
+    pub fn worker_args(&self, mutual: bool) -> Vec<String> {
+        let mut args = vec![
+            "--tls-cert".to_string(),
+            self.cert.display().to_string(),
+            "--tls-key".into(),
+            self.key.display().to_string(),
+            "--tls-ca".into(),
+            self.ca.display().to_string(),
+        ];
+        if mutual {
+            args.push("--tls-client-auth".into());
+        }
+        args
+    }
+
+    /// How the driver dials workers serving these files.
+    pub fn client(&self, mutual: bool) -> Result<ClientTls> {
+        Ok(ClientTls {
+            ca: read(&self.ca)?,
+            identity: match mutual {
+                true => Some((read(&self.cert)?, read(&self.key)?)),
+                false => None,
+            },
+        })
+    }
+}
+
+fn write_private(path: &Path, text: &str) -> Result<()> {
+    use std::io::Write;
+    let io = |e| Error::Io {
+        path: path.to_path_buf(),
+        source: e,
+    };
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        opts.mode(0o600);
+    }
+    let mut f = opts.open(path).map_err(io)?;
+    f.write_all(text.as_bytes()).map_err(io)
+}
