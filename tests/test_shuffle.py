@@ -294,3 +294,20 @@ def test_tls_is_on_by_default_plaintext_and_unknown_cas_are_refused(cluster, tmp
         fs.Cluster(workers=1, tls="sometimes")
     with pytest.raises(ValueError, match="missing"):
         fs.Cluster(workers=1, tls={"ca": files["ca"]})
+
+
+def test_large_batches_are_cut_and_a_row_over_the_message_cap_is_a_clear_error(cluster):
+    """A 100 MB input batch of 50 KB strings crosses the transport's 64 MiB message cap in
+    pieces (map input in 2 MiB messages, blocks in batches of at most 16 MiB) and comes back
+    exact; a single 70 MiB row cannot be cut and is a ValueError naming the cap, at once; the
+    cluster goes on."""
+    big = "y" * 50_000
+    table = pa.table({"k": list(range(2000)), "s": [f"{i}{big}" for i in range(2000)]})
+    got = pa.concat_tables(cluster.shuffle(table, by="k", partitions=3))
+    assert sorted(got["k"].to_pylist()) == list(range(2000))
+    assert sorted(got["s"].to_pylist()) == sorted(table["s"].to_pylist())
+    huge = pa.table({"k": [1, 2], "s": ["z" * (70 << 20), "a"]})
+    with pytest.raises(ValueError, match="64 MiB"):
+        pa.concat_tables(cluster.shuffle(huge, by="k", partitions=2))
+    got = pa.concat_tables(cluster.shuffle(table, by="k", partitions=3))
+    assert got.num_rows == 2000

@@ -193,8 +193,8 @@ pub fn encode_block(schema: &SchemaRef, batches: &[RecordBatch], c: Compression)
     let mut buf = Vec::with_capacity(batches.iter().map(|b| b.get_array_memory_size()).sum());
     {
         let mut w = StreamWriter::try_new_with_options(&mut buf, schema, write_options(c)?)?;
-        for b in batches {
-            w.write(&compact_views(b)?)?;
+        for b in batches.iter().flat_map(cut_batch) {
+            w.write(&compact_views(&b)?)?;
         }
         w.finish()?;
     }
@@ -205,6 +205,25 @@ pub fn encode_block(schema: &SchemaRef, batches: &[RecordBatch], c: Compression)
         buf.shrink_to_fit();
     }
     Ok(Bytes::from(buf))
+}
+
+/// Largest record batch written into a block, in memory bytes: a bigger one is cut into row
+/// slices, so each IPC message (one batch) stays well under the transport's message cap
+/// ([`crate::transport::MAX_MESSAGE_BYTES`]). Only a single row larger than the cap cannot be
+/// cut: sending it fails with a status naming the limit.
+pub const MAX_BATCH_BYTES: usize = 16 << 20;
+
+/// `b` cut into row slices of at most about [`MAX_BATCH_BYTES`] each.
+fn cut_batch(b: &RecordBatch) -> Vec<RecordBatch> {
+    let (bytes, rows) = (b.get_array_memory_size(), b.num_rows());
+    if bytes <= MAX_BATCH_BYTES || rows <= 1 {
+        return vec![b.clone()];
+    }
+    let per = (rows as u128 * MAX_BATCH_BYTES as u128 / bytes as u128).max(1) as usize;
+    (0..rows)
+        .step_by(per)
+        .map(|o| b.slice(o, per.min(rows - o)))
+        .collect()
 }
 
 /// A block encoded in this process from record batches (which arrow validated when they were
@@ -407,5 +426,20 @@ mod tests {
             small.len(),
             full.len()
         );
+    }
+
+    #[test]
+    fn batches_over_the_cap_are_cut_into_row_slices() {
+        let schema = Arc::new(Schema::new(vec![Field::new("s", DataType::Utf8, false)]));
+        let big = "x".repeat(12_000);
+        let s: arrow::array::StringArray = (0..3000).map(|i| Some(format!("{i}{big}"))).collect();
+        let b = RecordBatch::try_new(schema.clone(), vec![Arc::new(s)]).unwrap();
+        assert!(b.get_array_memory_size() > 2 * MAX_BATCH_BYTES);
+        let bytes = encode_block(&schema, std::slice::from_ref(&b), Compression::None).unwrap();
+        let (_, out) = decode_block(&bytes).unwrap();
+        assert!(out.len() >= 3, "{} batches", out.len());
+        assert!(out.iter().all(|o| o.num_rows() * 12_000 <= MAX_BATCH_BYTES));
+        let joined = arrow::compute::concat_batches(&schema, &out).unwrap();
+        assert_eq!(joined, b);
     }
 }

@@ -658,6 +658,7 @@ pub async fn serve(
     server
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_concurrent_streams(Some(crate::transport::MAX_STREAMS_PER_CONNECTION))
         .http2_keepalive_interval(Some(crate::transport::KEEPALIVE))
         .http2_keepalive_timeout(Some(crate::transport::KEEPALIVE_TIMEOUT))
         .add_service(service)

@@ -235,6 +235,21 @@ impl WorkerClient {
         let data =
             futures::stream::unfold((encoder, Some(err_tx)), |(mut enc, mut tx)| async move {
                 match enc.next().await {
+                    // The encoder cut batches into small messages; one row it could not cut
+                    // would be refused by the transport with no reason given.
+                    Some(Ok(d)) if d.data_body.len() + d.data_header.len() > MAX_MESSAGE_BYTES => {
+                        if let Some(t) = tx.take() {
+                            let _ = t.send(FlightError::ExternalError(Box::new(Error::invalid(
+                                format!(
+                                    "a single row of the map input takes {} bytes: over the \
+                                     {} MiB a message may carry",
+                                    d.data_body.len(),
+                                    MAX_MESSAGE_BYTES >> 20
+                                ),
+                            ))));
+                        }
+                        futures::future::pending().await
+                    }
                     Some(Ok(d)) => Some((d, (enc, tx))),
                     None => None,
                     Some(Err(e)) => {

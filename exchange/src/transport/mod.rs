@@ -15,8 +15,14 @@ use std::time::Duration;
 
 /// gRPC metadata key carrying the cluster token.
 pub const TOKEN_HEADER: &str = "authorization";
-/// Largest gRPC message accepted (a Flight message holds one record batch).
-pub const MAX_MESSAGE_BYTES: usize = 1 << 30;
+/// Largest gRPC message sent or accepted. A Flight message holds one record batch, and blocks
+/// hold batches of at most [`crate::block::MAX_BATCH_BYTES`]; the driver's map input is cut
+/// into 2 MiB messages. So this leaves room for a batch whose size was underestimated, and a
+/// peer cannot make a worker buffer a gigabyte for one message.
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+/// HTTP/2 streams one connection may have open at once on a worker (a reader of many
+/// partitions opens one per partition; beyond this a client's new streams wait).
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 4096;
 /// HTTP/2 flow-control windows: large, so one stream can fill loopback.
 pub const STREAM_WINDOW: u32 = 16 << 20;
 pub const CONNECTION_WINDOW: u32 = 64 << 20;
