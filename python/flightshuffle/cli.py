@@ -58,6 +58,25 @@ def _kill_trials(args: argparse.Namespace) -> int:
     return 0
 
 
+def _soak(args: argparse.Namespace) -> int:
+    from flightshuffle import soak
+
+    report = soak.run_soak(
+        args.threads,
+        args.jobs,
+        args.workers,
+        args.memory_budget,
+        args.shuffle_rows,
+        lambda m: print(m, file=sys.stderr, flush=True),
+    )
+    text = json.dumps(report, indent=1)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0 if report["exact"] == report["jobs"] and report["workers_replaced"] == 0 else 1
+
+
 def _sweep(args: argparse.Namespace) -> int:
     """Exoshuffle Figure 4 at this machine's scale: throughput against the number of
     partitions (with ``--maps 0``, M = R at each point), per strategy and per memory budget,
@@ -556,6 +575,19 @@ def main(argv: list[str] | None = None) -> int:
     kt.add_argument("--parity", type=int, default=0, choices=[0, 1, 2], help="the clusters' parity")
     kt.add_argument("--json", help="also write the report to this file")
     kt.set_defaults(run=_kill_trials)
+
+    so = sub.add_parser(
+        "soak",
+        help="many threads run SQL, shuffles, datasets and online aggregations at once; "
+        "every answer checked; peak RSS per worker",
+    )
+    so.add_argument("--threads", type=int, default=8)
+    so.add_argument("--jobs", type=int, default=4, help="jobs per thread")
+    so.add_argument("--workers", type=int, default=2)
+    so.add_argument("--memory-budget", default="64MiB")
+    so.add_argument("--shuffle-rows", type=int, default=2_000_000)
+    so.add_argument("--json", help="also write the report to this file")
+    so.set_defaults(run=_soak)
 
     k = sub.add_parser(
         "calibrate", help="measure this machine as the auto strategy does; print JSON"

@@ -429,13 +429,9 @@ impl NativeCluster {
         py.detach(|| {
             self.rt.block_on(async {
                 sql::register(&ctx, &name, &path).await?;
-                self.local
-                    .deregister_table(name.as_str())
-                    .map_err(|e| sql::df_err(e.into()))?;
-                self.local
-                    .register_parquet(&name, &path, Default::default())
+                exchange_datafusion::context::replace_parquet(&self.local, &name, &path)
                     .await
-                    .map_err(|e| sql::df_err(e.into()))
+                    .map_err(sql::df_err)
             })
         })
     }

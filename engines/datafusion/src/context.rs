@@ -164,11 +164,7 @@ impl DistributedContext {
     /// Workers read the same path, so it must be visible to them (always true on a local
     /// cluster).
     pub async fn register_parquet(&self, name: &str, path: &str) -> Result<()> {
-        self.ctx.deregister_table(name)?;
-        self.ctx
-            .register_parquet(name, path, ParquetReadOptions::default())
-            .await?;
-        Ok(())
+        replace_parquet(&self.ctx, name, path).await
     }
 
     /// Plan `sql` and cut it into stages; every exchange gets the session's strategy.
@@ -567,6 +563,25 @@ impl TaskBuilder {
             })
             .collect())
     }
+}
+
+/// Register the Parquet file or directory `path` as table `name` of `ctx`, in place of a
+/// table of that name: queries planned meanwhile on other threads see the old table or the
+/// new one, never none (the files are listed and their schema read before the swap).
+pub async fn replace_parquet(ctx: &SessionContext, name: &str, path: &str) -> Result<()> {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let staging = format!("__flightshuffle_staging_{n}");
+    ctx.register_parquet(&staging, path, ParquetReadOptions::default())
+        .await?;
+    let table = ctx.deregister_table(&staging)?.ok_or_else(|| {
+        Error::Exchange(exchange::Error::Cluster(format!(
+            "table {name} vanished while it was registered"
+        )))
+    })?;
+    ctx.deregister_table(name)?;
+    ctx.register_table(name, table)?;
+    Ok(())
 }
 
 /// A failure of the driver's part as an exchange error: a lost worker, a failed call or a
