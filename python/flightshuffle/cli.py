@@ -47,6 +47,7 @@ def _kill_trials(args: argparse.Namespace) -> int:
         lambda m: print(m, file=sys.stderr, flush=True),
         args.memory_budget,
         args.parity,
+        args.strategy,
     )
     summary = {k: {x: v for x, v in r.items() if x != "runs"} for k, r in report.items()}
     print(json.dumps(summary, indent=1), file=sys.stderr)
@@ -573,6 +574,12 @@ def main(argv: list[str] | None = None) -> int:
         "--memory-budget", help="per worker (e.g. 32MiB: the shuffles spill, kills land in spills)"
     )
     kt.add_argument("--parity", type=int, default=0, choices=[0, 1, 2], help="the clusters' parity")
+    kt.add_argument(
+        "--strategy",
+        default="pull",
+        choices=["pull", "merged", "push", "two-level", "auto"],
+        help="the clusters' default strategy (SQL exchanges use it; shuffle trials cycle)",
+    )
     kt.add_argument("--json", help="also write the report to this file")
     kt.set_defaults(run=_kill_trials)
 

@@ -145,12 +145,17 @@ def _job(kind: str, trial: int) -> tuple[Callable[[Cluster], Any], Callable[[Any
 
 
 def trial(
-    kind: str, n: int, seed: int, memory_budget: str | None = None, parity: int = 0
+    kind: str,
+    n: int,
+    seed: int,
+    memory_budget: str | None = None,
+    parity: int = 0,
+    strategy: str = "pull",
 ) -> dict[str, Any]:
     rng = random.Random(seed * 1000 + n)
     run, check = _job(kind, n)
     budget = {"memory_budget": memory_budget} if memory_budget else {}
-    with Cluster(workers=3, timeout=120, parity=parity, **budget) as c:
+    with Cluster(workers=3, timeout=120, parity=parity, strategy=strategy, **budget) as c:
         ok_clean = check(run(c))  # the first run warms up (files, caches, calibration)
         start = time.monotonic()
         ok_clean = check(run(c)) and ok_clean
@@ -199,12 +204,13 @@ def run_trials(
     log: Callable[[str], None],
     memory_budget: str | None = None,
     parity: int = 0,
+    strategy: str = "pull",
 ) -> dict:
     out: dict[str, Any] = {}
     for kind in kinds:
         rows = []
         for n in range(trials):
-            r = trial(kind, n, seed, memory_budget, parity)
+            r = trial(kind, n, seed, memory_budget, parity, strategy)
             log(f"{kind} trial {n}: {r}")
             rows.append(r)
         out[kind] = {
