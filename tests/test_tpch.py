@@ -247,3 +247,24 @@ def test_metrics_show_pipelined_stage_times_and_call_counts(data):
         )
         assert "Flight calls" in text and "first output" in text
         assert "largest partition" in text
+
+
+def test_not_in_a_subquery_with_a_null_is_empty_as_in_one_process():
+    """`x NOT IN (SELECT y ...)` is empty once y has a NULL anywhere (a null-aware anti join);
+    its partitions learn of the NULL through one plan instance, so distributed they must not
+    be split across workers (a bug found by DataFusion's sqllogictest files)."""
+    import duckdb
+    import pyarrow as pa
+
+    outer = pa.table({"id": list(range(20_000)), "v": [f"v{i}" for i in range(20_000)]})
+    inner = pa.table({"id": [*range(0, 20_000, 3), None]})
+    sql = "SELECT count(*) AS n FROM outer_t WHERE id NOT IN (SELECT DISTINCT id FROM inner_t)"
+    outer_t, inner_t = outer, inner  # noqa: F841 (DuckDB reads them by name)
+    want = duckdb.sql(sql).fetchall()[0][0]
+    assert want == 0
+    with fs.Cluster(workers=2) as c:
+        got = c.sql(sql, tables={"outer_t": outer, "inner_t": inner})
+        assert got.column("n").to_pylist() == [want]
+        without_null = pa.table({"id": list(range(0, 20_000, 3))})
+        got = c.sql(sql, tables={"outer_t": outer, "inner_t": without_null})
+        assert got.column("n").to_pylist() == [20_000 - len(without_null)]

@@ -330,7 +330,12 @@ fn files(dir: &Path, names: &[String]) -> Result<Vec<PathBuf>, SltError> {
     Ok(out)
 }
 
-async fn run(args: Args) -> Result<(), SltError> {
+async fn run(mut args: Args) -> Result<(), SltError> {
+    // Paths given relative to where we were started, before moving to the package directory.
+    let here = std::env::current_dir().map_err(err)?;
+    args.dir = here.join(&args.dir);
+    args.json = args.json.map(|p| here.join(p));
+    args.baseline = args.baseline.map(|p| here.join(p));
     let paths = files(&args.dir, &args.files)?;
     // The files name their data relative to the package directory.
     std::env::set_current_dir(&args.dir).map_err(err)?;
@@ -357,7 +362,10 @@ async fn run(args: Args) -> Result<(), SltError> {
             }
         };
         let started = Instant::now();
+        scratch(path)?;
         let single = run_records(Local(SessionContext::new()), &records, timeout).await;
+        // Files the single-process run wrote (COPY, INSERT) must not be read again.
+        scratch(path)?;
         let config = DistributedContext::default_config(args.workers);
         let ctx = DistributedContext::new(cluster.driver.clone(), config).map_err(err)?;
         let (staged, on_driver) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
@@ -427,6 +435,16 @@ async fn run(args: Args) -> Result<(), SltError> {
         )));
     }
     Ok(())
+}
+
+/// An empty `test_files/scratch/<stem>` for the file at `path` (what its statements write).
+fn scratch(path: &Path) -> Result<(), SltError> {
+    let stem = path.file_stem().unwrap_or_default();
+    let dir = Path::new("test_files").join("scratch").join(stem);
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).map_err(err)?;
+    }
+    std::fs::create_dir_all(&dir).map_err(err)
 }
 
 /// How `report` is worse than the report in `baseline`, file by file.

@@ -301,6 +301,23 @@ fn independent_joins(plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPl
     let plan = replace_children_if_necessary(plan, children)?;
     if let Some(j) = plan.downcast_ref::<HashJoinExec>() {
         let n = j.right().output_partitioning().partition_count();
+        if j.null_aware && n > 1 {
+            // `NOT IN (subquery)`: one NULL anywhere on the probe side empties the result, and
+            // the probe partitions learn of it through their one plan instance. Partitions on
+            // different workers would not: the join runs as one partition.
+            let build = match j.left().downcast_ref::<CoalescePartitionsExec>() {
+                Some(c) => c.input().clone(),
+                None => j.left().clone(),
+            };
+            let left = Arc::new(CoalescePartitionsExec::new(build));
+            let right = Arc::new(CoalescePartitionsExec::new(j.right().clone()));
+            return j
+                .builder()
+                .with_partition_mode(PartitionMode::CollectLeft)
+                .with_new_children(vec![left, right])?
+                .reset_state()
+                .build_exec();
+        }
         if *j.partition_mode() == PartitionMode::CollectLeft
             && emits_build_rows(j.join_type())
             && n > 1
