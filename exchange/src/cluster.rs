@@ -436,3 +436,56 @@ impl Drop for LocalCluster {
         self.stop();
     }
 }
+
+/// Workers started by another runtime (Ray actors, see the Python package): the driver dials
+/// their addresses, and a lost one is replaced by `replacer` (which starts a new worker in
+/// the same slot and returns its address). `scratch` is a directory of the driver's for
+/// files every worker must read (tables from Arrow data), shared with the workers' hosts.
+pub struct HostedCluster {
+    pub driver: Arc<Driver>,
+    pub scratch: PathBuf,
+    _tempdir: Option<tempfile::TempDir>,
+}
+
+impl HostedCluster {
+    pub async fn connect(
+        addrs: &[String],
+        creds: &crate::transport::Credentials,
+        cfg: DriverConfig,
+        scratch: Option<PathBuf>,
+        replacer: Option<crate::driver::Replacer>,
+    ) -> Result<Self> {
+        let (tempdir, scratch) = match scratch {
+            Some(d) => (None, d),
+            None => {
+                let t = tempfile::Builder::new()
+                    .prefix("flightshuffle-")
+                    .tempdir()
+                    .map_err(|e| Error::io(std::env::temp_dir(), e))?;
+                let owner = t.path().join(OWNER_FILE);
+                std::fs::write(&owner, std::process::id().to_string())
+                    .map_err(|e| Error::io(&owner, e))?;
+                let p = t.path().to_path_buf();
+                (Some(t), p)
+            }
+        };
+        let driver = Driver::connect(addrs, creds, cfg)?;
+        driver.check_health().await?;
+        if let Some(r) = replacer {
+            driver.set_replacer(r);
+        }
+        tracing::info!(workers = addrs.len(), "hosted cluster connected");
+        Ok(HostedCluster {
+            driver,
+            scratch,
+            _tempdir: tempdir,
+        })
+    }
+}
+
+impl Drop for HostedCluster {
+    fn drop(&mut self) {
+        // The replacer may hold the runtime that hosts the workers (it is dropped here).
+        self.driver.stop_replacing();
+    }
+}

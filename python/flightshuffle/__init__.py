@@ -191,6 +191,16 @@ class Cluster:
     ``{"ca": ..., "cert": ..., "key": ...}`` (PEM file paths, optionally ``"mutual": True``)
     uses certificates of your own, which must name ``127.0.0.1``; ``False`` speaks plaintext
     on loopback, where anyone who can read loopback traffic sees the token and the data.
+
+    ``runtime="ray"`` hosts the workers on Ray instead of this machine (see
+    :mod:`flightshuffle.ray_runtime`): one actor per worker in a placement group spread across
+    nodes, each with ``ray_resources`` (default ``{"CPU": 1}``; also ``"memory"``, ``"GPU"``
+    and custom resources); ``ray_address`` goes to ``ray.init`` when Ray is not initialised
+    (None: a local instance or ``RAY_ADDRESS``, ``"auto"``, ``"ray://head:10001"``). The
+    driver stays in this process and data moves between workers over Flight. ``spill_dir``
+    then names the driver's scratch directory for tables given as Arrow data, which workers on
+    other machines must see at the same path; workers spill to a temporary directory of their
+    node. Made certificates name the nodes alive at start.
     """
 
     def __init__(
@@ -204,25 +214,38 @@ class Cluster:
         strategy: Strategy = "pull",
         parity: int = 0,
         tls: bool | Literal["mutual"] | dict[str, Any] = True,
+        runtime: Literal["local", "ray"] = "local",
+        ray_address: str | None = None,
+        ray_resources: dict[str, float] | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError("a cluster needs at least one worker")
         tls_mode, tls_files = _tls_setting(tls)
         if parity not in (0, 1, 2):
             raise ValueError(f"parity must be 0, 1 or 2, not {parity!r}")
-        self._native: Any = NativeCluster(
-            workers,
-            parse_bytes(memory_budget),
-            None if spill_dir is None else str(spill_dir),
-            compression,
-            worker_command(),
-            float(timeout),
-            None if speculation is None else float(speculation),
-            strategy,
-            int(parity),
-            tls_mode,
-            tls_files,
-        )
+        if runtime not in ("local", "ray"):
+            raise ValueError(f'runtime must be "local" or "ray", not {runtime!r}')
+        self.runtime = runtime
+        self._ray: Any = None
+        if runtime == "ray":
+            self._native = self._start_on_ray(
+                workers, memory_budget, spill_dir, compression, timeout, speculation, strategy,
+                parity, tls, ray_address, ray_resources,
+            )  # fmt: skip
+        else:
+            self._native = NativeCluster(
+                workers,
+                parse_bytes(memory_budget),
+                None if spill_dir is None else str(spill_dir),
+                compression,
+                worker_command(),
+                float(timeout),
+                None if speculation is None else float(speculation),
+                strategy,
+                int(parity),
+                tls_mode,
+                tls_files,
+            )
         self.strategy = strategy
         self.parity = parity
         self.workers = workers
@@ -230,6 +253,56 @@ class Cluster:
         # Parquet paths of tables registered here (for online SQL).
         self._tables: dict[str, str] = {}
         self._arrow_tables = 0
+
+    def _start_on_ray(
+        self,
+        workers: int,
+        memory_budget: int | str,
+        spill_dir: str | None,
+        compression: str,
+        timeout: float,
+        speculation: float | None,
+        strategy: str,
+        parity: int,
+        tls: Any,
+        ray_address: str | None,
+        ray_resources: dict[str, float] | None,
+    ) -> Any:
+        """Start ``workers`` worker actors on Ray and a driver that dials them."""
+        from flightshuffle.ray_runtime import RayWorkers
+
+        _tls_setting(tls)  # validated before any actor starts
+        if parity > 0 and workers < parity + 1:
+            raise ValueError(f"parity={parity} needs at least {parity + 1} workers")
+        self._ray = ray = RayWorkers(workers, ray_address, ray_resources, tls)
+        try:
+            if compression == "auto":  # LZ4 pays off between machines, not on one (FACTS.md)
+                compression = "none" if len(ray.node_ips) <= 1 else "lz4"
+            addresses = ray.start(
+                [
+                    "--memory-budget",
+                    str(parse_bytes(memory_budget)),
+                    "--compression",
+                    compression,
+                    "--timeout-secs",
+                    str(max(1, int(timeout))),
+                ]
+            )
+            return NativeCluster.connect(
+                addresses,
+                ray.token,
+                ray.replace,
+                float(timeout),
+                None if spill_dir is None else str(spill_dir),
+                None if speculation is None else float(speculation),
+                strategy,
+                int(parity),
+                ray.tls_mode,
+                ray.tls_files,
+            )
+        except BaseException:
+            ray.stop()
+            raise
 
     def shuffle(
         self,
@@ -473,6 +546,8 @@ class Cluster:
 
     @property
     def worker_pids(self) -> list[int]:
+        if self._ray is not None:
+            return self._ray.pids()
         return list(self._native.worker_pids())
 
     def recovery(self) -> dict[str, int]:
@@ -516,8 +591,10 @@ class Cluster:
         return self._native.spill_root()
 
     def close(self) -> None:
-        """Stop every worker process."""
+        """Stop every worker process (and, on Ray, every worker actor)."""
         self._native.close()
+        if self._ray is not None:
+            self._ray.stop()
 
     def __enter__(self) -> Self:
         return self

@@ -250,12 +250,48 @@ def _tpch(args: argparse.Namespace) -> int:
         print(f"generating TPC-H SF{args.sf:g} in {root}", file=sys.stderr)
         tpch.ensure_data(args.sf, root, progress=sys.stderr.isatty())
         print(f"generated in {time.monotonic() - t:.1f} s", file=sys.stderr)
-    queries = args.queries or list(range(1, 23))
     duck = tpch.duckdb_connect(root) if args.check else None
+    runtimes = [r.strip() for r in args.runtime.split(",")]
+    unknown = [r for r in runtimes if r not in ("local", "ray")]
+    if unknown or not runtimes:
+        print(f"--runtime takes local, ray or local,ray, not {args.runtime!r}", file=sys.stderr)
+        return 2
+    reports, wrong = [], []
+    for runtime in runtimes:
+        report = _tpch_on(args, runtime, root, duck)
+        if report is None:
+            return 2
+        reports.append(report)
+        wrong += [(runtime, r["query"]) for r in report["queries"] if r["answer"].startswith("W")]
+    if len(reports) > 1:
+        print("runtime  total s  ratio to 1-process DataFusion")
+        for r in reports:
+            print(f"{r['runtime']:>7} {r['total_cluster_s']:>8.3f} {r['ratio']:>6.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(reports[0] if len(reports) == 1 else {"runs": reports}, f, indent=2)
+    if wrong:
+        print(f"wrong answers: {wrong}", file=sys.stderr)
+        return 1
+    if duck is not None:
+        print(f"all answers match DuckDB on the same Parquet files ({', '.join(runtimes)})")
+    return 0
+
+
+def _tpch_on(args: argparse.Namespace, runtime: str, root: str, duck: object) -> dict | None:
+    """Run the queries on one cluster of ``runtime``; the report (None: a bad --set)."""
+    from flightshuffle import tpch
+
+    queries = args.queries or list(range(1, 23))
     rows = []
     tls = {"on": True, "off": False, "mutual": "mutual"}[args.tls]
     with Cluster(
-        workers=args.workers, memory_budget=args.memory_budget, strategy=args.strategy, tls=tls
+        workers=args.workers,
+        memory_budget=args.memory_budget,
+        strategy=args.strategy,
+        tls=tls,
+        runtime=runtime,
+        ray_address=args.ray_address,
     ) as c:
         for name, path in tpch.table_paths(root).items():
             c.register_parquet(name, path)
@@ -263,11 +299,12 @@ def _tpch(args: argparse.Namespace) -> int:
             name, sep, value = setting.partition("=")
             if not sep or not name.strip():
                 print(f"--set wants NAME=VALUE, got {setting!r}", file=sys.stderr)
-                return 2
+                return None
             c.sql(f"SET {name.strip()} = '{value.strip()}'")
         settings = "".join(f", {s}" for s in args.set)
         print(
-            f"strategy {args.strategy}, {args.workers} workers, SF{args.sf:g}, tls {args.tls}{settings}"
+            f"strategy {args.strategy}, {args.workers} workers on {runtime}, SF{args.sf:g}, "
+            f"tls {args.tls}{settings}"
         )
         print(
             f"{'query':>5} {'cluster s':>10} {'1-proc DF s':>11} {'ratio':>6} {'duckdb s':>9} "
@@ -319,28 +356,19 @@ def _tpch(args: argparse.Namespace) -> int:
         f"{'total':>5} {total:>10.3f} {total_local:>11.3f} {total / total_local:>6.2f} "
         f"{total_ref:>9.3f}"
     )
-    wrong = [r["query"] for r in rows if r["answer"].startswith("WRONG")]
-    if args.json:
-        with open(args.json, "w") as f:
-            report = {
-                "sf": args.sf,
-                "workers": args.workers,
-                "strategy": args.strategy,
-                "settings": args.set,
-                "repeat": args.repeat,
-                "queries": rows,
-                "total_cluster_s": total,
-                "total_single_process_datafusion_s": total_local,
-                "ratio": total / total_local,
-                "total_duckdb_s": total_ref,
-            }
-            json.dump(report, f, indent=2)
-    if wrong:
-        print(f"wrong answers: {wrong}", file=sys.stderr)
-        return 1
-    if duck is not None:
-        print(f"all {len(rows)} answers match DuckDB on the same Parquet files")
-    return 0
+    return {
+        "runtime": runtime,
+        "sf": args.sf,
+        "workers": args.workers,
+        "strategy": args.strategy,
+        "settings": args.set,
+        "repeat": args.repeat,
+        "queries": rows,
+        "total_cluster_s": total,
+        "total_single_process_datafusion_s": total_local,
+        "ratio": total / total_local,
+        "total_duckdb_s": total_ref,
+    }
 
 
 Q1_LIKE = """SELECT l_returnflag, l_linestatus,
@@ -630,6 +658,15 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--memory-budget", default="4GiB")
     t.add_argument(
         "--tls", default="on", choices=["on", "off", "mutual"], help="TLS between the processes"
+    )
+    t.add_argument(
+        "--runtime",
+        default="local",
+        help="where the workers run: local (processes here), ray (Ray actors), or local,ray "
+        "(both, one after the other, in the same run)",
+    )
+    t.add_argument(
+        "--ray-address", default=None, help="for ray.init: auto, ray://head:10001 (default local)"
     )
     t.add_argument(
         "--strategy",

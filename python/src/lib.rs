@@ -2,14 +2,16 @@
 //! local cluster; `shuffle()` takes anything exporting the Arrow PyCapsule stream interface
 //! (zero-copy import) and returns a `NativeShuffle` yielding partitions as Arrow tables.
 
+mod hosted;
 mod job;
 mod script;
 mod sql;
 mod stage;
 
 use exchange::bench::{shuffle_bench as run_bench, BenchConfig};
-use exchange::cluster::{LocalCluster, LocalClusterConfig, TlsSetting};
+use exchange::cluster::{HostedCluster, LocalCluster, LocalClusterConfig, TlsSetting};
 use exchange::Error;
+use hosted::Workers;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3_arrow::input::AnyRecordBatch;
@@ -107,7 +109,7 @@ impl Drop for Rt {
 #[pyclass(module = "flightshuffle._native")]
 struct NativeCluster {
     rt: Arc<Rt>,
-    cluster: Arc<Mutex<Option<LocalCluster>>>,
+    cluster: Arc<Mutex<Option<Workers>>>,
     sql: Mutex<Option<Arc<exchange_datafusion::DistributedContext>>>,
     /// Single-process DataFusion over the same tables: the baseline of benchmarks.
     local: datafusion::prelude::SessionContext,
@@ -149,7 +151,10 @@ fn cluster_config(
 
 /// `tls`: "on" (a CA made for the cluster), "mutual" (clients show certificates too) or
 /// "off"; with `files` (ca, cert, key), those certificates instead of made ones.
-fn tls_setting(tls: &str, files: Option<(String, String, String)>) -> PyResult<TlsSetting> {
+pub(crate) fn tls_setting(
+    tls: &str,
+    files: Option<(String, String, String)>,
+) -> PyResult<TlsSetting> {
     let mutual = match tls {
         "off" if files.is_none() => return Ok(TlsSetting::Off),
         "on" => false,
@@ -223,23 +228,68 @@ impl NativeCluster {
                 })
             })
             .map_err(to_py)?;
-        Ok(NativeCluster {
-            rt: Arc::new(rt),
-            cluster: Arc::new(Mutex::new(Some(cluster))),
-            sql: Mutex::new(None),
-            local: datafusion::prelude::SessionContext::new_with_config(
-                datafusion::prelude::SessionConfig::new().with_target_partitions(
-                    std::thread::available_parallelism().map_or(2, |n| n.get()),
-                ),
-            ),
-            stages: Default::default(),
-            strategy: exchange::strategy::StrategyOptions {
-                speculation,
-                strategy,
-                parity,
-                ..Default::default()
-            },
-        })
+        Ok(Self::with_workers(
+            rt,
+            Workers::Local(cluster),
+            speculation,
+            strategy,
+            parity,
+        ))
+    }
+
+    /// A driver for workers hosted elsewhere (Ray actors) at `addresses`; `replace(slot)`
+    /// starts a lost worker's replacement and returns its address. `tls_files` (ca, cert,
+    /// key) are the files the workers serve, `tls` "on", "mutual" or "off".
+    #[staticmethod]
+    #[pyo3(signature = (addresses, token, replace, timeout_secs, scratch=None, speculation=None, strategy="pull".to_string(), parity=0, tls="on".to_string(), tls_files=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn connect(
+        py: Python<'_>,
+        addresses: Vec<String>,
+        token: String,
+        replace: Py<PyAny>,
+        timeout_secs: f64,
+        scratch: Option<String>,
+        speculation: Option<f64>,
+        strategy: String,
+        parity: u32,
+        tls: String,
+        tls_files: Option<(String, String, String)>,
+    ) -> PyResult<Self> {
+        let strategy: exchange::strategy::Strategy = strategy.parse().map_err(to_py)?;
+        exchange::parity::check(addresses.len(), parity)
+            .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+        let creds = hosted::credentials(token, tls_setting(&tls, tls_files)?)?;
+        let cfg = exchange::driver::DriverConfig {
+            rpc_timeout: Duration::from_secs_f64(timeout_secs.max(1.0)),
+            ..Default::default()
+        };
+        let rt = runtime()?;
+        let hosted = py
+            .detach(|| {
+                rt.block_on(async {
+                    let c = HostedCluster::connect(
+                        &addresses,
+                        &creds,
+                        cfg,
+                        scratch.map(Into::into),
+                        Some(hosted::py_replacer(replace)),
+                    )
+                    .await?;
+                    if strategy == exchange::strategy::Strategy::Auto {
+                        c.driver.calibration().await?;
+                    }
+                    Ok::<_, exchange::Error>(c)
+                })
+            })
+            .map_err(to_py)?;
+        Ok(Self::with_workers(
+            rt,
+            Workers::Hosted(hosted),
+            speculation,
+            strategy,
+            parity,
+        ))
     }
 
     /// Run a map stage of Python tasks into a new shuffle of `partitions` partitions (hash on
@@ -331,7 +381,7 @@ impl NativeCluster {
     /// run again whole so far.
     fn recovery(&self) -> (u64, u64, u64, u64) {
         self.with(|c| {
-            let d = &c.driver;
+            let d = c.driver();
             (
                 d.replacements(),
                 d.recomputed_maps(),
@@ -347,7 +397,7 @@ impl NativeCluster {
     #[allow(clippy::type_complexity)]
     fn tls(&self) -> Option<(String, Option<(String, String)>)> {
         self.with(|c| {
-            c.driver
+            c.driver()
                 .credentials()
                 .tls
                 .as_ref()
@@ -358,15 +408,15 @@ impl NativeCluster {
 
     /// The cluster token (for advanced clients: every call carries `Bearer <token>`).
     fn token(&self) -> Option<String> {
-        self.with(|c| c.driver.token().to_string())
+        self.with(|c| c.driver().token().to_string())
     }
 
     fn worker_addresses(&self) -> Vec<String> {
-        self.with(|c| c.driver.addresses()).unwrap_or_default()
+        self.with(|c| c.driver().addresses()).unwrap_or_default()
     }
 
     fn spill_root(&self) -> Option<String> {
-        self.with(|c| c.spill_root.display().to_string())
+        self.with(|c| c.scratch().display().to_string())
     }
 
     /// Per-worker block store statistics, as a JSON list.
@@ -507,7 +557,33 @@ impl NativeCluster {
 }
 
 impl NativeCluster {
-    fn with<T>(&self, f: impl FnOnce(&mut LocalCluster) -> T) -> Option<T> {
+    fn with_workers(
+        rt: Rt,
+        workers: Workers,
+        speculation: Option<f64>,
+        strategy: exchange::strategy::Strategy,
+        parity: u32,
+    ) -> Self {
+        NativeCluster {
+            rt: Arc::new(rt),
+            cluster: Arc::new(Mutex::new(Some(workers))),
+            sql: Mutex::new(None),
+            local: datafusion::prelude::SessionContext::new_with_config(
+                datafusion::prelude::SessionConfig::new().with_target_partitions(
+                    std::thread::available_parallelism().map_or(2, |n| n.get()),
+                ),
+            ),
+            stages: Default::default(),
+            strategy: exchange::strategy::StrategyOptions {
+                speculation,
+                strategy,
+                parity,
+                ..Default::default()
+            },
+        }
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut Workers) -> T) -> Option<T> {
         self.cluster
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -538,7 +614,7 @@ impl NativeCluster {
     }
 
     fn driver(&self) -> PyResult<Arc<exchange::driver::Driver>> {
-        self.with(|c| c.driver.clone())
+        self.with(|c| c.driver().clone())
             .ok_or_else(|| ShuffleError::new_err("the cluster is closed"))
     }
 }
@@ -701,6 +777,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<stage::NativeStream>()?;
     m.add_function(wrap_pyfunction!(datafusion_query, m)?)?;
     m.add_function(wrap_pyfunction!(run_worker, m)?)?;
+    m.add_function(wrap_pyfunction!(hosted::make_tls, m)?)?;
     m.add_function(wrap_pyfunction!(shuffle_bench, m)?)?;
     m.add("ShuffleError", m.py().get_type::<ShuffleError>())?;
     m.add("WorkerLostError", m.py().get_type::<WorkerLostError>())?;

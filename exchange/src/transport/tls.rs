@@ -93,6 +93,12 @@ impl LocalTls {
     /// Make a CA and a certificate it signs for `localhost` and `127.0.0.1` (server and
     /// client use) and write them to `dir` (created; the key readable by the owner only).
     pub fn generate(dir: &Path) -> Result<Self> {
+        Self::generate_for(dir, &[])
+    }
+
+    /// [`LocalTls::generate`] with a certificate that also names `hosts` (host names or IP
+    /// addresses workers are reached by, e.g. the nodes of a Ray cluster).
+    pub fn generate_for(dir: &Path, hosts: &[String]) -> Result<Self> {
         use rcgen::{
             BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
             KeyPair, KeyUsagePurpose,
@@ -106,8 +112,13 @@ impl LocalTls {
             .push(DnType::CommonName, "flightshuffle local cluster CA");
         let ca_cert = ca.self_signed(&ca_key).map_err(fail)?;
         let key = KeyPair::generate().map_err(fail)?;
-        let mut leaf = CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".into()])
-            .map_err(fail)?;
+        let mut names = vec!["localhost".to_string(), "127.0.0.1".into()];
+        for h in hosts {
+            if !names.contains(h) {
+                names.push(h.clone());
+            }
+        }
+        let mut leaf = CertificateParams::new(names).map_err(fail)?;
         leaf.distinguished_name
             .push(DnType::CommonName, "flightshuffle local worker");
         leaf.extended_key_usages = vec![
