@@ -330,7 +330,18 @@ pub fn compact_views(batch: &RecordBatch) -> Result<RecordBatch> {
             _ => c.clone(),
         })
         .collect();
-    Ok(RecordBatch::try_new(batch.schema(), cols)?)
+    Ok(batch_with(batch.schema(), cols, batch.num_rows())?)
+}
+
+/// `columns` under `schema`, keeping the row count also when there are no columns (a
+/// zero-column batch, as under `count(*)`, carries nothing but its rows).
+pub fn batch_with(
+    schema: arrow::datatypes::SchemaRef,
+    columns: Vec<ArrayRef>,
+    rows: usize,
+) -> std::result::Result<RecordBatch, arrow::error::ArrowError> {
+    let opts = arrow::array::RecordBatchOptions::new().with_row_count(Some(rows));
+    RecordBatch::try_new_with_options(schema, columns, &opts)
 }
 
 /// True when two schemas carry the same column names and types (metadata and nullability aside).

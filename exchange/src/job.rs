@@ -138,7 +138,11 @@ pub fn conform(batch: RecordBatch, schema: &SchemaRef) -> Result<RecordBatch> {
             }
         })
         .collect::<Result<Vec<ArrayRef>>>()?;
-    Ok(RecordBatch::try_new(schema.clone(), cols)?)
+    Ok(crate::block::batch_with(
+        schema.clone(),
+        cols,
+        batch.num_rows(),
+    )?)
 }
 
 /// Every `step`-th row of `batches`, about [`RANGE_SAMPLE_ROWS`] in all.

@@ -104,7 +104,8 @@ pub fn encode(
     let text: Vec<String> = ends.0.iter().map(|e| e.to_string()).collect();
     metadata.insert(ENDS_KEY.to_string(), text.join(","));
     let schema = Arc::new(Schema::new_with_metadata(schema.fields().clone(), metadata));
-    let batch = RecordBatch::try_new(schema.clone(), batch.columns().to_vec())?;
+    let batch =
+        crate::block::batch_with(schema.clone(), batch.columns().to_vec(), batch.num_rows())?;
     EncodedBlock::encode(&schema, &[batch], c)
 }
 

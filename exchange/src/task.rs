@@ -672,12 +672,15 @@ pub(crate) fn conform(info: &ShuffleInfo, batch: RecordBatch) -> Result<RecordBa
             found: schema_summary(&batch.schema()),
         });
     }
-    RecordBatch::try_new(info.schema.clone(), batch.columns().to_vec()).map_err(|e| {
-        Error::SchemaMismatch {
-            shuffle: info.id,
-            expected: schema_summary(&info.schema),
-            found: format!("{} ({e})", schema_summary(&batch.schema())),
-        }
+    crate::block::batch_with(
+        info.schema.clone(),
+        batch.columns().to_vec(),
+        batch.num_rows(),
+    )
+    .map_err(|e| Error::SchemaMismatch {
+        shuffle: info.id,
+        expected: schema_summary(&info.schema),
+        found: format!("{} ({e})", schema_summary(&batch.schema())),
     })
 }
 

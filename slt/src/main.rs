@@ -2,9 +2,13 @@
 //! exchange on a local cluster, each file also on single-process DataFusion in the same run.
 //!
 //! Every file gets a fresh session on each side. Queries (`SELECT`, `WITH`, `VALUES`) go
-//! through [`DistributedContext::sql`]: the plan is cut into stages that run on the workers
-//! (in-memory tables travel inside the stage plans); a query whose plan has no exchange runs
-//! on the driver, and is counted as such. Other statements (`CREATE TABLE`, `INSERT`, `SET`)
+//! through [`DistributedContext::sql`] with every query's work on the workers
+//! ([`DistributedContext::with_all_on_workers`]): the plan is cut into stages that run on the
+//! workers (in-memory tables travel inside the stage plans), every gather is a stage, and a
+//! plan without any exchange runs as one task on a worker; the driver only reads the last
+//! stage and runs what is above it. Queries counted "on the driver" ran whole there because a
+//! stage plan would not reach the workers unchanged (`exchange_datafusion::sendable`); the
+//! report gives the reasons (`on_driver_why`). Other statements (`CREATE TABLE`, `INSERT`, `SET`)
 //! define the session and run on the driver's session. `EXPLAIN` records differ by design
 //! and are skipped and counted, as are records a `skipif`/`onlyif` condition leaves out for
 //! DataFusion.
@@ -184,6 +188,8 @@ struct Distributed {
     ctx: Arc<DistributedContext>,
     staged: Arc<AtomicU64>,
     on_driver: Arc<AtomicU64>,
+    /// Why queries ran on the driver, with how many did.
+    why: Arc<std::sync::Mutex<std::collections::BTreeMap<String, u64>>>,
 }
 
 #[async_trait::async_trait]
@@ -201,6 +207,16 @@ impl AsyncDB for Distributed {
             false => &self.staged,
         };
         counter.fetch_add(1, Ordering::Relaxed);
+        if r.stages.is_empty() {
+            let why = r.on_driver.as_deref().unwrap_or("its plan has no stage");
+            let why: String = why.chars().take(200).collect();
+            *self
+                .why
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .entry(why)
+                .or_default() += 1;
+        }
         output(&r.schema, &r.batches)
     }
 
@@ -367,12 +383,16 @@ async fn run(mut args: Args) -> Result<(), SltError> {
         // Files the single-process run wrote (COPY, INSERT) must not be read again.
         scratch(path)?;
         let config = DistributedContext::default_config(args.workers);
-        let ctx = DistributedContext::new(cluster.driver.clone(), config).map_err(err)?;
+        let ctx = DistributedContext::new(cluster.driver.clone(), config)
+            .map_err(err)?
+            .with_all_on_workers(true);
         let (staged, on_driver) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let why = Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::new()));
         let db = Distributed {
             ctx: Arc::new(ctx),
             staged: staged.clone(),
             on_driver: on_driver.clone(),
+            why: why.clone(),
         };
         let dist = run_records(db, &records, timeout).await;
         let ours: Vec<&(usize, String)> = dist
@@ -393,6 +413,7 @@ async fn run(mut args: Args) -> Result<(), SltError> {
             "failed_only_distributed": ours.len(),
             "queries_distributed": staged.load(Ordering::Relaxed),
             "queries_on_driver": on_driver.load(Ordering::Relaxed),
+            "on_driver_why": why.lock().unwrap_or_else(|p| p.into_inner()).clone(),
             "seconds": started.elapsed().as_secs_f64(),
             "first_failures_only_distributed": ours
                 .iter()

@@ -102,6 +102,36 @@ async fn small_exchange_free_gathers_are_not_cut() {
     assert!(!tiny.plan(&sql).await.unwrap().stages.is_empty());
 }
 
+/// With every query's work on the workers, a query without any exchange (an in-memory
+/// table of one partition, travelling inside the plan) runs as one task on a worker, and its
+/// answer (ordered too) equals single-process DataFusion's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queries_without_exchanges_run_on_a_worker_when_asked() {
+    let (_cluster, ctx) = cluster(2).await;
+    let ctx = ctx.with_all_on_workers(true);
+    let local = SessionContext::new();
+    let create = "CREATE TABLE t AS VALUES (3, 'c'), (1, 'a'), (2, NULL), (1, 'b')";
+    for c in [ctx.session(), &local] {
+        c.sql(create).await.unwrap().collect().await.unwrap();
+    }
+    for sql in [
+        "SELECT column1 + 1 AS x, column2 FROM t ORDER BY x DESC, column2",
+        "SELECT 1 + 2",
+        "SELECT column2 FROM t WHERE column1 = 1 ORDER BY column2",
+    ] {
+        let staged = ctx.plan(sql).await.unwrap();
+        assert_eq!(staged.stages.len(), 1, "{sql}: {}", staged.display());
+        let got = ctx.sql(sql).await.unwrap();
+        let want = local.sql(sql).await.unwrap().collect().await.unwrap();
+        let fmt = |b: &[arrow::array::RecordBatch]| {
+            arrow::util::pretty::pretty_format_batches(b)
+                .unwrap()
+                .to_string()
+        };
+        assert_eq!(fmt(&got.batches), fmt(&want), "{sql}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn staged_plans_snapshot() {
     let (_cluster, ctx) = cluster(2).await;

@@ -103,7 +103,9 @@ impl Combiner for PartialReduce {
         let err = |e: datafusion::error::DataFusionError| exchange::Error::Task(e.to_string());
         let batches = batches
             .iter()
-            .map(|b| RecordBatch::try_new(self.input.clone(), b.columns().to_vec()))
+            .map(|b| {
+                exchange::block::batch_with(self.input.clone(), b.columns().to_vec(), b.num_rows())
+            })
             .collect::<Result<Vec<_>, _>>()?;
         let source =
             MemorySourceConfig::try_new_exec(&[batches], self.input.clone(), None).map_err(err)?;

@@ -75,6 +75,9 @@ pub struct QueryResult {
     pub seconds: f64,
     /// Flight calls the query made (driver to workers and between workers).
     pub rpcs: u64,
+    /// Why the query ran whole on the driver although it has exchanges (see
+    /// [`crate::sendable`]); None when its stages ran on the workers (or it has none).
+    pub on_driver: Option<String>,
 }
 
 /// How many times a query runs again whole after losing a worker its scheduler could not
@@ -86,6 +89,8 @@ pub struct DistributedContext {
     driver: Arc<Driver>,
     last_rpcs: std::sync::Mutex<u64>,
     small_gather_rows: usize,
+    /// Every query's work on the workers, the driver only reading the last stage.
+    all_on_workers: bool,
     strategy_options: StrategyOptions,
 }
 
@@ -132,6 +137,7 @@ impl DistributedContext {
             driver,
             last_rpcs: std::sync::Mutex::new(0),
             small_gather_rows: SMALL_GATHER_ROWS,
+            all_on_workers: false,
             strategy_options: StrategyOptions::default(),
         })
     }
@@ -141,6 +147,15 @@ impl DistributedContext {
     /// Default [`SMALL_GATHER_ROWS`].
     pub fn with_small_gather_rows(mut self, rows: usize) -> Self {
         self.small_gather_rows = rows;
+        self
+    }
+
+    /// Run every query's work on the workers: every gather is cut into a stage, and a plan
+    /// without any exchange (a query over small tables, which by default runs whole on the
+    /// driver, where it costs least) runs as one task on a worker, the driver only reading its
+    /// output. For checking answers of the distributed path (the sqllogictest runner).
+    pub fn with_all_on_workers(mut self, on: bool) -> Self {
+        self.all_on_workers = on;
         self
     }
 
@@ -180,7 +195,27 @@ impl DistributedContext {
         };
         let df = self.ctx.sql(sql).await?;
         let plan = df.create_physical_plan().await?;
-        let mut staged = plan_stages_with(plan, self.small_gather_rows)?;
+        let mut staged = match self.all_on_workers {
+            true => crate::planner::on_workers(plan_stages_with(plan.clone(), 0)?),
+            false => plan_stages_with(plan.clone(), self.small_gather_rows)?,
+        };
+        // A stage that would not reach the workers as planned: the query runs whole here.
+        let task_ctx = self.task_ctx();
+        let unsendable = staged.stages.iter().find_map(|s| {
+            let writer = s.writer.clone() as Arc<dyn ExecutionPlan>;
+            crate::sendable::check(&writer, &task_ctx)
+                .err()
+                .map(|why| format!("stage {} cannot be sent to the workers: {why}", s.id()))
+        });
+        if let Some(why) = unsendable {
+            tracing::warn!(%why, "running a query on the driver");
+            staged = StagedPlan {
+                stages: Vec::new(),
+                root: plan,
+                root_inputs: Vec::new(),
+                on_driver: Some(why),
+            };
+        }
         let ids: Vec<u32> = staged.stages.iter().map(|s| s.id()).collect();
         for id in ids {
             staged.set_strategy(id, strategy)?;
@@ -259,6 +294,7 @@ impl DistributedContext {
             stages,
             seconds: start.elapsed().as_secs_f64(),
             rpcs: self.last_rpcs(),
+            on_driver: staged.on_driver.clone(),
         })
     }
 
@@ -647,5 +683,6 @@ fn text_result(text: &str, seconds: f64) -> QueryResult {
         stages: vec![],
         seconds,
         rpcs: 0,
+        on_driver: None,
     }
 }

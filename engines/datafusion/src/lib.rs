@@ -14,6 +14,7 @@ pub mod combine;
 pub mod context;
 pub mod planner;
 pub mod reader;
+pub mod sendable;
 pub mod skew;
 pub mod source;
 pub mod writer;

@@ -70,6 +70,9 @@ pub struct StagedPlan {
     pub stages: Vec<Stage>,
     pub root: Arc<dyn ExecutionPlan>,
     pub root_inputs: Vec<u32>,
+    /// Why the whole query runs on the driver although it has exchanges: a stage plan would
+    /// not reach the workers unchanged (see [`crate::sendable`]).
+    pub on_driver: Option<String>,
 }
 
 impl StagedPlan {
@@ -104,7 +107,10 @@ impl StagedPlan {
                 &displayable(s.writer.as_ref()).indent(true).to_string(),
             ));
         }
-        out.push_str(&format!("Driver — reads stages {:?}\n", self.root_inputs));
+        match &self.on_driver {
+            Some(why) => out.push_str(&format!("Driver — runs the whole query: {why}\n")),
+            None => out.push_str(&format!("Driver — reads stages {:?}\n", self.root_inputs)),
+        }
         out.push_str(&indent(
             &displayable(self.root.as_ref()).indent(true).to_string(),
         ));
@@ -148,7 +154,42 @@ pub fn plan_stages_with(
         stages: planner.stages,
         root,
         root_inputs,
+        on_driver: None,
     })
+}
+
+/// A plan the planner left whole on the driver (no exchange in it; a query over small tables)
+/// as one stage of one task on a worker, the driver only reading its output: for callers
+/// that want every query's work on the workers (the sqllogictest runner, tests).
+pub fn on_workers(staged: StagedPlan) -> StagedPlan {
+    if !staged.stages.is_empty() {
+        return staged;
+    }
+    let mut planner = Planner {
+        stages: Vec::new(),
+        small_gather_rows: 0,
+    };
+    let root = staged.root;
+    let schema = root.schema();
+    let tasks = root.output_partitioning().partition_count();
+    let writer = planner.add_stage(root, vec![], WriterKind::Gather, 1, vec![]);
+    let reader: Arc<dyn ExecutionPlan> = Arc::new(ShuffleReaderExec::new(
+        writer.stage,
+        writer.shuffle,
+        ReadMode::Partition,
+        schema,
+        1,
+    ));
+    let root = match tasks {
+        1 => reader,
+        _ => Arc::new(CoalescePartitionsExec::new(reader)),
+    };
+    StagedPlan {
+        stages: planner.stages,
+        root,
+        root_inputs: vec![writer.stage],
+        on_driver: staged.on_driver,
+    }
 }
 
 impl Planner {

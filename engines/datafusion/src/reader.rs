@@ -141,7 +141,11 @@ fn conform(batch: RecordBatch, schema: &SchemaRef) -> Result<RecordBatch> {
             batch.num_columns()
         ))
     })?;
-    Ok(RecordBatch::try_new(schema.clone(), cols.to_vec())?)
+    Ok(exchange::block::batch_with(
+        schema.clone(),
+        cols.to_vec(),
+        batch.num_rows(),
+    )?)
 }
 
 impl ExecutionPlan for ShuffleReaderExec {

@@ -95,7 +95,9 @@ impl BlockStore {
             Some((ends, schema)) => {
                 let batches = batches
                     .into_iter()
-                    .map(|b| RecordBatch::try_new(schema.clone(), b.columns().to_vec()))
+                    .map(|b| {
+                        crate::block::batch_with(schema.clone(), b.columns().to_vec(), b.num_rows())
+                    })
                     .collect::<std::result::Result<Vec<_>, _>>()?;
                 Ok((batches, Some(ends)))
             }
