@@ -44,6 +44,23 @@ def ray_nodes():
     nodes.shutdown()
 
 
+def test_a_paused_worker_dies_with_its_actor(ray_nodes):
+    """A paused (SIGSTOPped) worker cannot see its stdin close; killing its actor must still
+    kill it, so it never comes back with stale attempts after a replacement."""
+    import signal
+    import time
+
+    # Runs before the module's cluster exists (that one holds both nodes' CPUs).
+    with fs.Cluster(workers=1, runtime="ray", timeout=30) as c:
+        (pid,) = c.worker_pids
+        os.kill(pid, signal.SIGSTOP)
+        c._ray.kill(0)
+        deadline = time.monotonic() + 10
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(pid), "a paused worker outlived its actor"
+
+
 @pytest.fixture(scope="module")
 def rc(ray_nodes, data):
     with fs.Cluster(workers=2, runtime="ray", memory_budget="256MiB", timeout=60) as c:
@@ -127,19 +144,3 @@ def test_an_actor_killed_mid_query_is_replaced_and_the_answer_is_exact(rc, data)
 def test_ray_runtime_errors_are_clear():
     with pytest.raises(ValueError, match="runtime"):
         fs.Cluster(workers=1, runtime="yarn")  # type: ignore[arg-type]
-
-
-def test_a_paused_worker_dies_with_its_actor(ray_nodes):
-    """A paused (SIGSTOPped) worker cannot see its stdin close; killing its actor must still
-    kill it, so it never comes back with stale attempts after a replacement."""
-    import signal
-    import time
-
-    with fs.Cluster(workers=1, runtime="ray", timeout=30) as c:
-        (pid,) = c.worker_pids
-        os.kill(pid, signal.SIGSTOP)
-        c._ray.kill(0)
-        deadline = time.monotonic() + 10
-        while alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not alive(pid), "a paused worker outlived its actor"
