@@ -61,6 +61,26 @@ def test_a_paused_worker_dies_with_its_actor(ray_nodes):
         assert not alive(pid), "a paused worker outlived its actor"
 
 
+# The tests above the module's cluster run before it takes both nodes' CPUs.
+
+
+def test_workers_ray_cannot_place_are_a_clear_error_within_the_timeout(ray_nodes):
+    """More CPUs per worker than any node has: a clear error naming what was asked, within the
+    cluster's timeout, and the Ray cluster is left as it was."""
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="could not place 2 workers"):
+        fs.Cluster(workers=2, runtime="ray", timeout=5, ray_resources={"CPU": 64})
+    assert time.monotonic() - started < 30
+    assert ray.is_initialized(), "Ray started by the caller stays up"
+
+
+def test_speculation_is_checked_on_ray_too(ray_nodes):
+    with pytest.raises(ValueError, match="speculation"):
+        fs.Cluster(workers=1, runtime="ray", timeout=20, speculation=0.5)
+
+
 @pytest.fixture(scope="module")
 def rc(ray_nodes, data):
     with fs.Cluster(workers=2, runtime="ray", memory_budget="256MiB", timeout=60) as c:

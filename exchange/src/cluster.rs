@@ -266,6 +266,18 @@ pub fn sweep_stale_roots(tmp: &Path, keep: &Path) -> usize {
     swept
 }
 
+/// A new temporary directory named `<prefix>...` holding this process's id in
+/// [`OWNER_FILE`], so [`sweep_stale_roots`] removes it if this process dies without doing so.
+fn owned_tempdir(prefix: &str) -> Result<tempfile::TempDir> {
+    let dir = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir()
+        .map_err(|e| Error::io(std::env::temp_dir(), e))?;
+    let owner = dir.path().join(OWNER_FILE);
+    std::fs::write(&owner, std::process::id().to_string()).map_err(|e| Error::io(&owner, e))?;
+    Ok(dir)
+}
+
 /// The certificate files `setting` asks for (made in a private temporary directory for
 /// [`TlsSetting::Local`]), and whether TLS is mutual; `None`: plaintext.
 #[allow(clippy::type_complexity)]
@@ -292,14 +304,8 @@ fn local_tls(
             Ok((None, Some((files, *mutual))))
         }
         TlsSetting::Local { mutual } => {
-            let dir = tempfile::Builder::new()
-                .prefix("flightshuffle-tls-")
-                .tempdir()
-                .map_err(|e| Error::io(std::env::temp_dir(), e))?;
             // Swept like a spill root if this process dies without removing it.
-            let owner = dir.path().join(OWNER_FILE);
-            std::fs::write(&owner, std::process::id().to_string())
-                .map_err(|e| Error::io(&owner, e))?;
+            let dir = owned_tempdir("flightshuffle-tls-")?;
             let files = LocalTls::generate(dir.path())?;
             Ok((Some(dir), Some((files, *mutual))))
         }
@@ -319,16 +325,10 @@ impl LocalCluster {
         let (tempdir, spill_root) = match &cfg.spill_dir {
             Some(d) => (None, d.clone()),
             None => {
-                let t = tempfile::Builder::new()
-                    .prefix("flightshuffle-")
-                    .tempdir()
-                    .map_err(|e| Error::io(std::env::temp_dir(), e))?;
+                let t = owned_tempdir("flightshuffle-")?;
                 let p = t.path().to_path_buf();
                 sweep_stale_roots(&std::env::temp_dir(), &p);
                 crate::kept::sweep_stale(&std::env::temp_dir());
-                let owner = p.join(OWNER_FILE);
-                std::fs::write(&owner, std::process::id().to_string())
-                    .map_err(|e| Error::io(&owner, e))?;
                 (Some(t), p)
             }
         };
@@ -458,13 +458,7 @@ impl HostedCluster {
         let (tempdir, scratch) = match scratch {
             Some(d) => (None, d),
             None => {
-                let t = tempfile::Builder::new()
-                    .prefix("flightshuffle-")
-                    .tempdir()
-                    .map_err(|e| Error::io(std::env::temp_dir(), e))?;
-                let owner = t.path().join(OWNER_FILE);
-                std::fs::write(&owner, std::process::id().to_string())
-                    .map_err(|e| Error::io(&owner, e))?;
+                let t = owned_tempdir("flightshuffle-")?;
                 let p = t.path().to_path_buf();
                 (Some(t), p)
             }

@@ -274,7 +274,9 @@ class Cluster:
         _tls_setting(tls)  # validated before any actor starts
         if parity > 0 and workers < parity + 1:
             raise ValueError(f"parity={parity} needs at least {parity + 1} workers")
-        self._ray = ray = RayWorkers(workers, ray_address, ray_resources, tls)
+        # Placing and starting workers waits at most `timeout` (and never over 2 minutes).
+        startup = min(float(timeout), 120.0)
+        self._ray = ray = RayWorkers(workers, ray_address, ray_resources, tls, startup)
         try:
             if compression == "auto":  # LZ4 pays off between machines, not on one (FACTS.md)
                 compression = "none" if len(ray.node_ips) <= 1 else "lz4"

@@ -204,10 +204,11 @@ class RayWorkers:
         try:
             ray.get(self.pg.ready(), timeout=startup_timeout)
         except Exception as e:
-            self._remove_pg()
+            available = ray.available_resources()
+            self.stop()  # the placement group, and Ray itself if we started it
             raise RuntimeError(
                 f"Ray could not place {workers} workers with {self.resources} each within "
-                f"{startup_timeout:.0f} s (available: {ray.available_resources()}); lower "
+                f"{startup_timeout:.0f} s (available: {available}); lower "
                 f"ray_resources or add nodes: {e}"
             ) from e
 

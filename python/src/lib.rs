@@ -10,6 +10,7 @@ mod stage;
 
 use exchange::bench::{shuffle_bench as run_bench, BenchConfig};
 use exchange::cluster::{HostedCluster, LocalCluster, LocalClusterConfig, TlsSetting};
+use exchange::strategy::StrategyOptions;
 use exchange::Error;
 use hosted::Workers;
 use pyo3::exceptions::PyException;
@@ -177,6 +178,42 @@ pub(crate) fn tls_setting(
     })
 }
 
+/// The cluster's strategy knobs, checked: a known strategy, a parity the worker count allows,
+/// a speculation factor above 1.
+fn strategy_options(
+    workers: usize,
+    strategy: &str,
+    parity: u32,
+    speculation: Option<f64>,
+) -> PyResult<StrategyOptions> {
+    let strategy: exchange::strategy::Strategy = strategy.parse().map_err(to_py)?;
+    exchange::parity::check(workers, parity)
+        .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+    if speculation.is_some_and(|k| !(k.is_finite() && k > 1.0)) {
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "speculation must be a factor above 1 (a map slower than that many times the median \
+             is copied), or None",
+        ));
+    }
+    Ok(StrategyOptions {
+        speculation,
+        strategy,
+        parity,
+        ..Default::default()
+    })
+}
+
+/// With `auto` as the cluster's default, calibrate the machine now, not in the first exchange.
+async fn calibrate_for(
+    driver: &Arc<exchange::driver::Driver>,
+    opts: &StrategyOptions,
+) -> exchange::Result<()> {
+    if opts.strategy == exchange::strategy::Strategy::Auto {
+        driver.calibration().await?;
+    }
+    Ok(())
+}
+
 #[pymethods]
 impl NativeCluster {
     #[new]
@@ -196,15 +233,7 @@ impl NativeCluster {
         tls: String,
         tls_files: Option<(String, String, String)>,
     ) -> PyResult<Self> {
-        let strategy: exchange::strategy::Strategy = strategy.parse().map_err(to_py)?;
-        exchange::parity::check(workers, parity)
-            .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
-        if speculation.is_some_and(|k| !(k.is_finite() && k > 1.0)) {
-            return Err(pyo3::exceptions::PyValueError::new_err(
-                "speculation must be a factor above 1 (a map slower than that many times the \
-                 median is copied), or None",
-            ));
-        }
+        let opts = strategy_options(workers, &strategy, parity, speculation)?;
         let rt = runtime()?;
         let cfg = cluster_config(
             workers,
@@ -220,21 +249,12 @@ impl NativeCluster {
             .detach(|| {
                 rt.block_on(async {
                     let cluster = LocalCluster::start(cfg).await?;
-                    // `auto` as the default: calibrate now, not in the first exchange.
-                    if strategy == exchange::strategy::Strategy::Auto {
-                        cluster.driver.calibration().await?;
-                    }
+                    calibrate_for(&cluster.driver, &opts).await?;
                     Ok::<_, exchange::Error>(cluster)
                 })
             })
             .map_err(to_py)?;
-        Ok(Self::with_workers(
-            rt,
-            Workers::Local(cluster),
-            speculation,
-            strategy,
-            parity,
-        ))
+        Ok(Self::with_workers(rt, Workers::Local(cluster), opts))
     }
 
     /// A driver for workers hosted elsewhere (Ray actors) at `addresses`; `replace(slot)`
@@ -256,9 +276,7 @@ impl NativeCluster {
         tls: String,
         tls_files: Option<(String, String, String)>,
     ) -> PyResult<Self> {
-        let strategy: exchange::strategy::Strategy = strategy.parse().map_err(to_py)?;
-        exchange::parity::check(addresses.len(), parity)
-            .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+        let opts = strategy_options(addresses.len(), &strategy, parity, speculation)?;
         let creds = hosted::credentials(token, tls_setting(&tls, tls_files)?)?;
         let cfg = exchange::driver::DriverConfig {
             rpc_timeout: Duration::from_secs_f64(timeout_secs.max(1.0)),
@@ -276,20 +294,12 @@ impl NativeCluster {
                         Some(hosted::py_replacer(replace)),
                     )
                     .await?;
-                    if strategy == exchange::strategy::Strategy::Auto {
-                        c.driver.calibration().await?;
-                    }
+                    calibrate_for(&c.driver, &opts).await?;
                     Ok::<_, exchange::Error>(c)
                 })
             })
             .map_err(to_py)?;
-        Ok(Self::with_workers(
-            rt,
-            Workers::Hosted(hosted),
-            speculation,
-            strategy,
-            parity,
-        ))
+        Ok(Self::with_workers(rt, Workers::Hosted(hosted), opts))
     }
 
     /// Run a map stage of Python tasks into a new shuffle of `partitions` partitions (hash on
@@ -557,13 +567,7 @@ impl NativeCluster {
 }
 
 impl NativeCluster {
-    fn with_workers(
-        rt: Rt,
-        workers: Workers,
-        speculation: Option<f64>,
-        strategy: exchange::strategy::Strategy,
-        parity: u32,
-    ) -> Self {
+    fn with_workers(rt: Rt, workers: Workers, strategy: StrategyOptions) -> Self {
         NativeCluster {
             rt: Arc::new(rt),
             cluster: Arc::new(Mutex::new(Some(workers))),
@@ -574,12 +578,7 @@ impl NativeCluster {
                 ),
             ),
             stages: Default::default(),
-            strategy: exchange::strategy::StrategyOptions {
-                speculation,
-                strategy,
-                parity,
-                ..Default::default()
-            },
+            strategy,
         }
     }
 
