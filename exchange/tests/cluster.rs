@@ -365,6 +365,28 @@ async fn bad_requests_get_clear_statuses() {
 /// progress, and the final partial's rows and checksum equal the input's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_rounds_fold_to_the_exact_multiset() {
+    let partials = streaming_partials(0).await;
+    assert_eq!(partials.len(), 4);
+    for (i, p) in partials.iter().enumerate() {
+        assert_eq!(p.is_final, i == 3);
+    }
+}
+
+/// Rounds by completion: every 5 committed maps are folded as a round (the last 2 as the
+/// last); every map is folded exactly once and only the last round is final.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_rounds_by_completion_fold_every_map_once() {
+    let partials = streaming_partials(5).await;
+    assert_eq!(partials.len(), 3);
+    for (i, p) in partials.iter().enumerate() {
+        assert_eq!(p.maps_done, [5, 10, 12][i]);
+        assert_eq!((p.rounds, p.is_final), (3, i == 2));
+    }
+}
+
+/// Run a 12-map streaming job (`fold_every` 0: 4 fixed rounds) and check what every mode
+/// shares: rounds in order, folded rows growing with progress, an exact final multiset.
+async fn streaming_partials(fold_every: usize) -> Vec<exchange::strategy::streaming::Partial> {
     use exchange::strategy::streaming::{self, StreamingJob};
     let mut cluster = LocalCluster::start(config(2, 1 << 30)).await.unwrap();
     let input = batches(12, 500);
@@ -385,6 +407,7 @@ async fn streaming_rounds_fold_to_the_exact_multiset() {
         weights: vec![500; inputs.len()],
         inputs,
         rounds: 4,
+        fold_every,
         reducer: exchange::task::CHECKSUM_REDUCER.to_string(),
         payload: vec![],
     };
@@ -399,11 +422,10 @@ async fn streaming_rounds_fold_to_the_exact_multiset() {
         partials.push(p.unwrap());
     }
     run.await.unwrap();
-    assert_eq!(partials.len(), 4);
+    assert!(partials.last().is_some_and(|p| p.is_final));
     let mut last_rows = 0;
     for (i, p) in partials.iter().enumerate() {
         assert_eq!(p.round, i);
-        assert_eq!(p.is_final, i == 3);
         assert_eq!(p.partitions.len(), 3);
         let mut total = Checksum::default();
         for part in &p.partitions {
@@ -417,6 +439,7 @@ async fn streaming_rounds_fold_to_the_exact_multiset() {
         }
     }
     cluster.stop();
+    partials
 }
 
 /// Small replies are not held back by Nagle + delayed ACK (≈40 ms each on Linux): two

@@ -250,6 +250,8 @@ class Cluster:
         self.parity = parity
         self.workers = workers
         self.last_metrics: dict[str, Any] = {}
+        self.last_online_plan = ""
+        """The staged plan of the last online SQL query (its statistics query's stages)."""
         # Parquet paths of tables registered here (for online SQL).
         self._tables: dict[str, str] = {}
         self._arrow_tables = 0
@@ -443,6 +445,7 @@ class Cluster:
         if not 0 < confidence < 1:
             raise ValueError("confidence must be between 0 and 1")
         want = max(min_splits or 0, 4 * rounds)
+        plan = None
         if isinstance(query, Grouped):
             if query.aggs is None:
                 raise ValueError(
@@ -465,6 +468,10 @@ class Cluster:
                     self._tables[name] = os.fspath(source)
                 else:
                     self._tables[name] = self._write_arrow(source, name)
+            if engine == "datafusion":
+                return ol.run_sql(
+                    self, plan, self._tables, rounds, want, seed, confidence, progress
+                )
             if plan.table not in self._tables:
                 raise ValueError(
                     f"unknown table {plan.table!r}: pass it in tables= or register_parquet() it"
@@ -472,7 +479,7 @@ class Cluster:
             splits, schema = make_splits(parquet_files(self._tables[plan.table]), want)
             columns = [c for c in schema.names if c in plan.columns] or None
             pre, aggs, keys = [], plan.aggs, plan.keys
-            stats = ol.SqlStats(engine, plan.table, plan.stats)
+            stats = ol.SqlStats(engine, plan.table, plan.stats, plan.keys, plan.stat_of)
             order, limit = plan.order, plan.limit
         else:
             raise TypeError("online() takes SQL text or a dataset.group_by(...).agg(...)")
@@ -489,6 +496,7 @@ class Cluster:
             progress,
             order,
             limit,
+            plan,
         )
 
     def sql(

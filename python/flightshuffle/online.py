@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -112,6 +113,8 @@ class SqlStats:
     engine: str
     table: str
     query: str
+    keys: list[str]
+    stat_of: dict[str, str]
 
     def apply(self, data: pa.Table) -> pa.Table:
         if self.engine == "duckdb":
@@ -121,31 +124,48 @@ class SqlStats:
             try:
                 con.execute("SET threads TO 1")
                 con.register(self.table, data)
-                return con.sql(self.query).to_arrow_table()
+                out = con.sql(self.query).to_arrow_table()
             finally:
                 con.close()
-        from flightshuffle._native import datafusion_query
+        else:
+            from flightshuffle._native import datafusion_query
 
-        return datafusion_query(self.query, {self.table: data})
+            out = datafusion_query(self.query, {self.table: data})
+        cols = [pl.col(k) for k in self.keys]
+        cols += [pl.col(c).alias(s) for s, c in self.stat_of.items()]
+        return ops.to_polars(out).select(cols).to_arrow()
 
 
 @dataclass
 class SqlPlan:
     table: str
+    """The first table of FROM (the only one for the DuckDB map side)."""
+    tables: list[str]
+    """Every table the query reads."""
     keys: list[str]
     aggs: list[AggRef]
     stats: str
+    """The statistics query: per group, one column per distinct statistic (``stat_columns``)."""
+    stat_columns: list[str]
+    stat_of: dict[str, str]
+    """Each aggregate's statistic ``__{stat}{j}`` -> the statistics query's column."""
     columns: list[str]
     order: list[tuple[str, bool]]
     limit: int | None
+    having: str | None = None
+    """A filter over the estimates (aggregates replaced by their output names)."""
+    hidden: list[str] | None = None
+    """Aggregates only HAVING uses: estimated, then dropped from the output."""
+    selected: list[str] | None = None
+    """Output columns in SELECT order (each aggregate followed by its interval)."""
 
 
 _SQL_KINDS = {"Sum": "sum", "Avg": "mean", "Count": "count", "Min": "min", "Max": "max"}
 
 
 def plan_sql(query: str, engine: str) -> SqlPlan:
-    """Rewrite ``SELECT keys, AGG(x) ... FROM t [WHERE ...] GROUP BY keys [ORDER BY] [LIMIT]``
-    into the per-split statistics query."""
+    """Rewrite ``SELECT keys, AGG(x) ... FROM tables [JOIN ...] [WHERE ...] GROUP BY keys
+    [HAVING ...] [ORDER BY] [LIMIT]`` into the per-split statistics query."""
     import sqlglot
     from sqlglot import exp
 
@@ -157,26 +177,50 @@ def plan_sql(query: str, engine: str) -> SqlPlan:
 
     def unsupported(what: str) -> ValueError:
         return ValueError(
-            f"online aggregation supports SELECT <group keys>, SUM/COUNT/AVG/MIN/MAX(<expr>) "
-            f"FROM <one table> [WHERE ...] GROUP BY <keys> [ORDER BY ...] [LIMIT n]; {what}"
+            "online aggregation supports SELECT <group keys>, SUM/COUNT/AVG/MIN/MAX(<expr>) "
+            "FROM <tables> [JOIN ...] [WHERE ...] GROUP BY <keys> [HAVING ...] [ORDER BY ...] "
+            f"[LIMIT n]; {what}"
         )
+
+    def sql(e: exp.Expression) -> str:
+        return e.sql(dialect=dialect)
 
     if not isinstance(tree, exp.Select):
         raise unsupported(f"got a {type(tree).__name__}")
-    for arg in ("joins", "having", "qualify", "windows", "distinct", "with_"):
+    for arg in ("qualify", "windows", "distinct", "with_"):
         if tree.args.get(arg):
             raise unsupported(f"{arg.rstrip('_').upper()} is not supported")
+    if any(s is not tree for s in tree.find_all(exp.Select)):
+        raise unsupported("subqueries are not supported")
+    for j in tree.args.get("joins") or []:
+        kind = (j.args.get("kind") or "").upper()
+        if j.args.get("side") or kind not in ("", "INNER", "CROSS"):
+            raise unsupported(
+                f"{sql(j).split(' ON ')[0].strip()}: only inner joins keep every result row "
+                "tied to one row of the fact table, which the estimates scale"
+            )
+    if engine == "duckdb" and tree.args.get("joins"):
+        raise unsupported("joins need engine='datafusion' (DuckDB reads one table per split)")
     source = tree.args.get("from_") or tree.args.get("from")
-    if source is None or not isinstance(source.this, exp.Table):
-        raise unsupported("the FROM clause must name one table")
+    if source is None:
+        raise unsupported("there is no FROM clause")
+    tables = [t.name for t in tree.find_all(exp.Table)]
+    if not isinstance(source.this, exp.Table) or any(
+        not isinstance(j.this, exp.Table) for j in tree.args.get("joins") or []
+    ):
+        raise unsupported("FROM and JOIN must name tables (no subqueries)")
+    if len(tables) != len(set(tables)):
+        raise unsupported("a table is read twice (self-joins are not supported)")
     table = source.this.name
-    sql = lambda e: e.sql(dialect=dialect)
     group = list(tree.args["group"].expressions) if tree.args.get("group") else []
     group_sql = [sql(g) for g in group]
     keys: list[str] = []
     key_exprs: list[str] = []
     aggs: list[AggRef] = []
-    stat_items: list[str] = []
+    # Each distinct statistic is computed once (DataFusion would merge duplicates anyway, and
+    # the folded columns are matched by position).
+    stat_items: dict[str, str] = {}
+    stat_of: dict[str, str] = {}
     # Inner projection: each distinct argument evaluated once per row (cast to DOUBLE for the
     # sums; as is for MIN/MAX), then aggregated by the outer query.
     evaluated: dict[str, str] = {}
@@ -184,24 +228,18 @@ def plan_sql(query: str, engine: str) -> SqlPlan:
     def column(text: str) -> str:
         return f'"{evaluated.setdefault(text, f"__x{len(evaluated)}")}"'
 
-    for item in tree.expressions:
-        inner = item.this if isinstance(item, exp.Alias) else item
-        name = item.alias_or_name or sql(inner)
-        if not list(inner.find_all(exp.AggFunc)):
-            if sql(inner) not in group_sql:
-                raise unsupported(f"{sql(inner)} is neither an aggregate nor a GROUP BY key")
-            keys.append(name)
-            key_exprs.append(sql(inner))
-            continue
-        kind = _SQL_KINDS.get(type(inner).__name__)
-        if kind is None or isinstance(inner.this, exp.Distinct) or inner.args.get("distinct"):
-            raise unsupported(f"{sql(inner)} is not a plain SUM/COUNT/AVG/MIN/MAX")
-        star = isinstance(inner.this, exp.Star)
+    def add_agg(node: exp.Expression, name: str) -> None:
+        kind = _SQL_KINDS.get(type(node).__name__)
+        if kind is None or isinstance(node.this, exp.Distinct) or node.args.get("distinct"):
+            raise unsupported(f"{sql(node)} is not a plain SUM/COUNT/AVG/MIN/MAX")
+        star = isinstance(node.this, exp.Star)
         if kind == "count" and star:
             kind = "len"
         j = len(aggs)
         aggs.append(AggRef(name, kind))
-        arg = "" if star else sql(inner.this)
+        arg = "" if star else sql(node.this)
+        if arg and list(node.this.find_all(exp.AggFunc)):
+            raise unsupported(f"{sql(node)} nests aggregates")
         for stat in NEEDS[kind]:
             if stat == "m":
                 expr = f"{kind.upper()}({column(f'({arg})')})"
@@ -210,33 +248,105 @@ def plan_sql(query: str, engine: str) -> SqlPlan:
             else:
                 x = column(f"CAST(({arg}) AS DOUBLE)")
                 expr = {"c": f"COUNT({x})", "s": f"SUM({x})", "q": f"SUM({x} * {x})"}[stat]
-            stat_items.append(f'{expr} AS "__{stat}{j}"')
+            col = stat_items.setdefault(expr, f"__u{len(stat_items)}")
+            stat_of[f"__{stat}{j}"] = col
+
+    outputs: dict[str, str] = {}
+    selected: list[str] = []
+    for item in tree.expressions:
+        inner = item.this if isinstance(item, exp.Alias) else item
+        name = item.alias_or_name or sql(inner)
+        if not list(inner.find_all(exp.AggFunc)):
+            if sql(inner) not in group_sql:
+                raise unsupported(f"{sql(inner)} is neither an aggregate nor a GROUP BY key")
+            keys.append(name)
+            key_exprs.append(sql(inner))
+            selected.append(name)
+            continue
+        selected += [name, f"{name}_low", f"{name}_high"]
+        if not isinstance(inner, exp.AggFunc):
+            raise unsupported(
+                f"{sql(inner)} computes over aggregates, which has no interval here; select "
+                "the aggregates and compute it from the estimates"
+            )
+        add_agg(inner, name)
+        outputs[sql(inner)] = name
     if not aggs:
         raise unsupported("there is no aggregate")
     for g in group_sql:
         if g not in key_exprs:
             raise unsupported(f"GROUP BY key {g} must be selected")
+    # HAVING: a filter over the estimates; aggregates it names that are not selected are
+    # estimated too, under hidden names.
+    having = None
+    hidden: list[str] = []
+    if tree.args.get("having") is not None:
+        cond = tree.args["having"].this.copy()
+        for node in list(cond.find_all(exp.AggFunc)):
+            text = sql(node)
+            if text not in outputs:
+                outputs[text] = f"__having{len(hidden)}"
+                hidden.append(outputs[text])
+                add_agg(node, outputs[text])
+            node.replace(exp.column(outputs[text], quoted=True))
+        having = cond.sql(dialect="duckdb")
     projected = [f'{e} AS "{k}"' for e, k in zip(key_exprs, keys, strict=True)]
     projected += [f'{text} AS "{c}"' for text, c in evaluated.items()]
-    inner_sql = f"SELECT {', '.join(projected) or '1 AS __one'} FROM {sql(source.this)}"
-    where = tree.args.get("where")
-    if where is not None:
-        inner_sql += f" WHERE {sql(where.this)}"
+    inner_tree = tree.copy()
+    for arg in ("group", "order", "limit", "having", "offset"):
+        inner_tree.set(arg, None)
+    inner_tree.set(
+        "expressions", [sqlglot.parse_one(p, read=dialect) for p in projected or ["1 AS __one"]]
+    )
+    inner_sql = sql(inner_tree)
     outer_keys = [f'"{k}"' for k in keys]
-    stats = f"SELECT {', '.join(outer_keys + stat_items)} FROM ({inner_sql}) AS __split"
+    items = [f'{e} AS "{c}"' for e, c in stat_items.items()]
+    stats = f"SELECT {', '.join(outer_keys + items)} FROM ({inner_sql}) AS __split"
     if keys:
         stats += f" GROUP BY {', '.join(outer_keys)}"
     order: list[tuple[str, bool]] = []
     if tree.args.get("order"):
+        names = keys + [a.name for a in aggs]
         for o in tree.args["order"].expressions:
-            names = [k for k in keys + [a.name for a in aggs] if k == o.this.alias_or_name]
-            if names:
-                order.append((names[0], bool(o.args.get("desc"))))
+            target = o.this.alias_or_name
+            if isinstance(o.this, exp.AggFunc) and sql(o.this) in outputs:
+                target = outputs[sql(o.this)]
+            if target not in names:
+                raise unsupported(f"ORDER BY {sql(o.this)} must name a selected column")
+            order.append((target, bool(o.args.get("desc"))))
     limit = None
     if tree.args.get("limit") is not None:
         limit = int(tree.args["limit"].expression.name)
     columns = sorted({c.name for c in tree.find_all(exp.Column)})
-    return SqlPlan(table, keys, aggs, stats, columns, order, limit)
+    return SqlPlan(
+        table,
+        tables,
+        keys,
+        aggs,
+        stats,
+        list(stat_items.values()),
+        stat_of,
+        columns,
+        order,
+        limit,
+        having,
+        hidden,
+        selected,
+    )
+
+
+def expand_stats(df: pl.DataFrame, plan: SqlPlan) -> pl.DataFrame:
+    """Folded statistics (keys, then the statistics query's columns, by position) as the
+    per-aggregate columns ``__{stat}{j}`` that :func:`combine` and :func:`estimate` read."""
+    want = len(plan.keys) + len(plan.stat_columns)
+    if df.width != want:
+        raise RuntimeError(
+            f"online aggregation: the folded statistics have {df.width} columns, expected {want}"
+        )
+    df = df.rename(dict(zip(df.columns, plan.keys + plan.stat_columns, strict=True)))
+    return df.select(
+        [pl.col(k) for k in plan.keys] + [pl.col(c).alias(s) for s, c in plan.stat_of.items()]
+    )
 
 
 @dataclass
@@ -320,43 +430,184 @@ def run(
     progress: bool | None,
     order: list[tuple[str, bool]] | None = None,
     limit: int | None = None,
+    plan: SqlPlan | None = None,
 ) -> Iterator[OnlineResult]:
-    """Run the streaming job and yield estimates after every round."""
+    """Run the streaming job with Python map tasks and yield estimates after every round."""
     from flightshuffle.dataset import empty
 
     if rounds < 1:
         raise ValueError("online aggregation needs at least one round")
     if not splits:
         raise ValueError("online aggregation needs input splits")
+    started = time.perf_counter()
     stage_ops = [*pre_ops, stats_op]
     schema = apply_ops(empty(splits[0].schema(columns)), stage_ops).schema
     body = cloudpickle.dumps(MapTask(stage_ops))
     tasks = [(body, None, 0, s.native(columns)) for s in splits]
     weights = [s.rows for s in splits]
-    total = sum(weights)
     reducer = cloudpickle.dumps(StatsReducer(keys, aggs))
     partitions = cluster.workers if keys else 1
     native = cluster._native.stream(schema, partitions, keys, tasks, weights, rounds, reducer)
+    shape = Shape(keys, aggs, order, limit)
+    if plan is not None:
+        shape = Shape(keys, aggs, order, limit, plan.having, plan.hidden, plan.selected)
+    return results(native, ops.to_polars, shape, sum(weights), confidence, progress, started)
+
+
+def run_sql(
+    cluster: Any,
+    plan: SqlPlan,
+    tables: dict[str, str],
+    rounds: int,
+    want: int,
+    seed: int | None,
+    confidence: float,
+    progress: bool | None,
+) -> Iterator[OnlineResult]:
+    """Online SQL with the native map side: the statistics query is planned once by
+    DataFusion on the driver; the largest table (the fact table) is read in random splits,
+    one per map task, joined with the other tables (broadcast to every worker before the
+    first split), and folded every ``len(splits) / rounds`` committed splits."""
+    from flightshuffle.dataset import parquet_files
+
+    if rounds < 1:
+        raise ValueError("online aggregation needs at least one round")
+    started = time.perf_counter()
+    for t in plan.tables:
+        if t not in tables:
+            raise ValueError(f"unknown table {t!r}: pass it in tables= or register_parquet() it")
+    files = {t: parquet_files(tables[t]) for t in plan.tables}
+    rows = {t: sum(_file_rows(f) for f in fs) for t, fs in files.items()}
+    fact = max(plan.tables, key=lambda t: rows[t])
+    splits = fact_splits(files[fact], want, seed)
+    if not splits:
+        raise ValueError(f"the fact table {fact!r} has no rows")
+    fold_every = max(1, -(-len(splits) // rounds))
+    shape = Shape(
+        plan.keys, plan.aggs, plan.order, plan.limit, plan.having, plan.hidden, plan.selected
+    )
+    total = sum(s[4] for s in splits)
+    expand = lambda t: expand_stats(ops.to_polars(t), plan)
+    try:
+        native, cluster.last_online_plan = cluster._native.online_sql(
+            plan.stats, [(t, tables[t]) for t in plan.tables], splits, fold_every
+        )
+    except ValueError as e:
+        if "small enough to run whole" not in str(e):
+            raise
+        # Nothing to stream: the statistics query runs whole, its one result is exact.
+        native = _Whole(cluster.sql(plan.stats), started)
+        cluster.last_online_plan = cluster.explain(plan.stats)
+    return results(native, expand, shape, total, confidence, progress, started)
+
+
+class _Whole:
+    """The stream of a statistics query run whole: one final result."""
+
+    def __init__(self, table: pa.Table, started: float) -> None:
+        self.table: pa.Table | None = table
+        self.started = started
+
+    def next_partial(self) -> tuple[dict[str, Any], pa.Table] | None:
+        if self.table is None:
+            return None
+        table, self.table = self.table, None
+        info = {"progress": 1.0, "final": True, "round": 0, "rounds": 1}
+        info |= {"maps_done": 0, "maps_total": 0}
+        return info, table
+
+    def close(self) -> None:
+        self.table = None
+
+
+def _file_rows(path: str) -> int:
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path).metadata.num_rows
+
+
+def fact_splits(
+    files: list[str], want: int, seed: int | None
+) -> list[tuple[str, int, int, int, int]]:
+    """The fact table's splits in a random order: (path, file bytes, file rows, first row,
+    rows), one per row group, row groups cut into row ranges when there would be fewer than
+    ``want``."""
+    import os
+
+    import pyarrow.parquet as pq
+
+    from flightshuffle.dataset import make_splits, shuffled
+
+    splits, _ = make_splits(files, want)
+    meta: dict[str, tuple[int, int, list[int]]] = {}
+    for f in files:
+        md = pq.ParquetFile(f).metadata
+        offsets = [0]
+        for i in range(md.num_row_groups):
+            offsets.append(offsets[-1] + md.row_group(i).num_rows)
+        meta[f] = (os.path.getsize(f), md.num_rows, offsets)
+    out = []
+    for s in shuffled(splits, seed):
+        if s.rows == 0:
+            continue
+        size, file_rows, offsets = meta[s.path]
+        out.append(
+            (os.path.abspath(s.path), size, file_rows, offsets[s.row_group] + s.start, s.rows)
+        )
+    return out
+
+
+@dataclass
+class Shape:
+    """How estimates are shaped for the caller."""
+
+    keys: list[str]
+    aggs: list[AggRef]
+    order: list[tuple[str, bool]] | None
+    limit: int | None
+    having: str | None = None
+    hidden: list[str] | None = None
+    selected: list[str] | None = None
+
+
+def results(
+    native: Any,
+    to_stats: Any,
+    shape: Shape,
+    total: int,
+    confidence: float,
+    progress: bool | None,
+    started: float,
+) -> Iterator[OnlineResult]:
+    """Turn each round's folded statistics from ``native`` into an :class:`OnlineResult`."""
     show = sys.stderr.isatty() if progress is None else progress
     bar = None
     if show:
         from tqdm import tqdm
 
         bar = tqdm(total=100, unit="%", desc="online", bar_format="{l_bar}{bar}| {n:.0f}%")
+    keys, aggs = shape.keys, shape.aggs
     try:
         while True:
             item = native.next_partial()
             if item is None:
                 return
             info, table = item
-            state = combine(ops.to_polars(table), keys, aggs)
+            state = combine(to_stats(table), keys, aggs)
             n = round(info["progress"] * total)
             est = estimate(state, keys, aggs, n, total, confidence)
-            by = [c for c, _ in order or []] or keys
+            if shape.having:
+                est = est.sql(f"SELECT * FROM self WHERE {shape.having}")
+            if shape.hidden:
+                est = est.drop([f"{h}{x}" for h in shape.hidden for x in ("", "_low", "_high")])
+            by = [c for c, _ in shape.order or []] or keys
             if by:
-                est = est.sort(by, descending=[d for _, d in order] if order else False)
-            if limit is not None:
-                est = est.head(limit)
+                desc = [d for _, d in shape.order] if shape.order else False
+                est = est.sort(by, descending=desc, nulls_last=True)
+            if shape.limit is not None:
+                est = est.head(shape.limit)
+            if shape.selected:
+                est = est.select(shape.selected)
             if bar is not None:
                 bar.update(100 * info["progress"] - bar.n)
             yield OnlineResult(
@@ -365,7 +616,7 @@ def run(
                 estimates=est,
                 round=info["round"],
                 rounds=info["rounds"],
-                elapsed=info["elapsed"],
+                elapsed=time.perf_counter() - started,
                 maps_done=info["maps_done"],
                 maps_total=info["maps_total"],
             )

@@ -4,6 +4,7 @@
 
 mod hosted;
 mod job;
+mod online;
 mod script;
 mod sql;
 mod stage;
@@ -381,6 +382,32 @@ impl NativeCluster {
             reducer,
         )
         .map_err(to_py)
+    }
+
+    /// Online aggregation of SQL with the native map side: `sql` is the statistics query,
+    /// `splits` cut the fact table (path, file bytes, file rows, first row, rows) in the order
+    /// they are read, folded every `fold_every` committed splits. Returns the stream and the
+    /// staged plan's text.
+    #[pyo3(signature = (sql, tables, splits, fold_every))]
+    fn online_sql(
+        &self,
+        py: Python<'_>,
+        sql: String,
+        tables: Vec<(String, String)>,
+        splits: Vec<online::SplitTuple>,
+        fold_every: usize,
+    ) -> PyResult<(stage::NativeStream, String)> {
+        let driver = self.driver()?;
+        online::start(
+            py,
+            &self.rt,
+            driver,
+            self.strategy,
+            sql,
+            tables,
+            splits,
+            fold_every,
+        )
     }
 
     fn worker_pids(&self) -> Vec<u32> {

@@ -156,7 +156,8 @@ pub async fn drop_stage(driver: &Arc<Driver>, stages: &Stages, shuffle: u64) -> 
 pub struct NativeStream {
     rt: Arc<crate::Rt>,
     driver: Arc<Driver>,
-    id: ShuffleId,
+    /// The shuffles dropped when the job is stopped early (the job drops them when it ends).
+    ids: Vec<ShuffleId>,
     rx: Mutex<mpsc::Receiver<Result<Partial>>>,
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
@@ -179,6 +180,7 @@ pub fn start_stream(
         inputs: inputs(driver, stages, tasks)?,
         weights,
         rounds,
+        fold_every: 0,
         reducer: PYTHON_KIND.to_string(),
         payload: reducer_payload,
     };
@@ -188,13 +190,26 @@ pub fn start_stream(
     let task = rt.spawn(async move {
         streaming::run(&d, job, StrategyOptions::default(), tx).await;
     });
-    Ok(NativeStream {
-        rt: rt.clone(),
-        driver: driver.clone(),
-        id,
-        rx: Mutex::new(rx),
-        task: Mutex::new(Some(task)),
-    })
+    Ok(NativeStream::new(rt, driver, vec![id], rx, task))
+}
+
+impl NativeStream {
+    /// A running job `task` sending its partial results to `rx`; `ids` are its shuffles.
+    pub fn new(
+        rt: &Arc<crate::Rt>,
+        driver: &Arc<Driver>,
+        ids: Vec<ShuffleId>,
+        rx: mpsc::Receiver<Result<Partial>>,
+        task: tokio::task::JoinHandle<()>,
+    ) -> Self {
+        NativeStream {
+            rt: rt.clone(),
+            driver: driver.clone(),
+            ids,
+            rx: Mutex::new(rx),
+            task: Mutex::new(Some(task)),
+        }
+    }
 }
 
 #[pymethods]
@@ -248,9 +263,10 @@ impl NativeStream {
             return None;
         }
         t.abort();
-        let (driver, id) = (self.driver.clone(), self.id);
+        let (driver, ids) = (self.driver.clone(), self.ids.clone());
         Some(self.rt.spawn(async move {
-            let _ = driver.drop_shuffle(id).await;
+            let drops = ids.iter().map(|id| driver.drop_shuffle(*id));
+            let _ = futures::future::join_all(drops).await;
         }))
     }
 }

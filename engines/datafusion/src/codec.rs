@@ -1,7 +1,12 @@
 //! `datafusion-proto` extension codec for the exchange's plan nodes, so stage plans containing
 //! shuffle writers and readers can be sent to workers.
 
+use crate::online::{FactSplit, SplitScanExec};
 use crate::reader::{ReadMode, ShuffleReaderExec};
+use datafusion::datasource::source::DataSourceExec;
+use datafusion_proto::bytes::{
+    physical_plan_from_bytes_with_extension_codec, physical_plan_to_bytes_with_extension_codec,
+};
 use crate::writer::{ShuffleWriterExec, WriterKind};
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::TaskContext;
@@ -47,12 +52,23 @@ struct WriterNode {
     strategy: String,
 }
 
+/// An online query's split scan: the Parquet scan (`datafusion-proto` bytes) and its splits.
+#[derive(Clone, PartialEq, prost::Message)]
+struct SplitScanNode {
+    #[prost(bytes = "vec", tag = "1")]
+    scan: Vec<u8>,
+    #[prost(message, repeated, tag = "2")]
+    splits: Vec<FactSplit>,
+}
+
 #[derive(Clone, PartialEq, prost::Message)]
 struct ExtensionNode {
     #[prost(message, optional, tag = "1")]
     reader: Option<ReaderNode>,
     #[prost(message, optional, tag = "2")]
     writer: Option<WriterNode>,
+    #[prost(message, optional, tag = "3")]
+    split_scan: Option<SplitScanNode>,
 }
 
 #[derive(Debug, Default)]
@@ -67,10 +83,18 @@ impl PhysicalExtensionCodec for ExchangeCodec {
         &self,
         buf: &[u8],
         inputs: &[Arc<dyn ExecutionPlan>],
-        _ctx: &TaskContext,
+        ctx: &TaskContext,
         _proto_converter: &dyn PhysicalProtoConverterExtension,
     ) -> Result<Arc<dyn ExecutionPlan>> {
         let node = ExtensionNode::decode(buf).map_err(|e| bad(&e.to_string()))?;
+        if let Some(s) = node.split_scan {
+            let scan = physical_plan_from_bytes_with_extension_codec(&s.scan, ctx, self)?;
+            let scan = scan
+                .downcast_ref::<DataSourceExec>()
+                .ok_or_else(|| bad("a split scan wraps no data source"))?;
+            let split = SplitScanExec::try_new(scan, s.splits).map_err(|e| bad(&e.to_string()))?;
+            return Ok(Arc::new(split));
+        }
         if let Some(r) = node.reader {
             let mode = match r.mode {
                 0 => ReadMode::Partition,
@@ -154,11 +178,10 @@ impl PhysicalExtensionCodec for ExchangeCodec {
                         .flat_map(|(p, s)| [*p, s.index, s.count])
                         .collect(),
                 }),
-                writer: None,
+                ..Default::default()
             }
         } else if let Some(w) = node.downcast_ref::<ShuffleWriterExec>() {
             ExtensionNode {
-                reader: None,
                 writer: Some(WriterNode {
                     stage: w.stage,
                     shuffle: w.shuffle.0,
@@ -167,6 +190,15 @@ impl PhysicalExtensionCodec for ExchangeCodec {
                     keys: w.keys.clone(),
                     strategy: w.strategy.to_string(),
                 }),
+                ..Default::default()
+            }
+        } else if let Some(s) = node.downcast_ref::<SplitScanExec>() {
+            ExtensionNode {
+                split_scan: Some(SplitScanNode {
+                    scan: physical_plan_to_bytes_with_extension_codec(s.scan(), self)?.to_vec(),
+                    splits: s.splits.as_ref().clone(),
+                }),
+                ..Default::default()
             }
         } else {
             return Err(DataFusionError::NotImplemented(format!(

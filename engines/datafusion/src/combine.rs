@@ -37,6 +37,15 @@ pub fn spec_for(writer: &ShuffleWriterExec) -> crate::Result<Option<proto::TaskS
     let Some(agg) = writer.input().downcast_ref::<AggregateExec>() else {
         return Ok(None);
     };
+    Ok(partial_reduce(agg)?.map(|payload| proto::TaskSource {
+        kind: PARTIAL_REDUCE.into(),
+        payload,
+    }))
+}
+
+/// The `PartialReduce` plan (encoded) that combines the states `agg` emits, if it is a
+/// partial aggregate whose states keep their columns when combined.
+pub fn partial_reduce(agg: &AggregateExec) -> crate::Result<Option<Vec<u8>>> {
     if *agg.mode() != AggregateMode::Partial {
         return Ok(None);
     }
@@ -52,12 +61,9 @@ pub fn spec_for(writer: &ShuffleWriterExec) -> crate::Result<Option<proto::TaskS
     if !same_columns(&reduce.schema(), &agg.schema()) {
         return Ok(None);
     }
-    let payload =
-        physical_plan_to_bytes_with_extension_codec(Arc::new(reduce), &ExchangeCodec)?.to_vec();
-    Ok(Some(proto::TaskSource {
-        kind: PARTIAL_REDUCE.into(),
-        payload,
-    }))
+    Ok(Some(
+        physical_plan_to_bytes_with_extension_codec(Arc::new(reduce), &ExchangeCodec)?.to_vec(),
+    ))
 }
 
 fn same_columns(a: &SchemaRef, b: &SchemaRef) -> bool {

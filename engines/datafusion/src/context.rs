@@ -109,6 +109,17 @@ impl DistributedContext {
         crate::distributed_options(config)
     }
 
+    /// [`Self::default_config`] for online aggregation ([`crate::online`]): every join whose
+    /// smaller side has a size estimate is a broadcast, so the fact table's scan, its joins
+    /// and the partial aggregate stay in one stage.
+    pub fn online_config(workers: usize) -> SessionConfig {
+        let mut config = Self::default_config(workers);
+        let opts = &mut config.options_mut().optimizer;
+        opts.hash_join_single_partition_threshold = usize::MAX;
+        opts.hash_join_single_partition_threshold_rows = usize::MAX;
+        config
+    }
+
     pub fn new(driver: Arc<Driver>, config: SessionConfig) -> Result<Self> {
         let ectx = ExchangeContext::of_driver(driver.clone());
         let mut config = crate::distributed_options(config).with_extension(Arc::new(ectx));
@@ -370,7 +381,7 @@ impl DistributedContext {
         Ok(out)
     }
 
-    fn task_ctx(&self) -> Arc<TaskContext> {
+    pub(crate) fn task_ctx(&self) -> Arc<TaskContext> {
         self.ctx.task_ctx()
     }
 
@@ -538,6 +549,21 @@ impl DistributedContext {
             reads: Vec::new(),
             refresh: Some(Arc::new(refresh_workers)),
         })
+    }
+
+    /// [`Self::stage_run`] without skew splits or combining: a stage of an online query.
+    pub(crate) fn stage_run_plain(&self, stage: &crate::planner::Stage) -> Result<StageRun> {
+        let off = SkewConfig {
+            factor: 0.0,
+            min_bytes: u64::MAX,
+            max_splits: 1,
+        };
+        self.stage_run(stage, &off, self.options().combine)
+    }
+
+    /// The knobs stages run with.
+    pub(crate) fn strategy_options(&self) -> StrategyOptions {
+        self.strategy_options
     }
 
     /// Skew-split settings of the session (`SET flightshuffle.skew_factor` and

@@ -13,6 +13,7 @@ pub mod codec;
 pub mod combine;
 pub mod context;
 pub mod planner;
+pub mod online;
 pub mod reader;
 pub mod sendable;
 pub mod skew;
@@ -97,6 +98,7 @@ impl datafusion::config::ConfigExtension for FlightshuffleOptions {
 pub fn worker_sources() -> SourceRegistry {
     let mut r = SourceRegistry::with_builtin();
     r.register(STAGE_SOURCE, Arc::new(source::StageSource::default()));
+    r.register_reducer(online::PARTIAL_FOLD, Arc::new(online::PartialFold));
     r.register_combiner(
         combine::PARTIAL_REDUCE,
         Arc::new(combine::PartialReduceKind),

@@ -3,6 +3,14 @@
 //! partition) and returns a partial result, which the caller receives while the next round's
 //! map tasks run. The last round's partial result is the exact, final result.
 //!
+//! Two ways to cut rounds:
+//! * fixed rounds (`fold_every == 0`): the inputs are cut into `rounds` consecutive ranges;
+//!   a round's maps all finish before the next round's start (its fold runs meanwhile);
+//! * rounds by completion (`fold_every = k`): every map is submitted at once (at most
+//!   `maps_per_worker` running per worker) and the next k maps to commit, in commit order, are
+//!   folded as the next round (fewer for the last), so a slow map holds back no other map,
+//!   only the fold that waits for it.
+//!
 //! Only the driver API is used: `run_maps` per round, one `fold` per partition per round.
 
 use super::{pull, AbortOnDrop, StrategyOptions};
@@ -21,8 +29,10 @@ pub struct StreamingJob {
     pub inputs: Vec<MapInput>,
     /// Size of each input (e.g. rows), for progress; empty = every input weighs 1.
     pub weights: Vec<u64>,
-    /// Number of rounds (clamped to 1..=inputs).
+    /// Number of rounds (clamped to 1..=inputs); ignored with `fold_every`.
     pub rounds: usize,
+    /// Rounds by completion: fold every `fold_every` committed maps (0: fixed rounds).
+    pub fold_every: usize,
     /// Reducer kind registered on the workers and its description.
     pub reducer: String,
     pub payload: Vec<u8>,
@@ -64,7 +74,13 @@ pub async fn run(
     out: mpsc::Sender<Result<Partial>>,
 ) {
     let id = job.spec.id;
+    let by_completion = job.fold_every > 0;
     let result = match driver.create_shuffle(&job.spec).await {
+        Ok(()) if by_completion => {
+            driver
+                .watch(completion_rounds(driver, job, opts, out.clone()))
+                .await
+        }
         // With replacements, a lost worker is recovered from round by round (see `rounds`).
         Ok(()) if driver.replaces_workers() => rounds(driver, job, opts, out.clone()).await,
         Ok(()) => driver.watch(rounds(driver, job, opts, out.clone())).await,
@@ -96,7 +112,6 @@ async fn rounds(
         spec: job.spec.clone(),
         reducer: job.reducer,
         payload: job.payload,
-        rounds,
         total_maps,
     });
     let mut inputs = job.inputs.into_iter();
@@ -135,6 +150,8 @@ async fn rounds(
         done.lock().await.push(mapped.maps);
         let round = RoundInfo {
             round: r,
+            rounds,
+            is_final: r + 1 == rounds,
             maps_done,
             progress: folded_weight as f64 / total_weight,
             start,
@@ -155,6 +172,83 @@ async fn rounds(
         join(prev).await?;
     }
     Ok(())
+}
+
+/// Rounds by completion (see the module doc). Every map runs once under the map runner,
+/// which submits them all; its commits reach the fold loop as they happen. A lost worker fails
+/// the job (its fold states and map outputs are not rebuilt on this path).
+async fn completion_rounds(
+    driver: &Arc<Driver>,
+    job: StreamingJob,
+    opts: StrategyOptions,
+    out: mpsc::Sender<Result<Partial>>,
+) -> Result<()> {
+    let start = Instant::now();
+    let total_maps = job.inputs.len();
+    if total_maps == 0 {
+        return Err(Error::invalid("a streaming job needs at least one input"));
+    }
+    let every = job.fold_every.clamp(1, total_maps);
+    let weights: Vec<u64> = if job.weights.len() == total_maps {
+        job.weights.clone()
+    } else {
+        vec![1; total_maps]
+    };
+    let total_weight = weights.iter().sum::<u64>().max(1) as f64;
+    let fold = FoldSpec {
+        spec: job.spec.clone(),
+        reducer: job.reducer,
+        payload: job.payload,
+        total_maps,
+    };
+    let (tx, mut rx) = mpsc::unbounded_channel::<MapDone>();
+    let opts = StrategyOptions {
+        recover: false,
+        watch: false,
+        ..opts
+    };
+    let inputs = futures::stream::iter(job.inputs);
+    let maps = async {
+        pull::run_maps_observed(driver, &fold.spec, inputs, 0, opts, |d| {
+            let _ = tx.send(d.clone());
+        })
+        .await
+        .map(|_| ())
+    };
+    let folds = async {
+        let mut seen = std::collections::HashSet::new();
+        let (mut round, mut folded_weight) = (0usize, 0u64);
+        while seen.len() < total_maps {
+            // The next `every` maps to commit (the rest for the last round).
+            let mut arrived: Vec<MapDone> = Vec::new();
+            while arrived.len() < every.min(total_maps - seen.len() + arrived.len()) {
+                match rx.recv().await {
+                    Some(d) if seen.insert(d.map) => arrived.push(d),
+                    Some(_) => {}
+                    None => return Err(Error::Cluster("the map side ended early".into())),
+                }
+            }
+            folded_weight += arrived
+                .iter()
+                .map(|d| weights.get(d.map as usize).copied().unwrap_or(0))
+                .sum::<u64>();
+            let info = RoundInfo {
+                round,
+                rounds: total_maps.div_ceil(every),
+                is_final: seen.len() == total_maps,
+                maps_done: seen.len(),
+                progress: folded_weight as f64 / total_weight,
+                start,
+            };
+            let partial = fold_round(driver, &fold, &info, arrived).await?;
+            out.send(Ok(partial))
+                .await
+                .map_err(|_| Error::Cancelled("streaming result receiver closed".into()))?;
+            round += 1;
+        }
+        Ok(())
+    };
+    futures::future::try_join(maps, folds).await.map(|_| ())
 }
 
 /// Fold round `round.round` under the health watch. When a worker is lost (and replaced),
@@ -267,12 +361,14 @@ struct FoldSpec {
     spec: ShuffleSpec,
     reducer: String,
     payload: Vec<u8>,
-    rounds: usize,
     total_maps: usize,
 }
 
 struct RoundInfo {
     round: usize,
+    /// Rounds in all (by completion: as expected when this round was cut).
+    rounds: usize,
+    is_final: bool,
     maps_done: usize,
     progress: f64,
     start: Instant,
@@ -298,11 +394,11 @@ async fn fold_round(
     }
     Ok(Partial {
         round: round.round,
-        rounds: f.rounds,
+        rounds: round.rounds,
         progress: round.progress,
         maps_done: round.maps_done,
         maps_total: f.total_maps,
-        is_final: round.round + 1 == f.rounds,
+        is_final: round.is_final,
         schema: schema.unwrap_or_else(|| f.spec.schema.clone()),
         partitions,
         rows_folded,

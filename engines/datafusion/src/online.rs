@@ -1,0 +1,518 @@
+//! Online aggregation of distributed SQL (Hellerstein, Haas, Wang 1997), the native map side.
+//!
+//! The caller (the Python layer) rewrites a grouped aggregate into its *statistics query*
+//! (per group: counts, sums, sums of squares, minima, maxima), names the fact table (the
+//! largest input) and cuts it into splits, in a random order. Here:
+//!
+//! * [`plan`] plans the statistics query once, on the driver, with every join planned as a
+//!   broadcast (the other join inputs are small next to the fact table). The stage that scans
+//!   the fact table must end in DataFusion's partial aggregate; its scan becomes a
+//!   [`SplitScanExec`] with one partition per split, so map task i of that stage reads split i
+//!   (a row range of one Parquet file) and joins it with the broadcast build sides, which a
+//!   worker builds once for all its splits (it decodes a stage plan once, see
+//!   [`crate::source`]).
+//! * [`run`] runs the stages that feed the fact stage to completion first, then the fact stage
+//!   under the streaming strategy with rounds by completion: its partial aggregates are
+//!   hash-exchanged on the group keys and folded on the workers by [`PartialFold`] (the
+//!   same `PartialReduce` aggregate in-exchange combining uses), and each round's combined
+//!   statistics go to the caller, which turns them into estimates.
+
+use crate::codec::ExchangeCodec;
+use crate::context::DistributedContext;
+use crate::planner::Stage;
+use crate::source::StageTask;
+use crate::writer::ShuffleWriterExec;
+use crate::{Error, Result, STAGE_SOURCE};
+use arrow::array::RecordBatch;
+use arrow::datatypes::SchemaRef;
+use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
+use datafusion::datasource::physical_plan::parquet::ParquetRowSelection;
+use datafusion::datasource::physical_plan::{
+    FileGroup, FileScanConfigBuilder, ParquetSource,
+};
+use datafusion::datasource::listing::PartitionedFile;
+use datafusion::datasource::source::DataSourceExec;
+use datafusion::error::DataFusionError;
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::parquet::arrow::arrow_reader::{RowSelection, RowSelector};
+use datafusion::physical_expr::PhysicalExpr;
+use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
+use datafusion::physical_plan::{
+    DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PlanProperties,
+};
+use datafusion_proto::bytes::physical_plan_to_bytes_with_extension_codec;
+use exchange::combine::CombinerKind;
+use exchange::driver::{MapInput, ShuffleSpec};
+use exchange::proto;
+use exchange::strategy::streaming::{self, Partial, StreamingJob};
+use exchange::task::{ReduceState, Reducer};
+use prost::Message;
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc;
+
+/// Reducer kind folding partial aggregate states (payload: a `PartialReduce` plan).
+pub const PARTIAL_FOLD: &str = "datafusion-partial-fold";
+
+/// One split of the fact table: rows `start..start + rows` of one Parquet file, counted over
+/// the whole file in row-group order.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct FactSplit {
+    #[prost(string, tag = "1")]
+    pub path: String,
+    /// The file's size in bytes.
+    #[prost(uint64, tag = "2")]
+    pub size: u64,
+    /// Rows in the whole file.
+    #[prost(uint64, tag = "3")]
+    pub file_rows: u64,
+    #[prost(uint64, tag = "4")]
+    pub start: u64,
+    #[prost(uint64, tag = "5")]
+    pub rows: u64,
+}
+
+fn plan_err(what: impl fmt::Display) -> Error {
+    Error::DataFusion(DataFusionError::Plan(format!(
+        "online aggregation: {what}"
+    )))
+}
+
+/// A Parquet scan whose partition i reads split i only. It wraps the `DataSourceExec` that
+/// does the reading because `datafusion-proto` does not carry a file's row selection: the
+/// splits travel beside the scan and are attached again where the plan is decoded.
+#[derive(Debug)]
+pub struct SplitScanExec {
+    scan: Arc<DataSourceExec>,
+    pub splits: Arc<Vec<FactSplit>>,
+}
+
+impl SplitScanExec {
+    /// `template` (a Parquet scan of the split files) reading one split per partition.
+    pub fn try_new(template: &DataSourceExec, splits: Vec<FactSplit>) -> Result<Self> {
+        let (config, _) = template
+            .downcast_to_file_source::<ParquetSource>()
+            .ok_or_else(|| plan_err("the fact table's scan is not a Parquet scan"))?;
+        let groups = splits
+            .iter()
+            .map(|s| Ok(FileGroup::new(vec![split_file(s)?])))
+            .collect::<Result<Vec<_>>>()?;
+        let config = FileScanConfigBuilder::from(config.clone())
+            .with_file_groups(groups)
+            .build();
+        Ok(SplitScanExec {
+            scan: DataSourceExec::from_data_source(config),
+            splits: Arc::new(splits),
+        })
+    }
+
+    /// The wrapped scan (to encode it).
+    pub fn scan(&self) -> Arc<dyn ExecutionPlan> {
+        self.scan.clone()
+    }
+}
+
+/// One split as a file of a scan: the whole file with a row selection of the split's rows.
+fn split_file(s: &FactSplit) -> Result<PartitionedFile> {
+    let end = s.start.checked_add(s.rows).filter(|&e| e <= s.file_rows);
+    let Some(end) = end else {
+        return Err(plan_err(format!(
+            "split rows {}+{} are outside the {} rows of {}",
+            s.start, s.rows, s.file_rows, s.path
+        )));
+    };
+    let selectors: Vec<RowSelector> = [
+        RowSelector::skip(s.start as usize),
+        RowSelector::select(s.rows as usize),
+        RowSelector::skip((s.file_rows - end) as usize),
+    ]
+    .into_iter()
+    .filter(|r| r.row_count > 0)
+    .collect();
+    let selection = ParquetRowSelection::new(RowSelection::from(selectors));
+    Ok(PartitionedFile::new(s.path.clone(), s.size).with_extension(selection))
+}
+
+impl DisplayAs for SplitScanExec {
+    fn fmt_as(&self, t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
+        write!(f, "SplitScanExec: {} splits, ", self.splits.len())?;
+        self.scan.fmt_as(t, f)
+    }
+}
+
+impl ExecutionPlan for SplitScanExec {
+    fn name(&self) -> &str {
+        "SplitScanExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        self.scan.properties()
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![]
+    }
+
+    fn apply_expressions(
+        &self,
+        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> datafusion::error::Result<TreeNodeRecursion>,
+    ) -> datafusion::error::Result<TreeNodeRecursion> {
+        Ok(TreeNodeRecursion::Continue)
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        _children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> datafusion::error::Result<Arc<dyn ExecutionPlan>> {
+        Ok(self)
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> datafusion::error::Result<SendableRecordBatchStream> {
+        self.scan.execute(partition, context)
+    }
+}
+
+/// Why a query has no fact stage to stream: its inputs are small (it runs whole on the
+/// driver), or its answer comes from file statistics. Callers run it whole instead.
+pub const SMALL: &str = "the query is small enough to run whole";
+
+/// The statistics query as it runs online.
+pub struct OnlinePlan {
+    /// The stages the fact stage reads (broadcast build sides), run to completion first.
+    pub dims: Vec<Stage>,
+    /// The fact stage: one partition per split, rooted at its partial aggregate's exchange.
+    pub fact: Stage,
+    /// The `PartialReduce` plan that folds the fact stage's rows.
+    pub fold: Vec<u8>,
+    /// Columns of the folded statistics: the group columns, then one per statistic.
+    pub schema: SchemaRef,
+    /// The staged plan as `EXPLAIN` shows it.
+    pub explain: String,
+}
+
+/// Plan `sql` (a grouped aggregate whose inputs include the fact table `splits` cut) for
+/// online aggregation (see the module doc). `ctx` should plan joins as broadcasts
+/// ([`DistributedContext::online_config`]).
+pub async fn plan(
+    ctx: &DistributedContext,
+    sql: &str,
+    splits: Vec<FactSplit>,
+) -> Result<OnlinePlan> {
+    if splits.is_empty() {
+        return Err(plan_err("the fact table has no rows to split"));
+    }
+    let staged = ctx.plan(sql).await?;
+    if let Some(why) = &staged.on_driver {
+        return Err(plan_err(why));
+    }
+    let files: HashSet<String> = splits
+        .iter()
+        .map(|s| PartitionedFile::new(s.path.clone(), s.size).path().to_string())
+        .collect();
+    let scans_in = |p: &Arc<dyn ExecutionPlan>| fact_scans(p, &files);
+    if scans_in(&staged.root)? > 0 {
+        return Err(plan_err(format!("the fact table is read on the driver: {SMALL}")));
+    }
+    let mut fact = None;
+    for s in &staged.stages {
+        match scans_in(&(s.writer.clone() as Arc<dyn ExecutionPlan>))? {
+            0 => {}
+            1 if fact.is_none() => fact = Some(s.clone()),
+            _ => return Err(plan_err("the fact table is read more than once")),
+        }
+    }
+    let fact =
+        fact.ok_or_else(|| plan_err(format!("no stage reads the fact table: {SMALL}")))?;
+    let agg = fact
+        .writer
+        .input()
+        .downcast_ref::<AggregateExec>()
+        .filter(|a| *a.mode() == AggregateMode::Partial)
+        .ok_or_else(|| {
+            plan_err(format!(
+                "the stage reading the fact table must end in a partial aggregate, and ends \
+                 in {} (the fact table is hash-joined or repartitioned before aggregating?); \
+                 its plan:\n{}",
+                fact.writer.input().name(),
+                staged.display()
+            ))
+        })?;
+    let fold = crate::combine::partial_reduce(agg)?
+        .ok_or_else(|| plan_err("the aggregate's partial states cannot be folded again"))?;
+    let schema = agg.schema();
+    // The stages the fact stage reads, transitively.
+    let mut needed: HashSet<u32> = fact.inputs.iter().copied().collect();
+    for s in staged.stages.iter().rev() {
+        if needed.contains(&s.id()) {
+            needed.extend(s.inputs.iter().copied());
+        }
+    }
+    let dims = staged
+        .stages
+        .iter()
+        .filter(|s| needed.contains(&s.id()))
+        .cloned()
+        .collect();
+    let n = splits.len();
+    let input = fact
+        .writer
+        .input()
+        .clone()
+        .transform_up(|node| {
+            let scan = match node.downcast_ref::<DataSourceExec>() {
+                Some(scan) if is_fact_scan(&node, &files)? => scan,
+                _ => return Ok(Transformed::no(node)),
+            };
+            let split = SplitScanExec::try_new(scan, splits.clone())
+                .map_err(|e| DataFusionError::Plan(e.to_string()))?;
+            Ok(Transformed::yes(Arc::new(split) as Arc<dyn ExecutionPlan>))
+        })?
+        .data;
+    if input.output_partitioning().partition_count() != n {
+        return Err(plan_err(format!(
+            "the fact stage has {} partitions for {n} splits (a repartition between the scan \
+             and the aggregate?)",
+            input.output_partitioning().partition_count()
+        )));
+    }
+    let writer = Arc::new(fact.writer.with_input(input));
+    crate::sendable::check(&(writer.clone() as Arc<dyn ExecutionPlan>), &ctx.task_ctx())
+        .map_err(|why| plan_err(format!("the fact stage cannot be sent to the workers: {why}")))?;
+    Ok(OnlinePlan {
+        dims,
+        fact: Stage {
+            writer,
+            inputs: fact.inputs.clone(),
+        },
+        fold,
+        schema,
+        explain: staged.display(),
+    })
+}
+
+/// Parquet scans of the fact table's files under `plan`.
+fn fact_scans(plan: &Arc<dyn ExecutionPlan>, files: &HashSet<String>) -> Result<usize> {
+    let mut n = usize::from(is_fact_scan(plan, files)?);
+    for c in plan.children() {
+        n += fact_scans(c, files)?;
+    }
+    Ok(n)
+}
+
+/// Whether `plan` scans files of the fact table; an error if it mixes them with others.
+fn is_fact_scan(
+    plan: &Arc<dyn ExecutionPlan>,
+    files: &HashSet<String>,
+) -> datafusion::error::Result<bool> {
+    let Some((config, _)) = plan
+        .downcast_ref::<DataSourceExec>()
+        .and_then(|s| s.downcast_to_file_source::<ParquetSource>())
+    else {
+        return Ok(false);
+    };
+    let paths: Vec<String> = config
+        .file_groups
+        .iter()
+        .flat_map(|g| g.iter())
+        .map(|f| f.path().to_string())
+        .collect();
+    let fact = paths.iter().filter(|p| files.contains(*p)).count();
+    if fact > 0 && fact < paths.len() {
+        return Err(DataFusionError::Plan(
+            "online aggregation: a scan reads the fact table's files with others".into(),
+        ));
+    }
+    Ok(fact > 0)
+}
+
+/// Run `plan`: its build sides to completion, then the fact stage in rounds by completion
+/// (a fold every `fold_every` committed splits), sending each round's folded statistics to
+/// `out` (the last one is final), or the error that stopped it. Every shuffle is dropped at
+/// the end.
+///
+/// A worker lost on the way (the driver replacing it) makes the query run again whole once
+/// the replacement is up, at most [`crate::context::QUERY_RETRIES`] times: the build sides
+/// and fold states it held are gone with it. Rounds already sent are not sent again, so the
+/// caller sees one pause and then the next round.
+pub async fn run(
+    ctx: &DistributedContext,
+    plan: OnlinePlan,
+    fold_every: usize,
+    weights: Vec<u64>,
+    out: mpsc::Sender<exchange::Result<Partial>>,
+) {
+    let driver = ctx.driver().clone();
+    let mut sent = 0usize;
+    let mut retries = 0;
+    loop {
+        let replacements = driver.replacements();
+        let (tx, mut rx) = mpsc::channel(2);
+        let attempt = run_once(ctx, &plan, fold_every, weights.clone(), tx);
+        let forward = async {
+            while let Some(item) = rx.recv().await {
+                match item {
+                    Ok(p) if p.round < sent => {}
+                    Ok(p) => {
+                        sent = p.round + 1;
+                        if out.send(Ok(p)).await.is_err() {
+                            return None;
+                        }
+                    }
+                    Err(e) => return Some(e),
+                }
+            }
+            None
+        };
+        let ((), failure) = tokio::join!(attempt, forward);
+        let Some(e) = failure else { return };
+        let lost = matches!(e, exchange::Error::WorkerLost { .. })
+            || driver.replacements() != replacements;
+        if !(driver.replaces_workers() && lost && retries < crate::context::QUERY_RETRIES) {
+            let _ = out.send(Err(e)).await;
+            return;
+        }
+        retries += 1;
+        driver.note_rerun();
+        tracing::warn!(error = %e, retries, "worker lost during an online query: running it again");
+        if let Err(e) = driver.wait_all_live(exchange::driver::REPLACE_TIMEOUT).await {
+            let _ = out.send(Err(e)).await;
+            return;
+        }
+    }
+}
+
+/// One run of [`run`]: errors go to `out` too.
+async fn run_once(
+    ctx: &DistributedContext,
+    plan: &OnlinePlan,
+    fold_every: usize,
+    weights: Vec<u64>,
+    out: mpsc::Sender<exchange::Result<Partial>>,
+) {
+    let driver = ctx.driver().clone();
+    let dims: Vec<_> = plan.dims.iter().map(|s| s.writer.shuffle).collect();
+    let result = async {
+        let started = Instant::now();
+        let runs = plan
+            .dims
+            .iter()
+            .map(|s| {
+                let mut run = ctx.stage_run_plain(s)?;
+                run.reads = s
+                    .inputs
+                    .iter()
+                    .filter_map(|i| plan.dims.iter().find(|d| d.id() == *i))
+                    .map(|d| d.writer.shuffle)
+                    .collect();
+                Ok(run)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let opts = ctx.strategy_options();
+        exchange::scheduler::run_pipelined(
+            &driver,
+            runs,
+            &dims,
+            || async { Ok(()) },
+            started,
+            opts,
+        )
+        .await?;
+        let spec: ShuffleSpec = ctx.stage_run_plain(&plan.fact)?.spec;
+        let job = StreamingJob {
+            spec,
+            inputs: split_tasks(ctx, &plan.fact.writer)?,
+            weights,
+            rounds: 1,
+            fold_every,
+            reducer: PARTIAL_FOLD.to_string(),
+            payload: plan.fold.clone(),
+        };
+        streaming::run(&driver, job, opts, out.clone()).await;
+        Ok::<_, Error>(())
+    }
+    .await;
+    let drops = dims.iter().map(|id| driver.drop_shuffle(*id));
+    let _ = futures::future::join_all(drops).await;
+    if let Err(e) = result {
+        let e = match e {
+            Error::Exchange(e) => e,
+            other => exchange::Error::Task(other.to_string()),
+        };
+        let _ = out.send(Err(e)).await;
+    }
+}
+
+/// One map task per split: partition i of the fact stage.
+fn split_tasks(ctx: &DistributedContext, writer: &Arc<ShuffleWriterExec>) -> Result<Vec<MapInput>> {
+    let plan = physical_plan_to_bytes_with_extension_codec(
+        writer.clone() as Arc<dyn ExecutionPlan>,
+        &ExchangeCodec,
+    )?
+    .to_vec();
+    let n = writer.input().output_partitioning().partition_count();
+    let workers = ctx.driver().addresses();
+    let timeout_secs = ctx.driver().config().rpc_timeout.as_secs();
+    let batch_size = ctx.session().copied_config().batch_size() as u32;
+    Ok((0..n as u32)
+        .map(|p| {
+            let task = StageTask {
+                plan: plan.clone(),
+                partitions: vec![p],
+                workers: workers.clone(),
+                timeout_secs,
+                batch_size,
+            };
+            MapInput::Source(proto::TaskSource {
+                kind: STAGE_SOURCE.into(),
+                payload: task.encode_to_vec(),
+            })
+        })
+        .collect())
+}
+
+/// A fold's state: the statistics' schema and the combined states.
+type FoldState = (SchemaRef, Vec<RecordBatch>);
+
+/// Folds the partial aggregate states of an online query's fact stage: the running state is
+/// the states combined per group so far; a fold combines it with the new blocks.
+pub struct PartialFold;
+
+impl Reducer for PartialFold {
+    fn fold(
+        &self,
+        payload: &[u8],
+        state: Option<ReduceState>,
+        batches: Vec<RecordBatch>,
+        schema: SchemaRef,
+    ) -> exchange::Result<ReduceState> {
+        let mut all = match state {
+            Some(s) => {
+                s.downcast::<FoldState>()
+                    .map_err(|_| exchange::Error::invalid("partial fold given a foreign state"))?
+                    .1
+            }
+            None => Vec::new(),
+        };
+        all.extend(batches);
+        let combiner = crate::combine::PartialReduceKind.open(payload, &schema)?;
+        let folded = combiner.combine(&all)?;
+        Ok(Box::new((schema, folded) as FoldState))
+    }
+
+    fn emit(
+        &self,
+        _payload: &[u8],
+        state: &ReduceState,
+    ) -> exchange::Result<(SchemaRef, Vec<RecordBatch>)> {
+        let (schema, batches) = state
+            .downcast_ref::<FoldState>()
+            .ok_or_else(|| exchange::Error::invalid("partial fold given a foreign state"))?;
+        Ok((schema.clone(), batches.clone()))
+    }
+}

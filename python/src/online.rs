@@ -1,0 +1,62 @@
+//! Online aggregation of SQL with the native map side (`exchange_datafusion::online`): the
+//! statistics query is planned once here and its fact stage streams, one split per map task.
+
+use crate::sql::{df_err, register};
+use crate::stage::NativeStream;
+use exchange::driver::Driver;
+use exchange::strategy::StrategyOptions;
+use exchange_datafusion::online::{self, FactSplit};
+use exchange_datafusion::DistributedContext;
+use pyo3::prelude::*;
+use std::sync::Arc;
+use tokio::sync::mpsc;
+
+/// A split as Python gives it: path, file size, file rows, first row, rows.
+pub type SplitTuple = (String, u64, u64, u64, u64);
+
+/// Plan `sql` over `tables` (name, Parquet path) with the fact table cut into `splits` (in
+/// the order they are read) and start it; returns the stream of folded statistics and the
+/// staged plan's text.
+pub fn start(
+    py: Python<'_>,
+    rt: &Arc<crate::Rt>,
+    driver: Arc<Driver>,
+    opts: StrategyOptions,
+    sql: String,
+    tables: Vec<(String, String)>,
+    splits: Vec<SplitTuple>,
+    fold_every: usize,
+) -> PyResult<(NativeStream, String)> {
+    let weights: Vec<u64> = splits.iter().map(|s| s.4).collect();
+    let splits: Vec<FactSplit> = splits
+        .into_iter()
+        .map(|(path, size, file_rows, start, rows)| FactSplit {
+            path,
+            size,
+            file_rows,
+            start,
+            rows,
+        })
+        .collect();
+    let ctx = {
+        let _runtime = rt.enter();
+        let config = DistributedContext::online_config(driver.num_workers());
+        DistributedContext::new(driver.clone(), config)
+            .map_err(df_err)?
+            .with_strategy_options(StrategyOptions { parity: 0, ..opts })
+    };
+    let planned = crate::wait(py, rt, async {
+        for (name, path) in &tables {
+            register(&ctx, name, path).await?;
+        }
+        online::plan(&ctx, &sql, splits).await.map_err(df_err)
+    })??;
+    let explain = planned.explain.clone();
+    let mut ids: Vec<_> = planned.dims.iter().map(|s| s.writer.shuffle).collect();
+    ids.push(planned.fact.writer.shuffle);
+    let (tx, rx) = mpsc::channel(2);
+    let task = rt.spawn(async move {
+        online::run(&ctx, planned, fold_every, weights, tx).await;
+    });
+    Ok((NativeStream::new(rt, &driver, ids, rx, task), explain))
+}
