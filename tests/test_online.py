@@ -189,10 +189,10 @@ def test_cli_online_draws_the_plot(lineitem, tmp_path):
 def test_a_worker_killed_mid_stream_is_recovered_and_the_final_is_exact(
     lineitem, exact, seed, when
 ):
-    """SIGKILL a worker while an online aggregation streams (after its first or a middle
-    partial result): the worker is replaced, the map outputs and fold states it held are
-    rebuilt (earlier rounds folded again on the replacement; retried folds are idempotent by
-    round), the stream goes on round by round and the final result is exact."""
+    """SIGKILL a worker while an online SQL aggregation streams (after its first or an early
+    partial result): the worker is replaced, the query runs again whole on the new set of
+    workers (the build sides and fold states it held are gone), the rounds already sent are
+    not sent again, the stream goes on round by round and the final result is exact."""
     import random
     import signal
 
@@ -203,16 +203,17 @@ def test_a_worker_killed_mid_stream_is_recovered_and_the_final_is_exact(
     pids = c.worker_pids
     try:
         c.register_parquet("lineitem", lineitem)
-        rounds = 6
+        rounds = 12
         results = []
         for r in c.online(Q1_LIKE, rounds=rounds, seed=seed, progress=False):
             results.append(r)
-            if r.round == (0 if when == "first" else rounds // 2):
+            if r.round == (0 if when == "first" else rounds // 3):
                 os.kill(pids[rng.randrange(3)], signal.SIGKILL)
         assert [r.round for r in results] == list(range(rounds)), "every round once"
         assert results[-1].final
         assert_exact(results[-1].estimates, exact, AGGS)
         assert c.recovery()["replacements"] == 1
+        assert c.recovery()["rerun_jobs"] == 1
         replacements = c.worker_pids
     finally:
         c.close()

@@ -362,10 +362,11 @@ impl WorkerState {
             let result = (|| {
                 let state = reducer.fold(&payload, state, batches, schema)?;
                 let out = reducer.emit(&payload, &state);
+                // Not if the shuffle was dropped meanwhile: nothing of it may come back.
                 if let Some(slot) = lock(&states).get_mut(&key) {
                     *slot = Some(state);
+                    lock(&rounds).insert(key, round + 1);
                 }
-                lock(&rounds).insert(key, round + 1);
                 out
             })();
             lock(&folding).remove(&key);

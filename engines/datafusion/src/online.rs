@@ -194,6 +194,9 @@ pub struct OnlinePlan {
     pub schema: SchemaRef,
     /// The staged plan as `EXPLAIN` shows it.
     pub explain: String,
+    /// What it was planned from (planned again, with new shuffles, to run again).
+    sql: String,
+    splits: Vec<FactSplit>,
 }
 
 /// Plan `sql` (a grouped aggregate whose inputs include the fact table `splits` cut) for
@@ -207,7 +210,8 @@ pub async fn plan(
     if splits.is_empty() {
         return Err(plan_err("the fact table has no rows to split"));
     }
-    let staged = ctx.plan(sql).await?;
+    let (sql, kept) = (sql.to_string(), splits.clone());
+    let staged = ctx.plan(&sql).await?;
     if let Some(why) = &staged.on_driver {
         return Err(plan_err(why));
     }
@@ -293,6 +297,8 @@ pub async fn plan(
         fold,
         schema,
         explain: staged.display(),
+        sql,
+        splits: kept,
     })
 }
 
@@ -350,6 +356,7 @@ pub async fn run(
     let driver = ctx.driver().clone();
     let mut sent = 0usize;
     let mut retries = 0;
+    let mut plan = plan;
     loop {
         let replacements = driver.replacements();
         let (tx, mut rx) = mpsc::channel(2);
@@ -384,6 +391,15 @@ pub async fn run(
             let _ = out.send(Err(e)).await;
             return;
         }
+        // New shuffles: a fold or map of the failed run still in flight on a worker must
+        // not land in the next run's.
+        plan = match self::plan(ctx, &plan.sql, plan.splits.clone()).await {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = out.send(Err(exchange::Error::Task(e.to_string()))).await;
+                return;
+            }
+        };
     }
 }
 
