@@ -372,14 +372,15 @@ async fn streaming_rounds_fold_to_the_exact_multiset() {
     }
 }
 
-/// Rounds by completion: every 5 committed maps are folded as a round (the last 2 as the
-/// last); every map is folded exactly once and only the last round is final.
+/// Rounds by completion: the first round folds one map per worker (2), then every 5
+/// committed maps are folded as a round; every map is folded exactly once and only the last
+/// round is final.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_rounds_by_completion_fold_every_map_once() {
     let partials = streaming_partials(5).await;
     assert_eq!(partials.len(), 3);
     for (i, p) in partials.iter().enumerate() {
-        assert_eq!(p.maps_done, [5, 10, 12][i]);
+        assert_eq!(p.maps_done, [2, 7, 12][i]);
         assert_eq!((p.rounds, p.is_final), (3, i == 2));
     }
 }

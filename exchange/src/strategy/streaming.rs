@@ -9,7 +9,8 @@
 //! * rounds by completion (`fold_every = k`): every map is submitted at once (at most
 //!   `maps_per_worker` running per worker) and the next k maps to commit, in commit order, are
 //!   folded as the next round (fewer for the last), so a slow map holds back no other map,
-//!   only the fold that waits for it.
+//!   only the fold that waits for it. The first round is one map per worker (at most k): the
+//!   first estimate comes as early as it can.
 //!
 //! Only the driver API is used: `run_maps` per round, one `fold` per partition per round.
 
@@ -218,10 +219,14 @@ async fn completion_rounds(
     let folds = async {
         let mut seen = std::collections::HashSet::new();
         let (mut round, mut folded_weight) = (0usize, 0u64);
+        // The first round is early: one map per worker (an estimate as soon as one can be made).
+        let first = every.min(driver.num_workers().max(1));
+        let rounds = 1 + (total_maps - first).div_ceil(every);
         while seen.len() < total_maps {
             // The next `every` maps to commit (the rest for the last round).
+            let size = if round == 0 { first } else { every };
             let mut arrived: Vec<MapDone> = Vec::new();
-            while arrived.len() < every.min(total_maps - seen.len() + arrived.len()) {
+            while arrived.len() < size.min(total_maps - seen.len() + arrived.len()) {
                 match rx.recv().await {
                     Some(d) if seen.insert(d.map) => arrived.push(d),
                     Some(_) => {}
@@ -234,7 +239,7 @@ async fn completion_rounds(
                 .sum::<u64>();
             let info = RoundInfo {
                 round,
-                rounds: total_maps.div_ceil(every),
+                rounds,
                 is_final: seen.len() == total_maps,
                 maps_done: seen.len(),
                 progress: folded_weight as f64 / total_weight,
