@@ -702,6 +702,9 @@ def main(argv: list[str] | None = None) -> int:
     from flightshuffle import skewbench
 
     skewbench.add_parser(sub)
+    from flightshuffle import onlinebench
+
+    onlinebench.add_parser(sub)
 
     o = sub.add_parser(
         "online",

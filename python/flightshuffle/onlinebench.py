@@ -1,0 +1,116 @@
+"""``flightshuffle online-bench``: online aggregation of TPC-H queries (with joins) next to the
+same queries as distributed SQL, in the same run on the same cluster; prints JSON and draws
+one estimate-vs-time plot per query.
+
+Per query: when the first estimate arrived, when every estimate of the top groups (the rows
+the query returns, at most ``--top``, in its order) was within ``--within`` of the final
+answer, the whole streaming run, and the distributed SQL run (fastest of ``--repeat``). Every
+final answer is checked against DuckDB's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+
+def top_within(history: list, final: Any, keys: list[str], names: list[str], top: int, rel: float):
+    """The first result in which each of the final's first ``top`` groups has every estimate
+    within ``rel`` of its final value (the final result if none is earlier)."""
+    want = final.estimates.head(top).select(keys + names)
+    for r in history:
+        got = want.join(r.estimates.select(keys + names), on=keys, how="left", suffix="_e")
+        ok = True
+        for n in names:
+            err = ((got[f"{n}_e"] - got[n]).abs() / got[n].abs().clip(1e-12)).fill_nan(0.0)
+            if err.null_count() or float(err.max() or 0.0) > rel:
+                ok = False
+                break
+        if ok:
+            return r
+    return final
+
+
+def run(args: argparse.Namespace) -> int:
+    from flightshuffle import Cluster, tpch
+    from flightshuffle.cli import plot
+
+    root = tpch.ensure_data(args.sf, args.data or f"data/tpch-sf{args.sf:g}", progress=True)
+    con = tpch.duckdb_connect(root)
+    report: dict[str, Any] = {"sf": args.sf, "workers": args.workers, "rounds": args.rounds}
+    rows = []
+    with Cluster(workers=args.workers, memory_budget=args.memory_budget) as c:
+        for name, path in tpch.table_paths(root).items():
+            c.register_parquet(name, path)
+        for n in [int(q) for q in args.queries.split(",")]:
+            query, ordered = tpch.query(n, args.sf)
+            # Warm both paths (first DataFusion session and Parquet reads on each worker).
+            c.sql(query)
+            list(c.online(query, rounds=args.rounds, seed=args.seed, progress=False))
+            sql_s = []
+            for _ in range(args.repeat):
+                start = time.perf_counter()
+                c.sql(query)
+                sql_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            history = list(c.online(query, rounds=args.rounds, seed=args.seed, progress=False))
+            streaming = time.perf_counter() - start
+            final = history[-1]
+            est = final.estimates
+            names = [x for x in est.columns if f"{x}_low" in est.columns]
+            keys = [k for k in est.columns if k not in names and not k.endswith(("_low", "_high"))]
+            cols = [x for x in est.columns if not x.endswith(("_low", "_high"))]
+            problem = tpch.compare(
+                con.sql(query).to_arrow_table(), est.select(cols).to_arrow(), ordered
+            )
+            close = top_within(history, final, keys, names, args.top, args.within)
+            best_sql = min(sql_s)
+            row = {
+                "query": f"q{n:02d}",
+                "splits": final.maps_total,
+                "rounds": len(history),
+                "first_estimate_s": history[0].elapsed,
+                "first_estimate_progress": history[0].progress,
+                "within_s": close.elapsed,
+                "within_progress": close.progress,
+                "streaming_s": streaming,
+                "distributed_sql_s": best_sql,
+                "within_over_sql": close.elapsed / best_sql,
+                "streaming_over_sql": streaming / best_sql,
+                "final_matches_duckdb": problem is None,
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if args.plot_dir:
+                path = f"{args.plot_dir}/q{n:02d}-sf{args.sf:g}-w{args.workers}.png"
+                plot(history, keys, names, path, args.top_plot)
+    report["queries"] = rows
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    return 0 if all(r["final_matches_duckdb"] for r in rows) else 1
+
+
+def add_parser(sub: Any) -> None:
+    b = sub.add_parser(
+        "online-bench",
+        help="online aggregation of TPC-H queries vs the same queries as distributed SQL",
+    )
+    b.add_argument("--sf", type=float, default=1.0)
+    b.add_argument("--data", help="TPC-H data directory (default data/tpch-sf<SF>)")
+    b.add_argument("--queries", default="1,3,5,10")
+    b.add_argument("--workers", type=int, default=2)
+    b.add_argument("--memory-budget", default="4GiB")
+    b.add_argument("--rounds", type=int, default=10)
+    b.add_argument("--seed", type=int, default=1)
+    b.add_argument("--repeat", type=int, default=2, help="distributed SQL runs (fastest kept)")
+    b.add_argument("--within", type=float, default=0.05)
+    b.add_argument("--top", type=int, default=10, help="top groups whose estimates must be close")
+    b.add_argument("--top-plot", type=int, default=4, help="groups to plot")
+    b.add_argument("--plot-dir", help="write q<N>-sf<SF>-w<W>.png here")
+    b.add_argument("--json", help="also write the report here")
+    b.set_defaults(run=run)
