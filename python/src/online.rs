@@ -17,6 +17,7 @@ pub type SplitTuple = (String, u64, u64, u64, u64);
 /// Plan `sql` over `tables` (name, Parquet path) with the fact table cut into `splits` (in
 /// the order they are read) and start it; returns the stream of folded statistics and the
 /// staged plan's text.
+#[allow(clippy::too_many_arguments)]
 pub fn start(
     py: Python<'_>,
     rt: &Arc<crate::Rt>,

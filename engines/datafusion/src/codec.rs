@@ -3,14 +3,14 @@
 
 use crate::online::{FactSplit, SplitScanExec};
 use crate::reader::{ReadMode, ShuffleReaderExec};
-use datafusion::datasource::source::DataSourceExec;
-use datafusion_proto::bytes::{
-    physical_plan_from_bytes_with_extension_codec, physical_plan_to_bytes_with_extension_codec,
-};
 use crate::writer::{ShuffleWriterExec, WriterKind};
+use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::TaskContext;
 use datafusion::physical_plan::ExecutionPlan;
+use datafusion_proto::bytes::{
+    physical_plan_from_bytes_with_extension_codec, physical_plan_to_bytes_with_extension_codec,
+};
 use datafusion_proto::physical_plan::{PhysicalExtensionCodec, PhysicalProtoConverterExtension};
 use exchange::block::Slice;
 use exchange::block::{decode_schema, encode_schema};

@@ -26,11 +26,9 @@ use crate::{Error, Result, STAGE_SOURCE};
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
-use datafusion::datasource::physical_plan::parquet::ParquetRowSelection;
-use datafusion::datasource::physical_plan::{
-    FileGroup, FileScanConfigBuilder, ParquetSource,
-};
 use datafusion::datasource::listing::PartitionedFile;
+use datafusion::datasource::physical_plan::parquet::ParquetRowSelection;
+use datafusion::datasource::physical_plan::{FileGroup, FileScanConfigBuilder, ParquetSource};
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::DataFusionError;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
@@ -75,9 +73,7 @@ pub struct FactSplit {
 }
 
 fn plan_err(what: impl fmt::Display) -> Error {
-    Error::DataFusion(DataFusionError::Plan(format!(
-        "online aggregation: {what}"
-    )))
+    Error::DataFusion(DataFusionError::Plan(format!("online aggregation: {what}")))
 }
 
 /// A Parquet scan whose partition i reads split i only. It wraps the `DataSourceExec` that
@@ -217,11 +213,17 @@ pub async fn plan(
     }
     let files: HashSet<String> = splits
         .iter()
-        .map(|s| PartitionedFile::new(s.path.clone(), s.size).path().to_string())
+        .map(|s| {
+            PartitionedFile::new(s.path.clone(), s.size)
+                .path()
+                .to_string()
+        })
         .collect();
     let scans_in = |p: &Arc<dyn ExecutionPlan>| fact_scans(p, &files);
     if scans_in(&staged.root)? > 0 {
-        return Err(plan_err(format!("the fact table is read on the driver: {SMALL}")));
+        return Err(plan_err(format!(
+            "the fact table is read on the driver: {SMALL}"
+        )));
     }
     let mut fact = None;
     for s in &staged.stages {
@@ -231,8 +233,7 @@ pub async fn plan(
             _ => return Err(plan_err("the fact table is read more than once")),
         }
     }
-    let fact =
-        fact.ok_or_else(|| plan_err(format!("no stage reads the fact table: {SMALL}")))?;
+    let fact = fact.ok_or_else(|| plan_err(format!("no stage reads the fact table: {SMALL}")))?;
     let agg = fact
         .writer
         .input()
@@ -286,8 +287,13 @@ pub async fn plan(
         )));
     }
     let writer = Arc::new(fact.writer.with_input(input));
-    crate::sendable::check(&(writer.clone() as Arc<dyn ExecutionPlan>), &ctx.task_ctx())
-        .map_err(|why| plan_err(format!("the fact stage cannot be sent to the workers: {why}")))?;
+    crate::sendable::check(&(writer.clone() as Arc<dyn ExecutionPlan>), &ctx.task_ctx()).map_err(
+        |why| {
+            plan_err(format!(
+                "the fact stage cannot be sent to the workers: {why}"
+            ))
+        },
+    )?;
     Ok(OnlinePlan {
         dims,
         fact: Stage {
@@ -387,7 +393,10 @@ pub async fn run(
         retries += 1;
         driver.note_rerun();
         tracing::warn!(error = %e, retries, "worker lost during an online query: running it again");
-        if let Err(e) = driver.wait_all_live(exchange::driver::REPLACE_TIMEOUT).await {
+        if let Err(e) = driver
+            .wait_all_live(exchange::driver::REPLACE_TIMEOUT)
+            .await
+        {
             let _ = out.send(Err(e)).await;
             return;
         }
@@ -530,5 +539,51 @@ impl Reducer for PartialFold {
             .downcast_ref::<FoldState>()
             .ok_or_else(|| exchange::Error::invalid("partial fold given a foreign state"))?;
         Ok((schema.clone(), batches.clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn split(start: u64, rows: u64, file_rows: u64) -> FactSplit {
+        FactSplit {
+            path: "/data/t/part-0.parquet".into(),
+            size: 100,
+            file_rows,
+            start,
+            rows,
+        }
+    }
+
+    #[test]
+    fn a_split_selects_exactly_its_rows_of_the_whole_file() {
+        for (start, rows, file_rows) in [(0, 10, 10), (0, 3, 10), (7, 3, 10), (4, 2, 10)] {
+            let f = split_file(&split(start, rows, file_rows)).unwrap();
+            let sel = f
+                .extensions
+                .get::<ParquetRowSelection>()
+                .unwrap()
+                .selection();
+            let selectors: Vec<RowSelector> = sel.iter().copied().collect();
+            let total: usize = selectors.iter().map(|s| s.row_count).sum();
+            let selected: usize = selectors
+                .iter()
+                .filter(|s| !s.skip)
+                .map(|s| s.row_count)
+                .sum();
+            assert_eq!((total, selected), (file_rows as usize, rows as usize));
+            let first = selectors.iter().position(|s| !s.skip).unwrap();
+            let before: usize = selectors[..first].iter().map(|s| s.row_count).sum();
+            assert_eq!(before, start as usize);
+        }
+    }
+
+    #[test]
+    fn a_split_outside_its_file_is_a_clear_error() {
+        for (start, rows) in [(8, 3), (11, 0), (u64::MAX, 2)] {
+            let e = split_file(&split(start, rows, 10)).unwrap_err().to_string();
+            assert!(e.contains("outside the 10 rows"), "{e}");
+        }
     }
 }
