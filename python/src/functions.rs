@@ -4,8 +4,8 @@
 
 use crate::{cluster_config, runtime, script, sql, to_py, ShuffleError};
 use exchange::bench::{shuffle_bench as run_bench, BenchConfig};
-use pyo3_arrow::input::AnyRecordBatch;
 use pyo3::prelude::*;
+use pyo3_arrow::input::AnyRecordBatch;
 use std::sync::Arc;
 
 /// Run a worker process (`python -m flightshuffle.worker ...`) until it is stopped. Besides

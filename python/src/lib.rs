@@ -2,9 +2,9 @@
 //! local cluster; `shuffle()` takes anything exporting the Arrow PyCapsule stream interface
 //! (zero-copy import) and returns a `NativeShuffle` yielding partitions as Arrow tables.
 
+mod functions;
 mod hosted;
 mod job;
-mod functions;
 mod online;
 mod script;
 mod sql;

@@ -14,11 +14,16 @@
 //!
 //! Only the driver API is used: `run_maps` per round, one `fold` per partition per round.
 
+mod completion;
+mod recover;
+
 use super::{pull, AbortOnDrop, StrategyOptions};
 use crate::driver::{Driver, MapDone, MapInput, ShuffleSpec};
 use crate::error::{Error, Result};
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
+use completion::completion_rounds;
+use recover::fold_round_recovering;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
@@ -101,12 +106,7 @@ async fn rounds(
 ) -> Result<()> {
     let start = Instant::now();
     let total_maps = job.inputs.len();
-    let weights: Vec<u64> = if job.weights.len() == total_maps {
-        job.weights.clone()
-    } else {
-        vec![1; total_maps]
-    };
-    let total_weight = weights.iter().sum::<u64>().max(1) as f64;
+    let (weights, total_weight) = input_weights(&job.weights, total_maps);
     let ranges = round_ranges(total_maps, job.rounds);
     let rounds = ranges.len();
     let fold = Arc::new(FoldSpec {
@@ -174,187 +174,15 @@ async fn rounds(
     }
     Ok(())
 }
-
-/// Rounds by completion (see the module doc). Every map runs once under the map runner,
-/// which submits them all; its commits reach the fold loop as they happen. A lost worker fails
-/// the job (its fold states and map outputs are not rebuilt on this path).
-async fn completion_rounds(
-    driver: &Arc<Driver>,
-    job: StreamingJob,
-    opts: StrategyOptions,
-    out: mpsc::Sender<Result<Partial>>,
-) -> Result<()> {
-    let start = Instant::now();
-    let total_maps = job.inputs.len();
-    if total_maps == 0 {
-        return Err(Error::invalid("a streaming job needs at least one input"));
-    }
-    let every = job.fold_every.clamp(1, total_maps);
-    let weights: Vec<u64> = if job.weights.len() == total_maps {
-        job.weights.clone()
+/// Each input's weight (1 each when the job gives none, or not one per input) and their sum.
+fn input_weights(given: &[u64], inputs: usize) -> (Vec<u64>, f64) {
+    let weights = if given.len() == inputs {
+        given.to_vec()
     } else {
-        vec![1; total_maps]
+        vec![1; inputs]
     };
-    let total_weight = weights.iter().sum::<u64>().max(1) as f64;
-    let fold = FoldSpec {
-        spec: job.spec.clone(),
-        reducer: job.reducer,
-        payload: job.payload,
-        total_maps,
-    };
-    let (tx, mut rx) = mpsc::unbounded_channel::<MapDone>();
-    let opts = StrategyOptions {
-        recover: false,
-        watch: false,
-        ..opts
-    };
-    let inputs = futures::stream::iter(job.inputs);
-    let maps = async {
-        pull::run_maps_observed(driver, &fold.spec, inputs, 0, opts, |d| {
-            let _ = tx.send(d.clone());
-        })
-        .await
-        .map(|_| ())
-    };
-    let folds = async {
-        let mut seen = std::collections::HashSet::new();
-        let (mut round, mut folded_weight) = (0usize, 0u64);
-        // The first round is early: one map per worker (an estimate as soon as one can be made).
-        let first = every.min(driver.num_workers().max(1));
-        let rounds = 1 + (total_maps - first).div_ceil(every);
-        while seen.len() < total_maps {
-            // The next `every` maps to commit (the rest for the last round).
-            let size = if round == 0 { first } else { every };
-            let mut arrived: Vec<MapDone> = Vec::new();
-            while arrived.len() < size.min(total_maps - seen.len() + arrived.len()) {
-                match rx.recv().await {
-                    Some(d) if seen.insert(d.map) => arrived.push(d),
-                    Some(_) => {}
-                    None => return Err(Error::Cluster("the map side ended early".into())),
-                }
-            }
-            folded_weight += arrived
-                .iter()
-                .map(|d| weights.get(d.map as usize).copied().unwrap_or(0))
-                .sum::<u64>();
-            let info = RoundInfo {
-                round,
-                rounds,
-                is_final: seen.len() == total_maps,
-                maps_done: seen.len(),
-                progress: folded_weight as f64 / total_weight,
-                start,
-            };
-            let partial = fold_round(driver, &fold, &info, arrived).await?;
-            out.send(Ok(partial))
-                .await
-                .map_err(|_| Error::Cancelled("streaming result receiver closed".into()))?;
-            round += 1;
-        }
-        Ok(())
-    };
-    futures::future::try_join(maps, folds).await.map(|_| ())
-}
-
-/// Fold round `round.round` under the health watch. When a worker is lost (and replaced),
-/// its map outputs of every round run again, the fold states it held are rebuilt on its
-/// replacement by folding every earlier round again in order, and the round is folded again:
-/// workers that folded it already return their state's partial as it is (folds carry their
-/// round), so nothing is folded twice and the stream goes on.
-async fn fold_round_recovering(
-    driver: &Arc<Driver>,
-    f: &FoldSpec,
-    round: RoundInfo,
-    done: &tokio::sync::Mutex<Vec<Vec<MapDone>>>,
-    states: &std::sync::Mutex<Vec<u64>>,
-) -> Result<Partial> {
-    let mut recoveries = 0;
-    loop {
-        if !needs_rebuild(driver, f, done, states).await {
-            let maps = done
-                .lock()
-                .await
-                .get(round.round)
-                .cloned()
-                .unwrap_or_default();
-            match driver.watch(fold_round(driver, f, &round, maps)).await {
-                Ok(p) => return Ok(p),
-                Err(e)
-                    if driver.replaces_workers()
-                        && recoveries < crate::job::MAX_RECOVERIES
-                        && (matches!(e, Error::WorkerLost { .. })
-                            || needs_rebuild(driver, f, done, states).await) =>
-                {
-                    tracing::warn!(shuffle = %f.spec.id, round = round.round, error = %e, "worker lost while folding: recovering");
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        recoveries += 1;
-        if recoveries > crate::job::MAX_RECOVERIES {
-            return Err(Error::Cluster(format!(
-                "streaming shuffle {} lost workers {recoveries} times",
-                f.spec.id
-            )));
-        }
-        rebuild(driver, f, round.round, done, states).await?;
-    }
-}
-
-/// Whether a worker holding fold states, or map outputs of the rounds mapped so far, was lost
-/// since (a round's outputs can be lost after its map side returned, before anyone noticed).
-async fn needs_rebuild(
-    driver: &Driver,
-    f: &FoldSpec,
-    done: &tokio::sync::Mutex<Vec<Vec<MapDone>>>,
-    states: &std::sync::Mutex<Vec<u64>>,
-) -> bool {
-    let maps: Vec<u32> = done.lock().await.iter().flatten().map(|d| d.map).collect();
-    !lost_slots(driver, states).is_empty() || driver.any_lost(f.spec.id, &maps)
-}
-
-/// Worker slots replaced since their fold states were built.
-fn lost_slots(driver: &Driver, states: &std::sync::Mutex<Vec<u64>>) -> Vec<usize> {
-    driver.replaced_since(&states.lock().unwrap_or_else(|p| p.into_inner()))
-}
-
-/// After a lost worker: rerun the map outputs it held (every round's) and rebuild the fold
-/// states of its partitions on its replacement from rounds `0..upto`.
-async fn rebuild(
-    driver: &Arc<Driver>,
-    f: &FoldSpec,
-    upto: usize,
-    done: &tokio::sync::Mutex<Vec<Vec<MapDone>>>,
-    states: &std::sync::Mutex<Vec<u64>>,
-) -> Result<()> {
-    let mut done = done.lock().await;
-    for round in done.iter_mut() {
-        driver.rerun_lost(f.spec.id, round).await?;
-    }
-    let n = driver.num_workers();
-    let lost = lost_slots(driver, states);
-    let partitions: Vec<u32> = (0..f.spec.partitions)
-        .filter(|p| lost.contains(&(*p as usize % n)))
-        .collect();
-    tracing::warn!(shuffle = %f.spec.id, ?lost, partitions = partitions.len(), rounds = upto, "rebuilding fold states lost with their worker");
-    let refolds = partitions.into_iter().map(|p| {
-        let done = &done;
-        async move {
-            for r in 0..upto {
-                let maps = done.get(r).map_or(&[][..], |m| &m[..]);
-                driver
-                    .fold_partition(f.spec.id, p, r, maps, &f.reducer, &f.payload)
-                    .await?;
-            }
-            Ok::<_, Error>(())
-        }
-    });
-    futures::future::try_join_all(refolds).await?;
-    let mut states = states.lock().unwrap_or_else(|p| p.into_inner());
-    for w in lost {
-        states[w] = driver.generation(w);
-    }
-    Ok(())
+    let total = weights.iter().sum::<u64>().max(1) as f64;
+    (weights, total)
 }
 
 async fn join(h: tokio::task::JoinHandle<Result<()>>) -> Result<()> {
