@@ -1,4 +1,5 @@
-"""Shared helpers: multiset checks on shuffle output, and a shared local cluster."""
+"""Shared helpers: multiset checks on shuffle output, a shared local cluster, TPC-H SF 0.1
+data."""
 
 from __future__ import annotations
 
@@ -7,6 +8,19 @@ import os
 import flightshuffle as fs
 import polars as pl
 import pytest
+from flightshuffle import tpch
+
+TPCH_SF = 0.1
+TPCH_DATA = os.environ.get(
+    "FLIGHTSHUFFLE_TPCH_DATA",
+    os.path.join(os.path.expanduser("~"), ".cache", "flightshuffle", f"tpch-sf{TPCH_SF}"),
+)
+
+
+@pytest.fixture(scope="session")
+def tpch_data() -> str:
+    """TPC-H SF 0.1 Parquet files (generated on first use)."""
+    return tpch.ensure_data(TPCH_SF, TPCH_DATA, progress=False)
 
 
 def checksum(df: pl.DataFrame) -> tuple[int, int]:

@@ -5,37 +5,28 @@ answers; intervals shrink; 95% intervals cover the truth after ~10% of the fact 
 from __future__ import annotations
 
 import itertools
-import os
 
 import flightshuffle as fs
 import polars as pl
 import pyarrow as pa
 import pytest
+from conftest import TPCH_SF
 from flightshuffle import tpch
 
-SF = 0.1
-DATA = os.environ.get(
-    "FLIGHTSHUFFLE_TPCH_DATA",
-    os.path.join(os.path.expanduser("~"), ".cache", "flightshuffle", f"tpch-sf{SF}"),
-)
+SF = TPCH_SF
 
 
 @pytest.fixture(scope="module")
-def data() -> str:
-    return tpch.ensure_data(SF, DATA, progress=False)
-
-
-@pytest.fixture(scope="module")
-def cl(data):
+def cl(tpch_data):
     with fs.Cluster(workers=2, timeout=120) as c:
-        for name, path in tpch.table_paths(data).items():
+        for name, path in tpch.table_paths(tpch_data).items():
             c.register_parquet(name, path)
         yield c
 
 
 @pytest.fixture(scope="module")
-def con(data):
-    return tpch.duckdb_connect(data)
+def con(tpch_data):
+    return tpch.duckdb_connect(tpch_data)
 
 
 def output(est: pl.DataFrame) -> pa.Table:

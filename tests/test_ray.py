@@ -11,23 +11,14 @@ import threading
 import flightshuffle as fs
 import polars as pl
 import pytest
-from conftest import alive, assert_same_multiset
+from conftest import TPCH_SF, alive, assert_same_multiset
 from flightshuffle import tpch
 
 ray = pytest.importorskip(
     "ray", reason='Ray is not installed: pip install "flightshuffle[ray]" to run these tests'
 )
 
-SF = 0.1
-DATA = os.environ.get(
-    "FLIGHTSHUFFLE_TPCH_DATA",
-    os.path.join(os.path.expanduser("~"), ".cache", "flightshuffle", f"tpch-sf{SF}"),
-)
-
-
-@pytest.fixture(scope="module")
-def data() -> str:
-    return tpch.ensure_data(SF, DATA, progress=False)
+SF = TPCH_SF
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +73,9 @@ def test_speculation_is_checked_on_ray_too(ray_nodes):
 
 
 @pytest.fixture(scope="module")
-def rc(ray_nodes, data):
+def rc(ray_nodes, tpch_data):
     with fs.Cluster(workers=2, runtime="ray", memory_budget="256MiB", timeout=60) as c:
-        for name, path in tpch.table_paths(data).items():
+        for name, path in tpch.table_paths(tpch_data).items():
             c.register_parquet(name, path)
         pids = c.worker_pids
         yield c
@@ -108,15 +99,15 @@ def test_workers_are_actors_spread_over_the_nodes_and_a_shuffle_is_exact(rc):
     assert_same_multiset(df, parts)
 
 
-def test_tpch_queries_equal_duckdb(rc, data):
-    con = tpch.duckdb_connect(data)
+def test_tpch_queries_equal_duckdb(rc, tpch_data):
+    con = tpch.duckdb_connect(tpch_data)
     for q in (1, 3, 5, 18):
         sql, ordered = tpch.query(q, SF)
         assert tpch.compare(con.sql(sql).to_arrow_table(), rc.sql(sql), ordered) is None, q
 
 
-def test_a_dataset_and_an_online_aggregation(rc, data):
-    path = tpch.table_paths(data)["orders"]
+def test_a_dataset_and_an_online_aggregation(rc, tpch_data):
+    path = tpch.table_paths(tpch_data)["orders"]
     keys = ["o_orderpriority"]
     aggs = [pl.col("o_totalprice").sum().alias("total"), pl.len().alias("n")]
     got = rc.read_parquet(path).group_by(keys).agg(aggs).to_polars().sort(keys)
@@ -140,11 +131,11 @@ def test_a_dataset_and_an_online_aggregation(rc, data):
     assert ((s - want_s).abs() <= 1e-9 * want_s.abs()).all()
 
 
-def test_an_actor_killed_mid_query_is_replaced_and_the_answer_is_exact(rc, data):
+def test_an_actor_killed_mid_query_is_replaced_and_the_answer_is_exact(rc, tpch_data):
     """Kill one worker's actor as a query starts: its worker process dies with it (fenced),
     the driver finds the worker lost, Ray starts a new actor in the same bundle, and the query
     equals DuckDB's answer; so does the next one."""
-    con = tpch.duckdb_connect(data)
+    con = tpch.duckdb_connect(tpch_data)
     sql, ordered = tpch.query(18, SF)
     want = con.sql(sql).to_arrow_table()
     pids = rc.worker_pids
