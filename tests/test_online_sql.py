@@ -145,3 +145,15 @@ def test_duckdb_map_side_refuses_joins_clearly(cl):
     query, _ = tpch.query(3, SF)
     with pytest.raises(ValueError, match="engine='datafusion'"):
         next(cl.online(query, engine="duckdb", progress=False))
+
+
+@pytest.mark.parametrize("group_by", ["extract(year FROM o_orderdate)", "y", "1"])
+def test_group_by_an_expression_its_alias_or_its_position(cl, con, group_by):
+    query = (
+        "SELECT extract(year FROM o_orderdate) AS y, sum(o_totalprice) AS s, "
+        "min(o_orderdate) AS first FROM orders JOIN customer ON o_custkey = c_custkey "
+        f"GROUP BY {group_by} ORDER BY y"
+    )
+    results = list(cl.online(query, rounds=3, seed=1, progress=False))
+    want = con.sql(query).to_arrow_table()
+    assert tpch.compare(want, output(results[-1].estimates), True) is None

@@ -213,7 +213,18 @@ def plan_sql(query: str, engine: str) -> SqlPlan:
         raise unsupported("a table is read twice (self-joins are not supported)")
     table = source.this.name
     group = list(tree.args["group"].expressions) if tree.args.get("group") else []
-    group_sql = [sql(g) for g in group]
+    # GROUP BY may name a selected column by its alias or its position.
+    items = [(i.alias_or_name, i.this if isinstance(i, exp.Alias) else i) for i in tree.expressions]
+    aliases = {alias: sql(e) for alias, e in items if alias}
+
+    def group_key(g: exp.Expression) -> str:
+        if isinstance(g, exp.Literal) and g.is_int and 1 <= int(g.name) <= len(items):
+            return sql(items[int(g.name) - 1][1])
+        if isinstance(g, exp.Column) and not g.table and g.name in aliases:
+            return aliases[g.name]
+        return sql(g)
+
+    group_sql = [group_key(g) for g in group]
     keys: list[str] = []
     key_exprs: list[str] = []
     aggs: list[AggRef] = []
