@@ -13,3 +13,6 @@ def test_eight_threads_of_mixed_jobs_are_all_exact_and_lose_no_worker():
     assert set(report["by_kind"]) == set(soak.KINDS)
     assert report["workers_replaced"] == 0 and report["workers_kept"] == 2
     assert all(p > 0 for p in report["peak_rss_mib"])
+    # The jobs shared each worker's budget: tasks waited for room, and none deadlocked
+    # (every answer above is exact).
+    assert all(a["waited_tasks"] > 0 for a in report["admission"]), report["admission"]

@@ -88,6 +88,7 @@ fn small_block_cost(spill_dir: &Path) -> Result<f64> {
         partitions: SMALL_BLOCKS,
         partitioner: crate::partitioner::round_robin(),
         combiner: None,
+        order: 0,
     })?;
     let small = lineitem_batch(0, 16, 7)?;
     let start = Instant::now();
@@ -133,6 +134,7 @@ fn merge_rate(spill_dir: &Path) -> Result<f64> {
             partitions: PARTITIONS,
             partitioner: crate::partitioner::hash(&["l_orderkey"]),
             combiner: None,
+            order: 0,
         };
         store.create_shuffle(info.clone())?;
         let mut part =

@@ -188,6 +188,8 @@ pub struct Driver {
     committing: Arc<tokio::sync::RwLock<()>>,
     /// Jobs (queries) run again whole after a lost worker, their partial results dropped.
     reruns: std::sync::atomic::AtomicU64,
+    /// Shuffles created so far: the next one's `CreateShuffle.order`.
+    shuffle_order: std::sync::atomic::AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -239,6 +241,7 @@ impl Driver {
             parity: Mutex::new(Default::default()),
             committing: Default::default(),
             reruns: Default::default(),
+            shuffle_order: Default::default(),
         }))
     }
 
@@ -349,6 +352,9 @@ impl Driver {
 
     /// Register a shuffle on every worker (after waiting for a lost worker's replacement).
     pub async fn create_shuffle(&self, spec: &ShuffleSpec) -> Result<()> {
+        // Taken before the first await: shuffles created together (a query's stages, from
+        // producers to consumers) are numbered in the order they were asked for.
+        let order = self.shuffle_order.fetch_add(1, Ordering::Relaxed) + 1;
         self.wait_all_live(REPLACE_TIMEOUT).await?;
         // Refuse a partitioner that cannot work on this schema before any worker sees it.
         crate::partitioner::Partitioner::from_proto(
@@ -363,6 +369,7 @@ impl Driver {
             partitions: spec.partitions,
             partitioner: Some(spec.partitioner.clone()),
             combine: spec.combine.clone(),
+            order,
         };
         lock(&self.blocks).entry(spec.id).or_default();
         lock(&self.schemas).insert(spec.id, (spec.schema.clone(), spec.checksum_inputs));

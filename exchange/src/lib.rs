@@ -4,6 +4,7 @@
 //! every strategy; strategies in [`strategy`] only decide which task runs where and when.
 //! This crate does not depend on any query engine.
 
+pub mod admission;
 pub mod bench;
 pub mod block;
 pub mod calibrate;

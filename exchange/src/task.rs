@@ -46,6 +46,8 @@ pub struct TaskContext {
     pub map: u32,
     pub attempt: u32,
     pub reader: Arc<dyn ShuffleReader>,
+    /// The worker's memory budget in bytes (a source's own pools come out of it).
+    pub memory_budget: u64,
 }
 
 /// Something a worker can turn into the batches of a map task: a generator, a query stage,
@@ -54,6 +56,16 @@ pub trait BatchSource: Send + Sync {
     fn open(&self, ctx: &TaskContext, payload: &[u8], schema: SchemaRef) -> Result<BatchStream>;
     /// The shuffle was dropped: forget anything cached for tasks writing it.
     fn shuffle_dropped(&self, _shuffle: ShuffleId) {}
+    /// The memory a task of `payload` is expected to hold at once beyond the map's own
+    /// buffers (a source that materialises its input, say), for its admission grant.
+    fn memory_hint(&self, _payload: &[u8]) -> u64 {
+        0
+    }
+    /// The most bytes the source's operators held at once, and of those the most held by
+    /// operators that cannot spill (a query engine's memory pool), since the worker started.
+    fn memory_peaks(&self) -> (u64, u64) {
+        (0, 0)
+    }
 }
 
 /// A reducer's running state for one partition, opaque to the data plane.
@@ -143,6 +155,19 @@ impl SourceRegistry {
 
     pub fn register_reducer(&mut self, kind: &str, reducer: Arc<dyn Reducer>) {
         self.reducers.insert(kind.to_string(), reducer);
+    }
+
+    /// [`BatchSource::memory_peaks`] summed over the sources.
+    pub fn memory_peaks(&self) -> (u64, u64) {
+        self.sources.values().fold((0, 0), |(a, b), s| {
+            let (x, y) = s.memory_peaks();
+            (a + x, b + y)
+        })
+    }
+
+    /// [`BatchSource::memory_hint`] of a task of source `kind` (0 for an unknown kind).
+    pub fn memory_hint(&self, kind: &str, payload: &[u8]) -> u64 {
+        self.sources.get(kind).map_or(0, |s| s.memory_hint(payload))
     }
 
     pub fn reducer(&self, kind: &str) -> Result<Arc<dyn Reducer>> {
@@ -239,6 +264,12 @@ impl MapConfig {
     /// worker runs at once hold a fraction of the budget beside it, not a fixed 32 MiB each.
     /// Shuffle bench, 4 workers, 89 MiB budget: peak RSS per worker 420-460 MiB with 32 MiB
     /// buffers (see `docs/bench/pipelined-scheduler.md` for the figure with this sizing).
+    /// The bytes a map or merge task is granted from its worker's budget: its partition
+    /// buffers and as much again for the blocks it encodes and the input batches in flight.
+    pub fn task_grant(&self) -> u64 {
+        2 * self.buffer_bytes as u64
+    }
+
     pub fn for_budget(budget: u64) -> Self {
         let budget = usize::try_from(budget).unwrap_or(usize::MAX);
         let buffer_bytes = (budget / 8).clamp(4 << 20, 32 << 20);

@@ -2,6 +2,7 @@
 //! `flightshuffle-worker` binary and by `python -m flightshuffle.worker`; both parse the same
 //! command line ([`WorkerArgs`]) and print one ready line with the bound address.
 
+use crate::admission::Admission;
 use crate::block::{decode_schema, Compression, ShuffleId};
 use crate::checksum::Checksum;
 use crate::error::{Error, Result};
@@ -114,6 +115,8 @@ pub struct WorkerState {
     pub reader: Arc<PeerReader>,
     pub sources: SourceRegistry,
     pub map_cfg: MapConfig,
+    /// Grants of the worker's budget to the tasks it runs (see [`crate::admission`]).
+    pub admission: Arc<Admission>,
     pub read_timeout: Duration,
     /// Flight calls served (counted when their token is checked).
     pub rpcs: std::sync::atomic::AtomicU64,
@@ -138,6 +141,7 @@ impl WorkerState {
             map: task.map_id,
             attempt: task.attempt,
             reader: self.reader.clone(),
+            memory_budget: self.store.config().memory_budget,
         }
     }
 
@@ -158,6 +162,7 @@ impl WorkerState {
             partitions: m.partitions,
             partitioner,
             combiner,
+            order: m.order,
         })
     }
 
@@ -178,8 +183,18 @@ impl WorkerState {
             ..self.map_cfg
         };
         let push = crate::push::Pusher::for_task(&task, info.partitions, self.reader.clone())?;
+        // Held until the task ends (or is aborted): its buffers come out of the budget.
+        let hint = task
+            .source
+            .as_ref()
+            .map_or(0, |s| self.sources.memory_hint(&s.kind, &s.payload));
+        let grant = self
+            .admission
+            .admit(info.order, cfg.task_grant() + hint)
+            .await;
         let me = self.clone();
         let handle = tokio::spawn(async move {
+            let _grant = grant;
             run_map(
                 &me.store,
                 &info,
@@ -252,7 +267,9 @@ impl WorkerState {
             armed: true,
         };
         let (store, cfg) = (self.store.clone(), self.map_cfg);
+        let grant = self.admission.admit(info.order, cfg.task_grant()).await;
         let out = tokio::task::spawn_blocking(move || {
+            let _grant = grant;
             crate::task::run_merge(&store, &info, ids, m.group, m.attempt, cfg)
         })
         .await
@@ -519,6 +536,8 @@ impl WorkerState {
 
     pub fn stats(&self) -> proto::WorkerStats {
         let m = self.store.metrics();
+        let a = self.admission.metrics();
+        let (operators, unspillable) = self.sources.memory_peaks();
         proto::WorkerStats {
             blocks: m.blocks,
             memory_bytes: m.memory_bytes,
@@ -527,6 +546,14 @@ impl WorkerState {
             spill_files: m.spill_files,
             restored_bytes: m.restored_bytes,
             peak_rss_bytes: crate::transport::peak_rss_bytes(),
+            rss_bytes: crate::transport::rss_bytes(),
+            admitted_tasks: a.admitted,
+            waited_tasks: a.waited,
+            overdraft_tasks: a.overdrafts,
+            peak_granted_bytes: a.peak_reserved,
+            peak_running_tasks: a.peak_running,
+            peak_operator_bytes: operators,
+            peak_unspillable_bytes: unspillable,
             shuffles: m.shuffles,
             spilled_blocks: m.spilled_blocks,
             restored_blocks: m.restored_blocks,
@@ -564,11 +591,20 @@ pub fn build_state(
     addr: String,
 ) -> Result<WorkerState> {
     let compression: Compression = args.compression.parse()?;
-    let store = Arc::new(BlockStore::new(StoreConfig {
+    let store = BlockStore::new(StoreConfig {
         memory_budget: args.memory_budget,
         spill_dir: args.spill_dir.clone(),
         segment_bytes: args.segment_bytes.max(1),
-    })?);
+    })?;
+    // `FLIGHTSHUFFLE_ADMISSION=off` admits every task at once and leaves the store the whole
+    // budget (how it was before admission; for measuring what admission changes).
+    let (admission, store) = if std::env::var("FLIGHTSHUFFLE_ADMISSION").as_deref() == Ok("off") {
+        (Admission::new(u64::MAX), store)
+    } else {
+        let a = Admission::new(args.memory_budget);
+        (a.clone(), store.sharing(a))
+    };
+    let store = Arc::new(store);
     let timeout = Duration::from_secs(args.timeout_secs.max(1));
     let reader = Arc::new(PeerReader::new(
         creds,
@@ -585,6 +621,7 @@ pub fn build_state(
             compression,
             ..MapConfig::for_budget(args.memory_budget)
         },
+        admission,
         read_timeout: Duration::from_secs(args.timeout_secs.max(1)),
         rpcs: std::sync::atomic::AtomicU64::new(0),
         tasks: Mutex::new(HashMap::new()),

@@ -303,6 +303,7 @@ async fn bad_requests_get_clear_statuses() {
         partitions,
         partitioner: Some(partitioner::hash(&["k"])),
         combine: None,
+        order: 1,
     };
     let schema_ipc = exchange::block::encode_schema(&schema()).unwrap().to_vec();
     let err = w
@@ -764,4 +765,33 @@ async fn tls_is_on_by_default_and_refuses_plaintext_and_other_cas() {
         !out.status.success() && stderr.contains("without TLS"),
         "{stderr}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_shuffles_share_each_workers_budget() {
+    // 16 MiB: map buffers of 4 MiB, so grants of 8 MiB and two tasks at once per worker,
+    // where four concurrent shuffles ask for eight.
+    let budget = 16u64 << 20;
+    let grant = exchange::task::MapConfig::for_budget(budget).task_grant();
+    assert_eq!(grant, 8 << 20);
+    let cluster = LocalCluster::start(config(2, budget)).await.unwrap();
+    let input = batches(24, 2_000);
+    let runs = (0..4).map(|_| shuffle(&cluster, &input, 8, 4));
+    for parts in futures::future::try_join_all(runs).await.unwrap() {
+        let all: Vec<RecordBatch> = parts.iter().flatten().cloned().collect();
+        assert_eq!(checksum(&all), checksum(&input));
+    }
+    for s in cluster.driver.stats().await.unwrap() {
+        assert!(s.admitted_tasks >= 8, "{s:?}");
+        assert!(s.waited_tasks > 0, "no task waited for room: {s:?}");
+        // Over the budget only by tasks of a lower order than all running ones.
+        assert!(
+            s.peak_granted_bytes <= budget + s.overdraft_tasks * grant,
+            "{s:?}"
+        );
+        assert!(
+            s.peak_running_tasks <= budget / grant + s.overdraft_tasks,
+            "{s:?}"
+        );
+    }
 }

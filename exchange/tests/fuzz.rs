@@ -107,6 +107,7 @@ async fn a_worker_survives_fuzzed_actions_tickets_and_puts() {
                 partitions: 4,
                 partitioner: Some(partitioner::hash(&["k"])),
                 combine: None,
+                order: 1,
             }
             .encode_to_vec(),
         ),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Self
@@ -75,7 +76,12 @@ def parse_bytes(value: int | str) -> int:
 
 
 def worker_command() -> list[str]:
-    """The command that starts one worker process: this interpreter running the worker module."""
+    """The command that starts one worker process: this interpreter running the worker module,
+    or ``$FLIGHTSHUFFLE_WORKER_COMMAND`` (e.g. the Rust ``flightshuffle-sql-worker`` binary,
+    which runs SQL stages and shuffles of Arrow data but no Python tasks)."""
+    custom = os.environ.get("FLIGHTSHUFFLE_WORKER_COMMAND", "").strip()
+    if custom:
+        return shlex.split(custom)
     return [sys.executable, "-m", "flightshuffle.worker"]
 
 

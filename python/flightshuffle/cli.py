@@ -69,6 +69,7 @@ def _soak(args: argparse.Namespace) -> int:
         args.memory_budget,
         args.shuffle_rows,
         lambda m: print(m, file=sys.stderr, flush=True),
+        tuple(k.strip() for k in args.kinds.split(",") if k.strip()),
     )
     text = json.dumps(report, indent=1)
     if args.json:
@@ -278,6 +279,20 @@ def _tpch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _idle_rss_mib(c: Cluster, wait_s: float = 5.0) -> list[int]:
+    """Each worker's RSS once it stops growing (a Python-hosted worker imports Polars and
+    pyarrow in the background as it starts), in MiB."""
+    last = [w["rss_bytes"] for w in c.stats()]
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = [w["rss_bytes"] for w in c.stats()]
+        if all(abs(a - b) < 2**20 for a, b in zip(now, last, strict=True)):
+            break
+        last = now
+    return [round(x / 2**20) for x in last]
+
+
 def _tpch_on(args: argparse.Namespace, runtime: str, root: str, duck: object) -> dict | None:
     """Run the queries on one cluster of ``runtime``; the report (None: a bad --set)."""
     from flightshuffle import tpch
@@ -295,6 +310,7 @@ def _tpch_on(args: argparse.Namespace, runtime: str, root: str, duck: object) ->
     ) as c:
         for name, path in tpch.table_paths(root).items():
             c.register_parquet(name, path)
+        idle_mib = _idle_rss_mib(c)
         for setting in args.set:
             name, sep, value = setting.partition("=")
             if not sep or not name.strip():
@@ -349,6 +365,18 @@ def _tpch_on(args: argparse.Namespace, runtime: str, root: str, duck: object) ->
                 f"{ref_s:>9.3f} {len(stages):>6} {shuffled:>12.1f} {rpcs:>6}  {verdict}",
                 flush=True,
             )
+        stats = c.stats()
+        peak_mib = [round(w["peak_rss_bytes"] / 2**20) for w in stats]
+        memory = [
+            {
+                "peak_operator_mib": round(w["peak_operator_bytes"] / 2**20),
+                "peak_unspillable_mib": round(w["peak_unspillable_bytes"] / 2**20),
+                "peak_granted_mib": round(w["peak_granted_bytes"] / 2**20),
+                "waited_tasks": w["waited_tasks"],
+                "overdraft_tasks": w["overdraft_tasks"],
+            }
+            for w in stats
+        ]
     total = sum(r["cluster_s"] for r in rows)
     total_local = sum(r["single_process_datafusion_s"] for r in rows)
     total_ref = sum(r["duckdb_s"] for r in rows)
@@ -356,6 +384,8 @@ def _tpch_on(args: argparse.Namespace, runtime: str, root: str, duck: object) ->
         f"{'total':>5} {total:>10.3f} {total_local:>11.3f} {total / total_local:>6.2f} "
         f"{total_ref:>9.3f}"
     )
+    print(f"RSS per worker (MiB): idle {idle_mib}, peak {peak_mib}, budget {args.memory_budget}")
+    print(f"memory per worker: {memory}")
     return {
         "runtime": runtime,
         "sf": args.sf,
@@ -368,6 +398,10 @@ def _tpch_on(args: argparse.Namespace, runtime: str, root: str, duck: object) ->
         "total_single_process_datafusion_s": total_local,
         "ratio": total / total_local,
         "total_duckdb_s": total_ref,
+        "memory_budget": args.memory_budget,
+        "idle_rss_mib": idle_mib,
+        "peak_rss_mib": peak_mib,
+        "memory": memory,
     }
 
 
@@ -621,6 +655,9 @@ def main(argv: list[str] | None = None) -> int:
     so.add_argument("--workers", type=int, default=2)
     so.add_argument("--memory-budget", default="64MiB")
     so.add_argument("--shuffle-rows", type=int, default=2_000_000)
+    so.add_argument(
+        "--kinds", default="sql,shuffle,dataset,online", help="job kinds, dealt in turn"
+    )
     so.add_argument("--json", help="also write the report to this file")
     so.set_defaults(run=_soak)
 

@@ -36,6 +36,23 @@ def _rss(pid: int, field: str) -> int:
     return 0
 
 
+ADMISSION_FIELDS = ("admitted_tasks", "waited_tasks", "overdraft_tasks", "peak_running_tasks")
+
+
+def _settled_rss(pids: list[int], wait_s: float = 5.0) -> list[int]:
+    """Each worker's RSS once it stops growing (a Python-hosted worker imports Polars and
+    pyarrow in the background as it starts): the idle figure the peak is compared with."""
+    last = [_rss(p, "VmRSS") for p in pids]
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = [_rss(p, "VmRSS") for p in pids]
+        if all(abs(a - b) < (1 << 20) for a, b in zip(now, last, strict=True)):
+            return now
+        last = now
+    return last
+
+
 def _sql_job(n: int) -> tuple[Callable[[Cluster], Any], Callable[[Any], bool]]:
     q = n % 22 + 1
     sql, ordered = tpch.query(q, 0.1)
@@ -65,15 +82,20 @@ def run_soak(
     memory_budget: str = "64MiB",
     shuffle_rows: int = 2_000_000,
     log: Callable[[str], None] = lambda _: None,
+    kinds: tuple[str, ...] = KINDS,
 ) -> dict[str, Any]:
-    """Run ``threads`` × ``jobs_per_thread`` jobs at once (see the module doc)."""
+    """Run ``threads`` × ``jobs_per_thread`` jobs at once (see the module doc), of ``kinds``
+    in turn."""
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"unknown soak kinds {unknown} (known: {', '.join(KINDS)})")
     # Every job and its reference answer, made before the clock starts (DuckDB, Polars).
     plan: list[list[tuple[str, Callable, Callable]]] = []
     for t in range(threads):
         jobs = []
         for j in range(jobs_per_thread):
             n = t * jobs_per_thread + j
-            kind = KINDS[(t + j) % len(KINDS)]
+            kind = kinds[(t + j) % len(kinds)]
             if kind == "sql":
                 run, check = _sql_job(n)
             elif kind == "shuffle":
@@ -88,7 +110,7 @@ def run_soak(
         for name, path in _data(0.1).items():
             c.register_parquet(name, path)
         pids = c.worker_pids
-        idle = [_rss(p, "VmRSS") for p in pids]
+        idle = _settled_rss(pids)
 
         def worker(jobs: list[tuple[str, Callable, Callable]]) -> None:
             for kind, run, check in jobs:
@@ -112,6 +134,11 @@ def run_soak(
             t.join()
         wall = time.monotonic() - start
         peak = [_rss(p, "VmHWM") for p in pids]
+        admission = [
+            {k: w[k] for k in ADMISSION_FIELDS}
+            | {"peak_granted_mib": w["peak_granted_bytes"] >> 20}
+            for w in c.stats()
+        ]
         replaced = c.recovery()["replacements"]
         alive_after = [p for p in c.worker_pids if p in pids]
     by_kind = {}
@@ -137,5 +164,6 @@ def run_soak(
         "idle_rss_mib": [round(x / mib) for x in idle],
         "peak_rss_mib": [round(x / mib) for x in peak],
         "peak_above_idle_mib": [round((p - i) / mib) for p, i in zip(peak, idle, strict=True)],
+        "admission": admission,
         "by_kind": by_kind,
     }

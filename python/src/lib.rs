@@ -470,7 +470,13 @@ impl NativeCluster {
                     "memory_budget": s.memory_budget, "spilled_bytes": s.spilled_bytes,
                     "spilled_blocks": s.spilled_blocks, "spill_files": s.spill_files,
                     "restored_bytes": s.restored_bytes, "restored_blocks": s.restored_blocks,
-                    "peak_rss_bytes": s.peak_rss_bytes, "shuffles": s.shuffles,
+                    "peak_rss_bytes": s.peak_rss_bytes, "rss_bytes": s.rss_bytes,
+                    "shuffles": s.shuffles, "admitted_tasks": s.admitted_tasks,
+                    "waited_tasks": s.waited_tasks, "overdraft_tasks": s.overdraft_tasks,
+                    "peak_granted_bytes": s.peak_granted_bytes,
+                    "peak_running_tasks": s.peak_running_tasks,
+                    "peak_operator_bytes": s.peak_operator_bytes,
+                    "peak_unspillable_bytes": s.peak_unspillable_bytes,
                 })
             })
             .collect();

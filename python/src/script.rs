@@ -152,7 +152,29 @@ impl Drop for Timing {
 /// Map tasks computed by `flightshuffle._exec.run_map(body, input, schema)`.
 pub struct PythonSource;
 
+/// Bytes per value a Python task over a file split is granted: the split decoded, and as
+/// much again for the frame Polars or DuckDB makes of it and the batches it returns.
+const SPLIT_BYTES_PER_VALUE: u64 = 24;
+
 impl BatchSource for PythonSource {
+    /// A file split is read whole before the call: rows × columns × a few bytes. A partition
+    /// input's size is not known here (0: the map's own grant only).
+    fn memory_hint(&self, payload: &[u8]) -> u64 {
+        let Ok(task) = decode::<proto::SourceInput>(payload) else {
+            return 0;
+        };
+        task.split.map_or(0, |s| {
+            let columns = if s.columns.is_empty() {
+                16
+            } else {
+                s.columns.len() as u64
+            };
+            s.rows
+                .saturating_mul(columns)
+                .saturating_mul(SPLIT_BYTES_PER_VALUE)
+        })
+    }
+
     fn open(&self, ctx: &TaskContext, payload: &[u8], schema: SchemaRef) -> Result<BatchStream> {
         let task: proto::SourceInput = decode(payload)?;
         let reader = ctx.reader.clone();

@@ -14,6 +14,7 @@ pub mod combine;
 pub mod context;
 pub mod online;
 pub mod planner;
+pub mod pool;
 pub mod reader;
 pub mod sendable;
 pub mod skew;

@@ -16,6 +16,7 @@
 use crate::codec::ExchangeCodec;
 use crate::ExchangeContext;
 use arrow::datatypes::SchemaRef;
+use datafusion::execution::runtime_env::RuntimeEnvBuilder;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use datafusion_proto::bytes::physical_plan_from_bytes_with_extension_codec;
@@ -48,6 +49,8 @@ pub struct StageTask {
 #[derive(Default)]
 pub struct StageSource {
     sessions: Mutex<HashMap<(Vec<String>, u32), SessionContext>>,
+    /// One DataFusion memory pool for every session here: half the worker's budget.
+    pool: std::sync::OnceLock<Arc<crate::pool::WorkerPool>>,
     plans: Mutex<HashMap<ShuffleId, (Vec<String>, StagePlan)>>,
 }
 
@@ -74,7 +77,26 @@ impl StageSource {
                 if task.batch_size > 0 {
                     config = config.with_batch_size(task.batch_size as usize);
                 }
-                SessionContext::new_with_config(config)
+                let pool = self.pool.get_or_init(|| {
+                    let half = usize::try_from(ctx.memory_budget / 2).unwrap_or(usize::MAX);
+                    Arc::new(crate::pool::WorkerPool::new(half))
+                });
+                // `FLIGHTSHUFFLE_ADMISSION=off` (see `exchange::worker`): no pool, as before.
+                let off = std::env::var("FLIGHTSHUFFLE_ADMISSION").as_deref() == Ok("off");
+                let runtime = if off {
+                    RuntimeEnvBuilder::new().build_arc()
+                } else {
+                    RuntimeEnvBuilder::new()
+                        .with_memory_pool(pool.clone())
+                        .build_arc()
+                };
+                match runtime {
+                    Ok(rt) => SessionContext::new_with_config_rt(config, rt),
+                    Err(e) => {
+                        tracing::warn!("no memory pool for stage sessions: {e}");
+                        SessionContext::new_with_config(config)
+                    }
+                }
             })
             .clone()
     }
@@ -146,6 +168,13 @@ impl BatchSource for StageSource {
 
     fn shuffle_dropped(&self, shuffle: ShuffleId) {
         lock(&self.plans).remove(&shuffle);
+    }
+
+    fn memory_peaks(&self) -> (u64, u64) {
+        self.pool.get().map_or((0, 0), |p| {
+            let (all, unspillable) = p.peaks();
+            (all as u64, unspillable as u64)
+        })
     }
 }
 

@@ -44,6 +44,8 @@ pub struct ShuffleInfo {
     pub partitioner: proto::Partitioner,
     /// Rows with equal keys are combined before blocks are written or merged.
     pub combiner: Option<crate::combine::CombinerRef>,
+    /// The driver's creation order of shuffles: tasks of lower order are admitted first.
+    pub order: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -112,6 +114,8 @@ pub struct BlockStore {
     /// Blocks decoded without arrow's re-validation (encoded here, CRC matched).
     unvalidated_decodes: AtomicU64,
     segment_seq: AtomicU64,
+    /// The worker's task grants, kept out of the in-memory share (see [`crate::admission`]).
+    admission: Option<Arc<crate::admission::Admission>>,
 }
 
 /// Map ids from here on name merge groups (merged strategy), not map tasks.
@@ -138,7 +142,22 @@ impl BlockStore {
             restored_blocks: AtomicU64::new(0),
             unvalidated_decodes: AtomicU64::new(0),
             segment_seq: AtomicU64::new(0),
+            admission: None,
         })
+    }
+
+    /// Share the memory budget with the tasks `admission` grants: blocks are kept in memory
+    /// only while they and the grants fit the budget (the grants take at most half of it).
+    pub fn sharing(mut self, admission: Arc<crate::admission::Admission>) -> Self {
+        self.admission = Some(admission);
+        self
+    }
+
+    /// The bytes of blocks this store may hold in memory now.
+    fn memory_share(&self) -> u64 {
+        let budget = self.cfg.memory_budget;
+        let held = self.admission.as_ref().map_or(0, |a| a.reserved());
+        budget - held.min(budget / 2)
     }
 
     pub fn config(&self) -> &StoreConfig {
@@ -245,10 +264,11 @@ impl BlockStore {
             (true, Some(e)) => Some(e),
             (true, None) => Some(crate::packed::Ends::of_block(&data, partitions, rows)?),
         };
+        let share = self.memory_share();
         let fits = self
             .memory_bytes
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |used| {
-                (used + meta.bytes <= self.cfg.memory_budget).then_some(used + meta.bytes)
+                (used + meta.bytes <= share).then_some(used + meta.bytes)
             })
             .is_ok();
         let location = if fits {

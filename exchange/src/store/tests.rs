@@ -22,6 +22,7 @@ fn info(id: u64, partitions: u32) -> ShuffleInfo {
         partitions,
         partitioner: crate::partitioner::round_robin(),
         combiner: None,
+        order: 0,
     }
 }
 

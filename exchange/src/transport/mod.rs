@@ -130,11 +130,21 @@ pub fn ipc_to_flight(block: &Bytes) -> Result<Vec<(bool, FlightData)>> {
 
 /// /proc/self/status VmHWM: this process's peak resident set, in bytes.
 pub fn peak_rss_bytes() -> u64 {
+    proc_status_bytes("VmHWM:")
+}
+
+/// /proc/self/status VmRSS: this process's resident set now, in bytes.
+pub fn rss_bytes() -> u64 {
+    proc_status_bytes("VmRSS:")
+}
+
+/// A `kB` line of /proc/self/status in bytes (0 where there is none).
+fn proc_status_bytes(field: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
+                .find(|l| l.starts_with(field))
                 .and_then(|l| l.split_whitespace().nth(1))
                 .and_then(|kb| kb.parse::<u64>().ok())
         })
