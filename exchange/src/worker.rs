@@ -601,7 +601,10 @@ pub fn build_state(
     let (admission, store) = if std::env::var("FLIGHTSHUFFLE_ADMISSION").as_deref() == Ok("off") {
         (Admission::new(u64::MAX), store)
     } else {
-        let a = Admission::new(args.memory_budget);
+        // Map buffers are at least 4 MiB whatever the budget: under four tasks' grants (a
+        // budget set tiny to make the store spill) the tasks would run one at a time.
+        let grant = MapConfig::for_budget(args.memory_budget).task_grant();
+        let a = Admission::new(args.memory_budget.max(4 * grant));
         (a.clone(), store.sharing(a))
     };
     let store = Arc::new(store);

@@ -769,11 +769,11 @@ async fn tls_is_on_by_default_and_refuses_plaintext_and_other_cas() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_shuffles_share_each_workers_budget() {
-    // 16 MiB: map buffers of 4 MiB, so grants of 8 MiB and two tasks at once per worker,
+    // 64 MiB: map buffers of 8 MiB, so grants of 16 MiB and four tasks at once per worker,
     // where four concurrent shuffles ask for eight.
-    let budget = 16u64 << 20;
+    let budget = 64u64 << 20;
     let grant = exchange::task::MapConfig::for_budget(budget).task_grant();
-    assert_eq!(grant, 8 << 20);
+    assert_eq!(grant, 16 << 20);
     let cluster = LocalCluster::start(config(2, budget)).await.unwrap();
     let input = batches(24, 2_000);
     let runs = (0..4).map(|_| shuffle(&cluster, &input, 8, 4));

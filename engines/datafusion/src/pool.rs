@@ -15,9 +15,9 @@ use datafusion::execution::memory_pool::{
 };
 use std::sync::Mutex;
 
-/// What every spilling operator may hold however many share the pool: an external sort
-/// needs room for a batch and its merge reservation (`sort_spill_reservation_bytes`, 10 MiB
-/// by default) or it fails instead of spilling.
+/// What every spilling operator may hold however many share the pool, and however small the
+/// budget: an external sort needs room for a batch and its merge reservation
+/// (`sort_spill_reservation_bytes`, 10 MiB by default) or it fails instead of spilling.
 pub const MIN_SHARE: usize = 16 << 20;
 
 /// See the module doc.
@@ -112,7 +112,7 @@ impl MemoryPool for WorkerPool {
         let can_spill = reservation.consumer().can_spill();
         if can_spill {
             let room = self.limit.saturating_sub(s.unspillable).max(self.limit / 4);
-            let share = (room / s.spillers.max(1)).max(MIN_SHARE.min(self.limit));
+            let share = (room / s.spillers.max(1)).max(MIN_SHARE);
             if reservation.size() + additional > share {
                 return Err(DataFusionError::ResourcesExhausted(format!(
                     "{} may hold {share} bytes of this worker's memory budget and has {}; \
@@ -183,5 +183,13 @@ mod tests {
         // 32 MiB / 50 would be 671 KB, under what a sort needs to spill at all.
         sorts[0].try_grow(MIN_SHARE).unwrap();
         assert!(sorts[0].try_grow(1).is_err());
+        // A budget far under it (tests that make the store spill use 256 KiB) still leaves
+        // each spiller the minimum: a query must not fail where it ran before.
+        let tiny: Arc<dyn MemoryPool> = Arc::new(WorkerPool::new(128 << 10));
+        let sort = MemoryConsumer::new("sort")
+            .with_can_spill(true)
+            .register(&tiny);
+        sort.try_grow(MIN_SHARE).unwrap();
+        assert!(sort.try_grow(1).is_err());
     }
 }

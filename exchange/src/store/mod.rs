@@ -156,7 +156,10 @@ impl BlockStore {
     /// The bytes of blocks this store may hold in memory now.
     fn memory_share(&self) -> u64 {
         let budget = self.cfg.memory_budget;
-        let held = self.admission.as_ref().map_or(0, |a| a.reserved());
+        let held = self
+            .admission
+            .as_ref()
+            .map_or(0, |a| a.reserved().min(a.capacity()));
         budget - held.min(budget / 2)
     }
 
