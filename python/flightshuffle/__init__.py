@@ -557,7 +557,10 @@ class Cluster:
         return json.loads(self._native.calibration_json())
 
     def stats(self) -> list[dict[str, int]]:
-        """Per-worker block store figures: memory, spilled and restored bytes, peak RSS."""
+        """Per-worker figures: the block store's memory, spilled and restored bytes; RSS now
+        and at peak; task admission (tasks admitted, waited, over the budget, the most bytes
+        granted and tasks running at once); DataFusion operators' peak bytes, and of those the
+        hash join build sides' (``peak_unspillable_bytes``)."""
         return json.loads(self._native.stats_json())
 
     @property
