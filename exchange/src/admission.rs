@@ -25,6 +25,13 @@ use tokio::sync::Notify;
 /// task is admitted over the budget (see the module doc).
 pub const OVERDRAFT_AFTER: Duration = Duration::from_secs(1);
 
+/// False when `FLIGHTSHUFFLE_ADMISSION=off`: every task runs at once, the block store keeps
+/// the whole budget and query engines get no memory pool (as before admission; for measuring
+/// what it changes).
+pub fn enabled() -> bool {
+    std::env::var("FLIGHTSHUFFLE_ADMISSION").as_deref() != Ok("off")
+}
+
 /// A waiting or running task: (its shuffle's order, a ticket in arrival order).
 type Key = (u64, u64);
 

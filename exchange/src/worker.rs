@@ -596,9 +596,7 @@ pub fn build_state(
         spill_dir: args.spill_dir.clone(),
         segment_bytes: args.segment_bytes.max(1),
     })?;
-    // `FLIGHTSHUFFLE_ADMISSION=off` admits every task at once and leaves the store the whole
-    // budget (how it was before admission; for measuring what admission changes).
-    let (admission, store) = if std::env::var("FLIGHTSHUFFLE_ADMISSION").as_deref() == Ok("off") {
+    let (admission, store) = if !crate::admission::enabled() {
         (Admission::new(u64::MAX), store)
     } else {
         // Map buffers are at least 4 MiB whatever the budget: under four tasks' grants (a

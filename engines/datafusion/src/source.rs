@@ -77,18 +77,16 @@ impl StageSource {
                 if task.batch_size > 0 {
                     config = config.with_batch_size(task.batch_size as usize);
                 }
-                let pool = self.pool.get_or_init(|| {
-                    let half = usize::try_from(ctx.memory_budget / 2).unwrap_or(usize::MAX);
-                    Arc::new(crate::pool::WorkerPool::new(half))
-                });
-                // `FLIGHTSHUFFLE_ADMISSION=off` (see `exchange::worker`): no pool, as before.
-                let off = std::env::var("FLIGHTSHUFFLE_ADMISSION").as_deref() == Ok("off");
-                let runtime = if off {
-                    RuntimeEnvBuilder::new().build_arc()
-                } else {
+                let runtime = if exchange::admission::enabled() {
+                    let pool = self.pool.get_or_init(|| {
+                        let half = usize::try_from(ctx.memory_budget / 2).unwrap_or(usize::MAX);
+                        Arc::new(crate::pool::WorkerPool::new(half))
+                    });
                     RuntimeEnvBuilder::new()
                         .with_memory_pool(pool.clone())
                         .build_arc()
+                } else {
+                    RuntimeEnvBuilder::new().build_arc()
                 };
                 match runtime {
                     Ok(rt) => SessionContext::new_with_config_rt(config, rt),
