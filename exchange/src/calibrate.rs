@@ -25,6 +25,13 @@ const WINDOWS: u32 = 5;
 const WINDOW: Duration = Duration::from_millis(30);
 /// Small blocks put and read back to find the per-block cost.
 const SMALL_BLOCKS: u32 = 400;
+/// Rows of the lineitem batches the rates are measured on (~3 MB each): large enough that
+/// per-call costs vanish, small enough that calibrating stays within a worker's budget.
+/// (65,536-row batches made a calibration peak at 276 MB, and glibc kept it resident.)
+const ROWS: usize = 16_384;
+/// What calibrating holds at its peak, as [`CALIBRATION_GRANT`] asks of the worker's budget:
+/// the merge's four packed maps in its scratch store, decoded, and their merged output.
+pub const CALIBRATION_GRANT: u64 = 48 << 20;
 
 /// Seconds per call of `f`: the fastest of [`WINDOWS`] windows of at least [`WINDOW`] each.
 fn per_call(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
@@ -44,7 +51,7 @@ fn per_call(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 /// Measure this worker's rates; `disk_bytes` are written to and read from `spill_dir`.
 pub fn measure(spill_dir: &Path, disk_bytes: u64) -> Result<proto::Calibration> {
     let schema = lineitem_schema();
-    let batch = lineitem_batch(0, 65_536, 7)?;
+    let batch = lineitem_batch(0, ROWS, 7)?;
     let bytes = batch.get_array_memory_size() as f64;
     let mut part = crate::partitioner::Partitioner::from_proto(
         &crate::partitioner::hash(&["l_orderkey"]),
@@ -116,13 +123,13 @@ fn small_block_cost(spill_dir: &Path) -> Result<f64> {
 
 /// Bytes per second of a merge task ([`crate::task::run_merge`]) over packed map blocks
 /// ([`crate::packed`]) of lineitem rows cut into 64 partitions: the fastest of a few merges
-/// of the same four 64 Ki-row blocks, in a scratch store.
+/// of the same four [`ROWS`]-row blocks, in a scratch store.
 fn merge_rate(spill_dir: &Path) -> Result<f64> {
     const MAPS: u32 = 4;
     const PARTITIONS: u32 = 64;
     let dir = spill_dir.join(format!("calibrate-{}", ShuffleId::random()));
     let store = BlockStore::new(StoreConfig {
-        memory_budget: 512 << 20,
+        memory_budget: 64 << 20,
         spill_dir: dir.clone(),
         segment_bytes: crate::store::DEFAULT_SEGMENT_BYTES,
     })?;
@@ -142,7 +149,7 @@ fn merge_rate(spill_dir: &Path) -> Result<f64> {
         let mut ids = Vec::new();
         let mut bytes = 0u64;
         for map in 0..MAPS {
-            let batch = lineitem_batch(map as u64 * 65_536, 65_536, 7)?;
+            let batch = lineitem_batch(map as u64 * ROWS as u64, ROWS, 7)?;
             let assignment = part.assign(&batch)?;
             let holders = vec![0u32; PARTITIONS as usize];
             for (_, rows, ends) in

@@ -294,9 +294,17 @@ impl WorkerState {
         }
         let dir = self.store.config().spill_dir.clone();
         let disk_bytes = m.disk_bytes.min(256 << 20);
-        tokio::task::spawn_blocking(move || crate::calibrate::measure(&dir, disk_bytes))
-            .await
-            .map_err(|e| Error::Cluster(format!("calibration failed to run: {e}")))?
+        // Within the budget like any task (the lowest order: an `auto` exchange waits on it).
+        let grant = self
+            .admission
+            .admit(0, crate::calibrate::CALIBRATION_GRANT)
+            .await;
+        tokio::task::spawn_blocking(move || {
+            let _grant = grant;
+            crate::calibrate::measure(&dir, disk_bytes)
+        })
+        .await
+        .map_err(|e| Error::Cluster(format!("calibration failed to run: {e}")))?
     }
 
     /// Fold task (streaming strategy): read the listed blocks of one partition from their

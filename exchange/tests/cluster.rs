@@ -795,3 +795,25 @@ async fn concurrent_shuffles_share_each_workers_budget() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calibrating_stays_small() {
+    // `auto` calibrates on the first live worker the first time it is used, on a cluster that
+    // may be busy: its scratch data must fit beside the tasks (it once peaked at 276 MB, and
+    // glibc kept it resident).
+    let cluster = LocalCluster::start(config(2, 64 << 20)).await.unwrap();
+    let before = cluster.driver.stats().await.unwrap()[0].peak_rss_bytes;
+    let c = cluster.driver.calibration().await.unwrap();
+    assert!(
+        c.merge_bytes_per_s > 0.0 && c.partition_bytes_per_s > 0.0,
+        "{c:?}"
+    );
+    let after = cluster.driver.stats().await.unwrap()[0];
+    let grown = after.peak_rss_bytes.saturating_sub(before);
+    assert!(
+        grown < 128 << 20,
+        "calibrating grew the worker's peak RSS by {} MiB",
+        grown >> 20
+    );
+    assert!(after.admitted_tasks > 0, "{after:?}");
+}
