@@ -15,6 +15,13 @@
 //! cluster then runs, so some task always makes progress. (Admitting it at once would let
 //! every task of a job that started before the running ones go over the budget, where most
 //! only need the running ones to end.)
+//!
+//! Within one job the driver says more: the shuffles of a query's stages are created together
+//! and share a `group`. A task of such a shuffle is admitted at once while a task of a later
+//! shuffle of its group runs (that task may be waiting on it), over the budget if need be but
+//! then only one task of the job at a time.
+//! (Without this, TPC-H at a 64 MiB budget stalled 1 s for the overdraft in about one run in
+//! two: four consumer tasks held every grant, waiting on a producer task queued behind them.)
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -35,17 +42,34 @@ pub fn enabled() -> bool {
 /// A waiting or running task: (its shuffle's order, a ticket in arrival order).
 type Key = (u64, u64);
 
+/// Where a task's shuffle stands: its creation `order`, and the `group` of shuffles created
+/// together for one job (0: none).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Rank {
+    pub order: u64,
+    pub group: u64,
+}
+
+impl From<u64> for Rank {
+    fn from(order: u64) -> Self {
+        Rank { order, group: 0 }
+    }
+}
+
 /// The grants of one worker (see the module doc).
 #[derive(Debug)]
 pub struct Admission {
     capacity: u64,
     inner: Mutex<Inner>,
     changed: Notify,
+    /// Notified when the last running task's grant comes back.
+    idle: Notify,
 }
 
 #[derive(Debug, Default)]
 struct Inner {
-    running: BTreeMap<Key, u64>,
+    /// Running tasks: their bytes, their group, and whether they went over the budget.
+    running: BTreeMap<Key, (u64, u64, bool)>,
     waiting: BTreeSet<Key>,
     next_ticket: u64,
     reserved: u64,
@@ -84,8 +108,12 @@ impl Drop for Grant {
             inner.reserved -= self.bytes;
             inner.last_release = Some(Instant::now());
         }
+        let idle = inner.running.is_empty();
         drop(inner);
         self.admission.changed.notify_waiters();
+        if idle {
+            self.admission.idle.notify_one();
+        }
     }
 }
 
@@ -110,14 +138,16 @@ impl Admission {
             capacity,
             inner: Mutex::new(Inner::default()),
             changed: Notify::new(),
+            idle: Notify::new(),
         })
     }
 
-    /// Wait for a grant of `bytes` for a task of a shuffle of `order`.
-    pub async fn admit(self: &Arc<Self>, order: u64, bytes: u64) -> Grant {
+    /// Wait for a grant of `bytes` for a task of a shuffle of `rank` (an order alone: no group).
+    pub async fn admit(self: &Arc<Self>, rank: impl Into<Rank>, bytes: u64) -> Grant {
+        let rank = rank.into();
         let key = {
             let mut inner = lock(&self.inner);
-            let key = (order, inner.next_ticket);
+            let key = (rank.order, inner.next_ticket);
             inner.next_ticket += 1;
             inner.waiting.insert(key);
             key
@@ -138,7 +168,7 @@ impl Admission {
                 .last_release
                 .map_or(start, |r| r.max(start));
             let overdue = since.elapsed() >= OVERDRAFT_AFTER;
-            if let Some(grant) = self.try_grant(key, bytes, waited, overdue) {
+            if let Some(grant) = self.try_grant(key, rank.group, bytes, waited, overdue) {
                 std::mem::forget(waiting);
                 return grant;
             }
@@ -155,6 +185,7 @@ impl Admission {
     fn try_grant(
         self: &Arc<Self>,
         key: Key,
+        group: u64,
         bytes: u64,
         waited: bool,
         overdue: bool,
@@ -163,12 +194,34 @@ impl Admission {
         let first_waiting = inner.waiting.first() == Some(&key);
         let fits = inner.running.is_empty() || inner.reserved + bytes <= self.capacity;
         let below_all = overdue && inner.running.keys().next().is_none_or(|r| key.0 < r.0);
-        let admitted = below_all || (first_waiting && fits);
+        // A later shuffle of the same job runs: it may be waiting on this task, which goes in
+        // at once; over the budget only while no other task of the job is over it.
+        let feeds_running = group != 0
+            && inner
+                .running
+                .iter()
+                .any(|(r, (_, g, _))| *g == group && r.0 > key.0);
+        let job_over = inner
+            .running
+            .values()
+            .any(|(_, g, over)| *g == group && *over);
+        let admitted =
+            below_all || (feeds_running && (fits || !job_over)) || (first_waiting && fits);
         if !admitted {
             return None;
         }
+        if !fits {
+            tracing::debug!(
+                order = key.0,
+                group,
+                bytes,
+                feeds_running,
+                running = ?inner.running,
+                "task admitted over the budget"
+            );
+        }
         inner.waiting.remove(&key);
-        inner.running.insert(key, bytes);
+        inner.running.insert(key, (bytes, group, !fits));
         inner.reserved += bytes;
         let m = &mut inner.metrics;
         m.admitted += 1;
@@ -186,6 +239,17 @@ impl Admission {
             key,
             bytes,
         })
+    }
+
+    /// Wait until the last running task's grant comes back (a permit is kept if that happened
+    /// while nobody waited).
+    pub async fn idle(&self) {
+        self.idle.notified().await
+    }
+
+    /// No task is running.
+    pub fn is_idle(&self) -> bool {
+        lock(&self.inner).running.is_empty()
     }
 
     /// Bytes granted now.
@@ -275,5 +339,52 @@ mod tests {
         let g = a.admit(1, 1000).await;
         assert_eq!(a.reserved(), 1000);
         drop(g);
+    }
+
+    #[tokio::test]
+    async fn idle_once_the_last_grant_comes_back() {
+        let a = Admission::new(100);
+        assert!(a.is_idle());
+        let g1 = a.admit(1, 10).await;
+        let g2 = a.admit(1, 10).await;
+        let mut idle = Box::pin(a.idle());
+        drop(g1);
+        assert!(pending(&mut idle).await, "one task still runs");
+        assert!(!a.is_idle());
+        drop(g2);
+        idle.await;
+        assert!(a.is_idle());
+    }
+
+    #[tokio::test]
+    async fn a_producer_of_a_running_consumer_of_its_job_is_admitted_at_once() {
+        let a = Admission::new(20);
+        let job = |order| Rank { order, group: 7 };
+        // Two consumer tasks (order 2) hold the whole budget, waiting on their producer.
+        let c1 = a.admit(job(2), 10).await;
+        let c2 = a.admit(job(2), 10).await;
+        // A producer of another job, or of no job, waits its turn.
+        let mut other = Box::pin(a.admit(Rank { order: 1, group: 3 }, 10));
+        assert!(pending(&mut other).await);
+        let mut alone = Box::pin(a.admit(1, 10));
+        assert!(pending(&mut alone).await);
+        // Its own job's producer (order 1) goes in at once, over the budget.
+        let p = tokio::time::timeout(Duration::from_millis(200), a.admit(job(1), 10))
+            .await
+            .expect("a producer of a running consumer must not wait");
+        assert_eq!(a.reserved(), 30);
+        assert_eq!(a.metrics().overdrafts, 1);
+        // One task of the job over the budget at a time: the next producer waits for it.
+        let mut second = Box::pin(a.admit(job(1), 10));
+        assert!(pending(&mut second).await);
+        drop(p);
+        let p = tokio::time::timeout(Duration::from_millis(200), second)
+            .await
+            .expect("the next producer goes once the first is done");
+        assert_eq!(a.metrics().overdrafts, 2);
+        // A later stage of the job does not jump the queue.
+        let mut later = Box::pin(a.admit(job(3), 10));
+        assert!(pending(&mut later).await);
+        drop((c1, c2, p, other, alone, later));
     }
 }

@@ -96,6 +96,7 @@ fn small_block_cost(spill_dir: &Path) -> Result<f64> {
         partitioner: crate::partitioner::round_robin(),
         combiner: None,
         order: 0,
+        group: 0,
     })?;
     let small = lineitem_batch(0, 16, 7)?;
     let start = Instant::now();
@@ -142,6 +143,7 @@ fn merge_rate(spill_dir: &Path) -> Result<f64> {
             partitioner: crate::partitioner::hash(&["l_orderkey"]),
             combiner: None,
             order: 0,
+            group: 0,
         };
         store.create_shuffle(info.clone())?;
         let mut part =

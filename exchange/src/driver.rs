@@ -8,12 +8,13 @@
 //! commits on every holder, cancels) is in [`commit`].
 
 mod commit;
+mod create;
 mod live;
 pub mod maps;
 mod parity;
 mod recover;
 
-use crate::block::{encode_schema, BlockId, BlockMeta, ShuffleId, Slice};
+use crate::block::{BlockId, BlockMeta, ShuffleId, Slice};
 use crate::checksum::Checksum;
 use crate::error::{Error, Result};
 use crate::proto;
@@ -347,54 +348,6 @@ impl Driver {
         match self.watch(all).await {
             Ok(()) => Ok(()),
             Err(e) => Err(self.classify(e).await),
-        }
-    }
-
-    /// Register a shuffle on every worker (after waiting for a lost worker's replacement).
-    pub async fn create_shuffle(&self, spec: &ShuffleSpec) -> Result<()> {
-        // Taken before the first await: shuffles created together (a query's stages, from
-        // producers to consumers) are numbered in the order they were asked for.
-        let order = self.shuffle_order.fetch_add(1, Ordering::Relaxed) + 1;
-        self.wait_all_live(REPLACE_TIMEOUT).await?;
-        // Refuse a partitioner that cannot work on this schema before any worker sees it.
-        crate::partitioner::Partitioner::from_proto(
-            &spec.partitioner,
-            &spec.schema,
-            spec.partitions,
-            0,
-        )?;
-        let msg = proto::CreateShuffle {
-            shuffle_id: spec.id.0,
-            schema_ipc: encode_schema(&spec.schema)?.to_vec(),
-            partitions: spec.partitions,
-            partitioner: Some(spec.partitioner.clone()),
-            combine: spec.combine.clone(),
-            order,
-        };
-        lock(&self.blocks).entry(spec.id).or_default();
-        lock(&self.schemas).insert(spec.id, (spec.schema.clone(), spec.checksum_inputs));
-        lock(&self.partitions).insert(spec.id, spec.partitions);
-        let generations = (0..self.num_workers())
-            .map(|i| self.generation(i))
-            .collect();
-        lock(&self.created).insert(spec.id, (msg.clone(), generations));
-        // A worker found lost here is replaced and the shuffle registered again (registering
-        // is idempotent on the workers that have it).
-        let mut tries = 0;
-        loop {
-            let created = self
-                .on_all(|w| {
-                    let msg = msg.clone();
-                    async move { w.create_shuffle(&msg).await }
-                })
-                .await;
-            match created {
-                Err(Error::WorkerLost { .. }) if tries < 2 && self.replaces_workers() => {
-                    tries += 1;
-                    self.wait_all_live(REPLACE_TIMEOUT).await?;
-                }
-                other => return other,
-            }
         }
     }
 

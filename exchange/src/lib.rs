@@ -5,6 +5,7 @@
 //! This crate does not depend on any query engine.
 
 pub mod admission;
+pub mod allocator;
 pub mod bench;
 pub mod block;
 pub mod calibrate;

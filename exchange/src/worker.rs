@@ -163,6 +163,7 @@ impl WorkerState {
             partitioner,
             combiner,
             order: m.order,
+            group: m.group,
         })
     }
 
@@ -190,7 +191,7 @@ impl WorkerState {
             .map_or(0, |s| self.sources.memory_hint(&s.kind, &s.payload));
         let grant = self
             .admission
-            .admit(info.order, cfg.task_grant() + hint)
+            .admit(info.rank(), cfg.task_grant() + hint)
             .await;
         let me = self.clone();
         let handle = tokio::spawn(async move {
@@ -267,7 +268,7 @@ impl WorkerState {
             armed: true,
         };
         let (store, cfg) = (self.store.clone(), self.map_cfg);
-        let grant = self.admission.admit(info.order, cfg.task_grant()).await;
+        let grant = self.admission.admit(info.rank(), cfg.task_grant()).await;
         let out = tokio::task::spawn_blocking(move || {
             let _grant = grant;
             crate::task::run_merge(&store, &info, ids, m.group, m.attempt, cfg)
@@ -671,6 +672,7 @@ pub async fn serve(
         .local_addr()
         .map_err(|e| Error::Cluster(format!("no local address: {e}")))?;
     let state = Arc::new(build_state(&args, &creds, sources, addr.to_string())?);
+    tokio::spawn(crate::allocator::trim_when_idle(state.admission.clone()));
     let expected = bearer(&token);
     let counted = state.clone();
     let check = move |req: tonic::Request<()>| -> Result<tonic::Request<()>, tonic::Status> {
@@ -728,29 +730,10 @@ pub fn init_logging() {
 
 /// Entry point shared by the worker binary and the Python module: parse `argv`, start a
 /// runtime, serve, and print the ready line. Returns when the server stops.
-/// Cap glibc malloc at 2 arenas before the worker's threads start (a no-op on other
-/// allocators and platforms). With an arena per thread, memory one thread frees stays cached
-/// in its arena: shuffle bench (10 M rows, 4 workers, 89 MiB budget), peak RSS per worker
-/// 650-675 MiB uncapped, 430-450 MiB capped. mimalloc peaked at 780-930 MiB in the same bench,
-/// so the worker binaries use the system allocator.
-pub fn limit_malloc_arenas() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        unsafe extern "C" {
-            fn mallopt(param: std::ffi::c_int, value: std::ffi::c_int) -> std::ffi::c_int;
-        }
-        const M_ARENA_MAX: std::ffi::c_int = -8; // glibc's malloc.h
-                                                 // SAFETY: mallopt only sets an allocator parameter; glibc refuses values it rejects.
-        unsafe {
-            mallopt(M_ARENA_MAX, 2);
-        }
-    }
-}
-
 pub fn main_with_args(argv: Vec<String>, sources: SourceRegistry) -> Result<()> {
     use clap::Parser;
     let args = WorkerArgs::try_parse_from(argv).map_err(|e| Error::invalid(e.to_string()))?;
-    limit_malloc_arenas();
+    crate::allocator::limit_malloc_arenas();
     init_logging();
     let token = if args.token_stdin {
         let mut line = String::new();

@@ -304,6 +304,7 @@ async fn bad_requests_get_clear_statuses() {
         partitioner: Some(partitioner::hash(&["k"])),
         combine: None,
         order: 1,
+        group: 0,
     };
     let schema_ipc = exchange::block::encode_schema(&schema()).unwrap().to_vec();
     let err = w

@@ -108,6 +108,7 @@ async fn a_worker_survives_fuzzed_actions_tickets_and_puts() {
                 partitioner: Some(partitioner::hash(&["k"])),
                 combine: None,
                 order: 1,
+                group: 1,
             }
             .encode_to_vec(),
         ),

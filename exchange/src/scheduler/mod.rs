@@ -187,8 +187,8 @@ where
 {
     // A replacement from here on is a loss this run recovers from.
     let replacements = driver.replacements();
-    let creates = stages.iter().map(|s| driver.create_shuffle(&s.spec));
-    futures::future::try_join_all(creates).await?;
+    let specs: Vec<_> = stages.iter().map(|s| s.spec.clone()).collect();
+    driver.create_shuffles(&specs).await?;
     let opts = StrategyOptions {
         watch: false,
         ..opts

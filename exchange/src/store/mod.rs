@@ -46,6 +46,19 @@ pub struct ShuffleInfo {
     pub combiner: Option<crate::combine::CombinerRef>,
     /// The driver's creation order of shuffles: tasks of lower order are admitted first.
     pub order: u64,
+    /// Shuffles created together for one job share a group (0: none); see
+    /// [`crate::admission`].
+    pub group: u64,
+}
+
+impl ShuffleInfo {
+    /// Where this shuffle's tasks stand in the worker's admission.
+    pub fn rank(&self) -> crate::admission::Rank {
+        crate::admission::Rank {
+            order: self.order,
+            group: self.group,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]

@@ -23,6 +23,7 @@ fn info(id: u64, partitions: u32) -> ShuffleInfo {
         partitioner: crate::partitioner::round_robin(),
         combiner: None,
         order: 0,
+        group: 0,
     }
 }
 
