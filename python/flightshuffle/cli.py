@@ -566,7 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument(
         "--memory-budget",
         default="2GiB",
-        help="block store budget per worker (bytes or e.g. 256MiB); beyond it blocks spill",
+        help="memory budget per worker (bytes or e.g. 256MiB): tasks, blocks and operators "
+        "share it; beyond it blocks spill and tasks wait",
     )
     b.add_argument("--maps", type=int, default=0, help="map tasks (0 = 4 per worker)")
     b.add_argument("--batch-rows", type=int, default=65_536)
