@@ -163,6 +163,26 @@ class SqlPlan:
 _SQL_KINDS = {"Sum": "sum", "Avg": "mean", "Count": "count", "Min": "min", "Max": "max"}
 
 
+def as_double(e: Any, nested: bool = False) -> Any:
+    """``CAST(e AS DOUBLE)`` with the cast pushed down through ``+``, ``-``, ``*``, unary minus
+    and parentheses to the operands: decimal arithmetic is done in DOUBLE instead of being
+    cast row by row afterwards. TPC-H Q1's statistics query, single-process DataFusion at SF1:
+    0.53 s with the casts outside, 0.35 s with them on the columns (Q1 itself 0.34 s). Not
+    through ``/`` (integer division would become float division), functions or CASE: those
+    are cast whole. Numeric literals inside the arithmetic stay as they are."""
+    from sqlglot import exp
+
+    if isinstance(e, exp.Paren):
+        return exp.Paren(this=as_double(e.this, nested))
+    if isinstance(e, exp.Neg):
+        return exp.Neg(this=as_double(e.this, nested))
+    if isinstance(e, (exp.Add, exp.Sub, exp.Mul)):
+        return type(e)(this=as_double(e.this, True), expression=as_double(e.expression, True))
+    if nested and isinstance(e, exp.Literal) and e.is_number:
+        return e.copy()
+    return exp.Cast(this=e.copy(), to=exp.DataType.build("DOUBLE"))
+
+
 def plan_sql(query: str, engine: str) -> SqlPlan:
     """Rewrite ``SELECT keys, AGG(x) ... FROM tables [JOIN ...] [WHERE ...] GROUP BY keys
     [HAVING ...] [ORDER BY] [LIMIT]`` into the per-split statistics query."""
@@ -257,7 +277,7 @@ def plan_sql(query: str, engine: str) -> SqlPlan:
             elif kind == "len":
                 expr = "COUNT(*)"
             else:
-                x = column(f"CAST(({arg}) AS DOUBLE)")
+                x = column(sql(as_double(node.this)))
                 expr = {"c": f"COUNT({x})", "s": f"SUM({x})", "q": f"SUM({x} * {x})"}[stat]
             col = stat_items.setdefault(expr, f"__u{len(stat_items)}")
             stat_of[f"__{stat}{j}"] = col
