@@ -175,3 +175,14 @@ def test_statistics_query_casts_the_operands_not_each_result():
     assert "CAST(d / 2 AS DOUBLE)" in stats
     assert "CAST(CASE WHEN e THEN f END AS DOUBLE)" in stats
     assert "CAST(1 AS DOUBLE)" in stats
+
+
+def test_closing_the_cluster_under_a_running_online_query_is_quiet(tpch_data, capfd):
+    """A stream left open when its cluster closes: the workers going away are not reported
+    as lost workers (they were stopped on purpose)."""
+    with fs.Cluster(workers=2, timeout=120) as c:
+        c.register_parquet("lineitem", tpch.table_paths(tpch_data)["lineitem"])
+        stream = iter(c.online(tpch.query(1, TPCH_SF)[0], rounds=10, progress=False))
+        next(stream)
+    err = capfd.readouterr().err
+    assert "worker lost" not in err, err

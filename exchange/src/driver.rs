@@ -147,6 +147,8 @@ pub struct Driver {
     /// Replacements started per slot (the slot's generation).
     generations: Vec<std::sync::atomic::AtomicU64>,
     replacer: Mutex<Option<Replacer>>,
+    /// The cluster is stopping: workers going away are not news ([`Driver::stop_replacing`]).
+    stopping: AtomicBool,
     /// Changes whenever a slot becomes live again (or its replacement failed).
     live: tokio::sync::watch::Sender<u64>,
     me: std::sync::Weak<Driver>,
@@ -222,6 +224,7 @@ impl Driver {
             alive: workers.iter().map(|_| AtomicBool::new(true)).collect(),
             generations: workers.iter().map(|_| Default::default()).collect(),
             replacer: Mutex::new(None),
+            stopping: AtomicBool::new(false),
             live: tokio::sync::watch::channel(0).0,
             me: me.clone(),
             workers: std::sync::RwLock::new(workers),

@@ -36,8 +36,11 @@ impl Driver {
         lock(&self.replacer).is_some()
     }
 
-    /// Replace no more lost workers (the cluster is stopping).
+    /// Replace no more lost workers: the cluster is stopping, and a worker found gone from
+    /// here on (a job still running when its cluster was closed) is logged at debug level
+    /// only.
     pub fn stop_replacing(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
         *lock(&self.replacer) = None;
     }
 
@@ -123,7 +126,9 @@ impl Driver {
         // Logged once, when the worker is first found lost (every task that was waiting on it
         // reports the loss too, at debug level).
         let addr = self.worker(worker).map(|w| w.addr).unwrap_or_default();
-        if was_alive {
+        if was_alive && self.stopping.load(Ordering::SeqCst) {
+            tracing::debug!(worker, %addr, %reason, "worker gone: the cluster is stopping");
+        } else if was_alive {
             tracing::warn!(worker, %addr, %reason, lost_blocks, "worker lost");
             self.start_replacement(worker);
         } else {
