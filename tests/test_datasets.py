@@ -114,6 +114,8 @@ def test_errors_are_clear(cl, paths):
         ds.repartition(2, by="nope").to_polars()
     with pytest.raises(ValueError, match="not columns"):
         ds.group_by("nope").agg(pl.len())
+    with pytest.raises(ValueError, match="at least 1"):
+        ds.group_by("n_regionkey").agg(pl.len(), partitions=0)
     with pytest.raises(TypeError):
         ds.map_partitions("not a function")  # type: ignore[arg-type]
     with pytest.raises(FileNotFoundError):

@@ -106,6 +106,9 @@ def test_bad_arguments_are_clear_errors(cluster):
         cluster.shuffle(df, partitioner="hash")
     with pytest.raises(ValueError, match="at most 65536"):
         list(cluster.shuffle(df, by="key", partitions=2**31))
+    # Zero partitions is a mistake, not a request for the default.
+    with pytest.raises(ValueError, match="at least one partition"):
+        list(cluster.shuffle(df, by="key", partitions=0))
     with pytest.raises(ValueError, match="byte size"):
         fs.parse_bytes("lots")
     assert fs.parse_bytes("1.5KiB") == 1536

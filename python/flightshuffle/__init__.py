@@ -356,7 +356,7 @@ class Cluster:
         native = self._native.shuffle(
             data,
             keys,
-            int(partitions or 2 * self.workers),
+            2 * self.workers if partitions is None else int(partitions),
             strategy,
             kind,
             parse_bytes(map_bytes),

@@ -240,7 +240,9 @@ class Grouped(Dataset):
         self, base: Dataset, keys: list[str], exprs: list[pl.Expr], partitions: int | None
     ):
         self.base, self.keys, self.exprs = base, keys, exprs
-        n = partitions or base._cluster.workers
+        n = base._cluster.workers if partitions is None else int(partitions)
+        if n < 1:
+            raise ValueError(f"partitions must be at least 1, not {n}")
         in_schema = base.schema()
         missing = [k for k in keys if k not in in_schema.names]
         if missing:
