@@ -107,7 +107,7 @@ def test_bad_arguments_are_clear_errors(cluster):
     with pytest.raises(ValueError, match="at most 65536"):
         list(cluster.shuffle(df, by="key", partitions=2**31))
     # Zero partitions is a mistake, not a request for the default.
-    with pytest.raises(ValueError, match="at least one partition"):
+    with pytest.raises(ValueError, match="partitions must be at least 1"):
         list(cluster.shuffle(df, by="key", partitions=0))
     with pytest.raises(ValueError, match="byte size"):
         fs.parse_bytes("lots")
