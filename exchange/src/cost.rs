@@ -1,0 +1,231 @@
+//! The cost model of the `auto` strategy ([`crate::strategy::auto`]): predicted seconds of each
+//! strategy for an exchange, from this machine's calibration ([`crate::calibrate`]).
+//!
+//! The model (seconds, P = parallel cores): every strategy pays partitioning and encoding on
+//! the map side and decoding on the reduce side per byte, a per-block cost for every block a
+//! reducer reads, a request latency per reducer request, the transport for the bytes that
+//! cross workers, and disk for the bytes that spill. Merging strategies add a merge of every
+//! byte at the calibrated merge rate (and, when spilling, write the merged bytes again) but read ~N blocks
+//! per partition instead of M; push overlaps half its transfer with the map side; two-level
+//! moves a byte up to twice (within its row, then within its column: 1 - 1/√N of the bytes
+//! each time) but makes ~√N requests per map and per reducer.
+
+use crate::proto::Calibration;
+use crate::strategy::Strategy;
+
+/// What the model knows of an exchange when it decides.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    pub workers: usize,
+    /// Map tasks (at least those seen so far).
+    pub maps: usize,
+    pub partitions: u32,
+    /// Bytes the exchange moves (extrapolated from the maps seen).
+    pub bytes: f64,
+    /// Fraction of the bytes that spill.
+    pub spill_fraction: f64,
+    /// Blocks one map writes (at most R; 0: assume R).
+    pub blocks_per_map: f64,
+    /// Maps already run in place when the choice is made: under `auto` they stay where they
+    /// are, so only the others push, and readers keep reading every worker.
+    pub maps_in_place: usize,
+    /// Maps of merging strategies write packed blocks ([`crate::packed`]): one per holder
+    /// instead of one per partition (the maps run in place before the choice excepted).
+    pub pack: bool,
+}
+
+/// Predicted seconds of `strategy` for `shape` on the machine `c` describes.
+pub fn predict(c: &Calibration, shape: &Shape, strategy: Strategy) -> f64 {
+    let rate = |r: f64| if r > 0.0 { r } else { 1e9 };
+    let n = shape.workers.max(1) as f64;
+    let p = (c.parallelism.max(1) as f64).min(n);
+    let m = shape.maps.max(1) as f64;
+    let r = shape.partitions.max(1) as f64;
+    let per_map = if shape.blocks_per_map > 0.0 {
+        shape.blocks_per_map.min(r)
+    } else {
+        r
+    };
+    // Map blocks: at most R per map; a merging strategy's packed maps write one per holder.
+    let map_blocks = m * per_map;
+    let in_place = (shape.maps_in_place as f64).min(m);
+    let blocks_to = |holders: f64| {
+        if shape.pack {
+            in_place * per_map + (m - in_place) * holders.min(per_map)
+        } else {
+            map_blocks
+        }
+    };
+    // Maps that push (the rest ran in place), and whether readers still read every worker.
+    let pushed = ((m - shape.maps_in_place as f64) / m).clamp(0.0, 1.0);
+    let everywhere = shape.maps_in_place > 0;
+    let b = shape.bytes.max(0.0);
+    let spilled = b * shape.spill_fraction.clamp(0.0, 1.0);
+    let remote = (n - 1.0) / n;
+    let cols = n.sqrt().ceil();
+    let (local_block, remote_block) =
+        (c.block_overhead_s, c.remote_block_s.max(c.block_overhead_s));
+    // Every strategy: partition and encode on the map side, decode on the reduce side, spill
+    // what does not fit (and write its map blocks, counted below).
+    let common = b / rate(c.partition_bytes_per_s)
+        + b / rate(c.encode_bytes_per_s)
+        + b / rate(c.decode_bytes_per_s)
+        + spilled / rate(c.disk_write_bytes_per_s)
+        + spilled / rate(c.disk_read_bytes_per_s);
+    let transfer = b * remote / rate(c.network_bytes_per_s);
+    // A merge reads, decodes, gathers and re-encodes every byte (the calibrated merge rate;
+    // a calibration without one: a decode and an encode), reads its map blocks locally and
+    // writes the merged bytes to disk again when spilling; the map blocks were written first.
+    let merge_per_byte = if c.merge_bytes_per_s > 0.0 {
+        1.0 / c.merge_bytes_per_s
+    } else {
+        1.0 / rate(c.decode_bytes_per_s) + 1.0 / rate(c.encode_bytes_per_s)
+    };
+    let merge = |blocks: f64| {
+        b * merge_per_byte + 2.0 * blocks * local_block + spilled / rate(c.disk_write_bytes_per_s)
+    };
+    // Reducers read R partitions, each as one block per worker holding some (after a merge).
+    let reads = |holders: f64| r * holders.min(m);
+    // Reading `blocks` blocks over `sources` workers per partition, mostly from other workers.
+    let read = |blocks: f64, sources: f64| {
+        blocks * (remote * remote_block + local_block / n) + r * sources * c.request_s
+    };
+    let merged_reads = read(reads(n), n) + transfer;
+    let specific = match strategy {
+        // Every reducer streams its blocks from N workers.
+        Strategy::Pull | Strategy::Auto => {
+            map_blocks * local_block + read(map_blocks, n) + transfer
+        }
+        Strategy::Merged => merge(blocks_to(1.0)) + merged_reads,
+        // Blocks cross once, as pushes (half the transfer overlaps the map side); a reducer
+        // reads its own store (every worker, when some maps ran in place first).
+        Strategy::Push => {
+            let blocks = blocks_to(n);
+            let push = blocks * remote * remote_block + m * (n - 1.0) * c.request_s;
+            let reduce = if everywhere {
+                merged_reads
+            } else {
+                reads(1.0) * local_block + r * c.request_s + 0.5 * transfer
+            };
+            merge(blocks) + pushed * push + reduce
+        }
+        // Pushes within a row, reads within a column: a byte crosses to another worker of
+        // its row with probability 1 - 1/cols, then to its reducer with 1 - 1/rows (its
+        // column's other workers); bytes of maps run in place cross once, when read.
+        Strategy::TwoLevel => {
+            let rows = (n / cols).ceil();
+            let blocks = blocks_to(cols);
+            let push = blocks * (1.0 - 1.0 / cols) * remote_block + m * cols * c.request_s;
+            let hops = (1.0 - 1.0 / cols) + (1.0 - 1.0 / rows);
+            let grid = b * pushed * hops / rate(c.network_bytes_per_s);
+            let reduce = if everywhere {
+                read(reads(n), n) + grid + transfer * (1.0 - pushed)
+            } else {
+                reads(rows) * remote_block + r * rows * c.request_s + grid
+            };
+            merge(blocks) + pushed * push + reduce
+        }
+    };
+    (common + specific) / p
+}
+
+/// Every strategy with its predicted seconds, cheapest first.
+pub fn ranking(c: &Calibration, shape: &Shape) -> Vec<(Strategy, f64)> {
+    let mut all: Vec<(Strategy, f64)> = [
+        Strategy::Pull,
+        Strategy::Merged,
+        Strategy::Push,
+        Strategy::TwoLevel,
+    ]
+    .into_iter()
+    .map(|s| (s, predict(c, shape, s)))
+    .collect();
+    all.sort_by(|a, b| a.1.total_cmp(&b.1));
+    all
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn machine() -> Calibration {
+        Calibration {
+            partition_bytes_per_s: 1.5e9,
+            encode_bytes_per_s: 3e9,
+            decode_bytes_per_s: 3e9,
+            block_overhead_s: 60e-6,
+            disk_write_bytes_per_s: 1e9,
+            disk_read_bytes_per_s: 3e9,
+            request_s: 200e-6,
+            network_bytes_per_s: 2e9,
+            parallelism: 2,
+            remote_block_s: 150e-6,
+            merge_bytes_per_s: 1e9,
+        }
+    }
+
+    fn shape(partitions: u32, maps: usize) -> Shape {
+        Shape {
+            workers: 4,
+            maps,
+            partitions,
+            bytes: 600e6,
+            spill_fraction: 0.0,
+            blocks_per_map: 0.0,
+            maps_in_place: 0,
+            pack: false,
+        }
+    }
+
+    #[test]
+    fn few_large_blocks_pull_many_small_blocks_merge() {
+        let c = machine();
+        // 64 maps x 16 partitions: 600 KB blocks, merging only adds work.
+        assert_eq!(ranking(&c, &shape(16, 64))[0].0, Strategy::Pull);
+        // 1000 maps x 1000 partitions: 600-byte blocks, a million of them.
+        assert_ne!(ranking(&c, &shape(1000, 1000))[0].0, Strategy::Pull);
+        // Predictions grow with bytes.
+        let big = Shape {
+            bytes: 6e9,
+            ..shape(16, 64)
+        };
+        assert!(predict(&c, &big, Strategy::Pull) > predict(&c, &shape(16, 64), Strategy::Pull));
+        // Packed maps write far fewer blocks: merging gets cheaper, pull does not change.
+        let packed = Shape {
+            pack: true,
+            ..shape(1000, 1000)
+        };
+        let s = shape(1000, 1000);
+        assert!(predict(&c, &packed, Strategy::Merged) < predict(&c, &s, Strategy::Merged));
+        assert!(predict(&c, &packed, Strategy::Push) < predict(&c, &s, Strategy::Push));
+        assert_eq!(
+            predict(&c, &packed, Strategy::Pull),
+            predict(&c, &s, Strategy::Pull)
+        );
+    }
+
+    #[test]
+    fn two_level_bytes_cross_once_per_hop_of_the_grid() {
+        // 4 workers on a 2 x 2 grid: half the bytes leave their mapper within its row, half
+        // of them again within the reducer's column: one crossing per byte in all, where
+        // pull crosses 3/4. Only the transport differs in these two calibrations, so the
+        // difference in prediction is the transport's share.
+        let fast = Calibration {
+            network_bytes_per_s: 1e12,
+            ..machine()
+        };
+        let slow = Calibration {
+            network_bytes_per_s: 1e8,
+            ..machine()
+        };
+        let s = shape(16, 64);
+        let cost = |st| predict(&slow, &s, st) - predict(&fast, &s, st);
+        let byte = s.bytes / 1e8 / 2.0; // one crossing of every byte, on 2 cores
+        assert!(
+            (cost(Strategy::TwoLevel) - byte).abs() < 0.01 * byte,
+            "{}",
+            cost(Strategy::TwoLevel)
+        );
+        assert!((cost(Strategy::Pull) - 0.75 * byte).abs() < 0.01 * byte);
+    }
+}
