@@ -167,7 +167,7 @@ def test_statistics_query_casts_the_operands_not_each_result():
 
     stats = plan_sql(
         "SELECT k, SUM(a * (1 - b)), AVG(-(c + 2)), SUM(d / 2), SUM(CASE WHEN e THEN f END), "
-        "SUM(1) FROM t GROUP BY k",
+        "SUM(1), SUM(2 * 3) FROM t GROUP BY k",
         "datafusion",
     ).stats
     assert "CAST(a AS DOUBLE) * (1 - CAST(b AS DOUBLE))" in stats
@@ -175,6 +175,7 @@ def test_statistics_query_casts_the_operands_not_each_result():
     assert "CAST(d / 2 AS DOUBLE)" in stats
     assert "CAST(CASE WHEN e THEN f END AS DOUBLE)" in stats
     assert "CAST(1 AS DOUBLE)" in stats
+    assert "CAST(2 * 3 AS DOUBLE)" in stats
 
 
 def test_closing_the_cluster_under_a_running_online_query_is_quiet(tpch_data, capfd):

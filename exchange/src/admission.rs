@@ -192,7 +192,8 @@ impl Admission {
     ) -> Option<Grant> {
         let mut inner = lock(&self.inner);
         let first_waiting = inner.waiting.first() == Some(&key);
-        let fits = inner.running.is_empty() || inner.reserved + bytes <= self.capacity;
+        let fits =
+            inner.running.is_empty() || inner.reserved.saturating_add(bytes) <= self.capacity;
         let below_all = overdue && inner.running.keys().next().is_none_or(|r| key.0 < r.0);
         // A later shuffle of the same job runs: it may be waiting on this task, which goes in
         // at once; over the budget only while no other task of the job is over it.

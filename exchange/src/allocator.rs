@@ -52,8 +52,10 @@ pub fn release_free_memory() -> bool {
 pub async fn trim_when_idle(admission: Arc<Admission>) {
     loop {
         admission.idle().await;
+        let admitted = admission.metrics().admitted;
         tokio::time::sleep(IDLE_FOR).await;
-        if admission.is_idle() {
+        // Idle all along: no task started (and ended) meanwhile.
+        if admission.is_idle() && admission.metrics().admitted == admitted {
             let _ = tokio::task::spawn_blocking(release_free_memory).await;
         }
     }

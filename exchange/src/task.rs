@@ -259,17 +259,17 @@ impl Default for MapConfig {
 }
 
 impl MapConfig {
-    /// Buffers sized to a worker's block-store budget: a task buffers at most 1/8 of it
-    /// (4-32 MiB) and flushes blocks of a quarter of that (1-4 MiB), so the few map tasks a
-    /// worker runs at once hold a fraction of the budget beside it, not a fixed 32 MiB each.
-    /// Shuffle bench, 4 workers, 89 MiB budget: peak RSS per worker 420-460 MiB with 32 MiB
-    /// buffers (see `docs/bench/pipelined-scheduler.md` for the figure with this sizing).
     /// The bytes a map or merge task is granted from its worker's budget: its partition
     /// buffers and as much again for the blocks it encodes and the input batches in flight.
     pub fn task_grant(&self) -> u64 {
         2 * self.buffer_bytes as u64
     }
 
+    /// Buffers sized to a worker's budget: a task buffers at most 1/8 of it (4-32 MiB) and
+    /// flushes blocks of a quarter of that (1-4 MiB), so the few map tasks a worker runs at
+    /// once hold a fraction of the budget beside it, not a fixed 32 MiB each. Shuffle bench,
+    /// 4 workers, 89 MiB budget: peak RSS per worker 420-460 MiB with 32 MiB buffers (see
+    /// `docs/bench/pipelined-scheduler.md` for the figure with this sizing).
     pub fn for_budget(budget: u64) -> Self {
         let budget = usize::try_from(budget).unwrap_or(usize::MAX);
         let buffer_bytes = (budget / 8).clamp(4 << 20, 32 << 20);

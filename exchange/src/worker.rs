@@ -184,18 +184,24 @@ impl WorkerState {
             ..self.map_cfg
         };
         let push = crate::push::Pusher::for_task(&task, info.partitions, self.reader.clone())?;
-        // Held until the task ends (or is aborted): its buffers come out of the budget.
         let hint = task
             .source
             .as_ref()
             .map_or(0, |s| self.sources.memory_hint(&s.kind, &s.payload));
-        let grant = self
-            .admission
-            .admit(info.rank(), cfg.task_grant() + hint)
-            .await;
         let me = self.clone();
         let handle = tokio::spawn(async move {
-            let _grant = grant;
+            // Waited for inside the task, so a cancel or a dropped shuffle also ends a task
+            // still waiting; held until the task ends: its buffers come out of the budget.
+            let _grant = me
+                .admission
+                .admit(
+                    info.rank(),
+                    // A split's estimate can be anything: at most the whole budget.
+                    cfg.task_grant()
+                        .saturating_add(hint)
+                        .min(me.admission.capacity()),
+                )
+                .await;
             run_map(
                 &me.store,
                 &info,

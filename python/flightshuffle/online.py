@@ -172,6 +172,9 @@ def as_double(e: Any, nested: bool = False) -> Any:
     are cast whole. Numeric literals inside the arithmetic stay as they are."""
     from sqlglot import exp
 
+    if not nested and not list(e.find_all(exp.Column)):
+        # Literals only (SUM(1 + 1)): nothing to push the cast to.
+        return exp.Cast(this=e.copy(), to=exp.DataType.build("DOUBLE"))
     if isinstance(e, exp.Paren):
         return exp.Paren(this=as_double(e.this, nested))
     if isinstance(e, exp.Neg):

@@ -178,7 +178,13 @@ impl BatchSource for StageSource {
 
 /// Drive each stream on its own tokio task (so the partitions use the worker's cores as
 /// separate map tasks would) and interleave their batches; dropping the result stops them.
+/// The tasks start on the first poll: a stage task is opened before the worker admits it
+/// (see `exchange::admission`), and must not scan while it waits.
 fn concurrently(streams: Vec<datafusion::execution::SendableRecordBatchStream>) -> BatchStream {
+    Box::pin(futures::stream::once(async move { spawned(streams) }).flatten())
+}
+
+fn spawned(streams: Vec<datafusion::execution::SendableRecordBatchStream>) -> BatchStream {
     let (tx, rx) = tokio::sync::mpsc::channel(2 * streams.len());
     let handles: Vec<_> = streams
         .into_iter()

@@ -30,7 +30,8 @@ impl Driver {
         futures::future::try_join_all(all).await.map(drop)
     }
 
-    async fn register(&self, spec: &ShuffleSpec, order: u64, group: u64) -> Result<()> {
+    /// Register `spec` with its admission `order` and `group` (see [`crate::admission`]).
+    pub(super) async fn register(&self, spec: &ShuffleSpec, order: u64, group: u64) -> Result<()> {
         self.wait_all_live(REPLACE_TIMEOUT).await?;
         // Refuse a partitioner that cannot work on this schema before any worker sees it.
         crate::partitioner::Partitioner::from_proto(

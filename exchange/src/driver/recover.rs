@@ -78,6 +78,11 @@ impl Driver {
     /// are dropped everywhere and its attempt numbers go on (a late put of an old attempt can
     /// never pass for a new one's).
     pub async fn restart_shuffle(&self, spec: &crate::driver::ShuffleSpec) -> Result<()> {
+        // Registered again where it stood: with a new, higher order a restarted producer
+        // could wait behind its own consumers on a worker's admission.
+        let rank = lock(&self.created)
+            .get(&spec.id)
+            .map(|(m, _)| (m.order, m.group));
         let attempts: Vec<_> = lock(&self.attempts)
             .iter()
             .filter(|((s, _), _)| *s == spec.id)
@@ -97,7 +102,10 @@ impl Driver {
             Err(e) => return Err(e),
         }
         lock(&self.attempts).extend(attempts);
-        self.create_shuffle(spec).await
+        match rank {
+            Some((order, group)) => self.register(spec, order, group).await,
+            None => self.create_shuffle(spec).await,
+        }
     }
 
     /// Worker slots whose generation differs from `generations` (replaced since then).
