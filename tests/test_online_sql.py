@@ -187,3 +187,58 @@ def test_closing_the_cluster_under_a_running_online_query_is_quiet(tpch_data, ca
         next(stream)
     err = capfd.readouterr().err
     assert "worker lost" not in err, err
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        (
+            "SELECT o_custkey, avg(l_quantity) AS q FROM lineitem, orders "
+            "WHERE l_orderkey = o_orderkey GROUP BY o_custkey ORDER BY q, o_custkey LIMIT 7"
+        ),
+        (
+            "SELECT l_partkey, count(*) AS n FROM lineitem GROUP BY l_partkey "
+            "ORDER BY n DESC, l_partkey LIMIT 5"
+        ),
+        (
+            "SELECT l_suppkey, min(l_shipdate) AS d, sum(l_tax) AS t FROM lineitem GROUP BY l_suppkey "
+            "ORDER BY d, l_suppkey LIMIT 4"
+        ),
+        (
+            "SELECT l_suppkey, sum(l_quantity) AS s FROM lineitem GROUP BY l_suppkey "
+            "ORDER BY l_suppkey DESC LIMIT 3"
+        ),
+        (
+            "SELECT l_suppkey, sum(l_discount) AS s FROM lineitem GROUP BY l_suppkey "
+            "ORDER BY s DESC LIMIT 0"
+        ),
+    ],
+)
+def test_order_by_limit_sends_only_the_candidates_and_stays_exact(cl, con, query, monkeypatch):
+    """With ORDER BY ... LIMIT k the workers send only the groups that can be among the
+    first k (ties included): far fewer rows than there are groups, and the final is exact
+    (many ties here: counts, AVG of integers, dates)."""
+    from flightshuffle import online
+
+    sent: list[int] = []
+    results_of = online.results
+
+    def counting(native, *args, **kwargs):
+        class Counted:
+            def next_partial(self):
+                item = native.next_partial()
+                if item is not None:
+                    sent.append(item[1].num_rows)
+                return item
+
+            def close(self):
+                native.close()
+
+        return results_of(Counted(), *args, **kwargs)
+
+    monkeypatch.setattr(online, "results", counting)
+    results = list(cl.online(query, rounds=4, seed=3, progress=False))
+    want = con.sql(query).to_arrow_table()
+    assert tpch.compare(want, output(results[-1].estimates), True) is None
+    groups = con.sql(f"SELECT count(*) FROM ({query.split(' ORDER BY ')[0]})").fetchall()[0][0]
+    assert len(sent) == len(results) and max(sent) < groups / 4, (sent, groups)

@@ -701,6 +701,10 @@ impl Driver {
         let owner = Placement::owner(partition, self.num_workers());
         match self.worker(owner)?.fold(&task).await {
             Ok(r) => {
+                tracing::debug!(
+                    %shuffle, partition, round, seconds = r.seconds, rows = r.rows_folded,
+                    result_bytes = r.result_ipc.len(), "folded"
+                );
                 let (schema, batches) =
                     crate::block::decode_block(&bytes::Bytes::from(r.result_ipc.clone()))?;
                 Ok((schema, batches, r))

@@ -348,6 +348,7 @@ impl WorkerState {
                 .await;
         }
         let batches = self.read_blocks(shuffle, m.partition, &m.blocks).await?;
+        let read_s = start.elapsed().as_secs_f64();
         let state = {
             let mut states = lock(&self.fold_states);
             match (m.first, states.get_mut(&key)) {
@@ -408,6 +409,10 @@ impl WorkerState {
         .map_err(|e| Error::Cluster(format!("fold task panicked: {e}")))?;
         let (schema, out) = folded?;
         let result_ipc = crate::block::encode_block(&schema, &out, Compression::None)?;
+        tracing::debug!(
+            %shuffle, partition = m.partition, round, read_s, rows,
+            seconds = start.elapsed().as_secs_f64(), "fold task"
+        );
         Ok(proto::FoldResult {
             result_ipc: result_ipc.to_vec(),
             rows_folded: rows,

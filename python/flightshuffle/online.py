@@ -524,7 +524,7 @@ def run_sql(
     expand = lambda t: expand_stats(ops.to_polars(t), plan)
     try:
         native, cluster.last_online_plan = cluster._native.online_sql(
-            plan.stats, [(t, tables[t]) for t in plan.tables], splits, fold_every
+            plan.stats, [(t, tables[t]) for t in plan.tables], splits, fold_every, emit_top(plan)
         )
     except ValueError as e:
         if "small enough to run whole" not in str(e):
@@ -533,6 +533,36 @@ def run_sql(
         native = _Whole(cluster.sql(plan.stats), started)
         cluster.last_online_plan = cluster.explain(plan.stats)
     return results(native, expand, shape, total, confidence, progress, started)
+
+
+def emit_top(plan: SqlPlan) -> tuple[int, int | None, bool, bool, int] | None:
+    """For ``ORDER BY x ... LIMIT k`` without HAVING: which folded column orders the
+    estimates by ``x`` (column, divisor for an AVG, a null SUM counted as 0), descending, and
+    k; the workers then send only the groups that can be among the first k of every round.
+    None when every group is needed (no LIMIT, a HAVING filter over the estimates)."""
+    if plan.limit is None or plan.having or not plan.order:
+        return None
+    name, desc = plan.order[0]
+    width = len(plan.keys)
+    if name in plan.keys:
+        return (plan.keys.index(name), None, False, desc, plan.limit)
+    j = next((i for i, a in enumerate(plan.aggs) if a.name == name), None)
+    if j is None:
+        return None
+
+    def at(stat: str) -> int:
+        return width + plan.stat_columns.index(plan.stat_of[f"__{stat}{j}"])
+
+    kind = plan.aggs[j].kind
+    if kind == "sum":
+        return (at("s"), None, True, desc, plan.limit)
+    if kind == "mean":
+        return (at("s"), at("c"), True, desc, plan.limit)
+    if kind in ("count", "len"):
+        return (at("c"), None, False, desc, plan.limit)
+    if kind in ("min", "max"):
+        return (at("m"), None, False, desc, plan.limit)
+    return None
 
 
 class _Whole:

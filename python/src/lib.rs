@@ -386,9 +386,10 @@ impl NativeCluster {
 
     /// Online aggregation of SQL with the native map side: `sql` is the statistics query,
     /// `splits` cut the fact table (path, file bytes, file rows, first row, rows) in the order
-    /// they are read, folded every `fold_every` committed splits. Returns the stream and the
-    /// staged plan's text.
-    #[pyo3(signature = (sql, tables, splits, fold_every))]
+    /// they are read, folded every `fold_every` committed splits; with `top` (column,
+    /// divisor, null as zero, descending, k) each fold sends only the groups that can be among
+    /// the first k in that order. Returns the stream and the staged plan's text.
+    #[pyo3(signature = (sql, tables, splits, fold_every, top=None))]
     fn online_sql(
         &self,
         py: Python<'_>,
@@ -396,6 +397,7 @@ impl NativeCluster {
         tables: Vec<(String, String)>,
         splits: Vec<online::SplitTuple>,
         fold_every: usize,
+        top: Option<online::TopTuple>,
     ) -> PyResult<(stage::NativeStream, String)> {
         let driver = self.driver()?;
         online::start(
@@ -407,6 +409,7 @@ impl NativeCluster {
             tables,
             splits,
             fold_every,
+            top,
         )
     }
 

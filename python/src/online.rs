@@ -5,7 +5,7 @@ use crate::sql::{df_err, register};
 use crate::stage::NativeStream;
 use exchange::driver::Driver;
 use exchange::strategy::StrategyOptions;
-use exchange_datafusion::online::{self, FactSplit};
+use exchange_datafusion::online::{self, EmitTop, FactSplit};
 use exchange_datafusion::DistributedContext;
 use pyo3::prelude::*;
 use std::sync::Arc;
@@ -14,8 +14,12 @@ use tokio::sync::mpsc;
 /// A split as Python gives it: path, file size, file rows, first row, rows.
 pub type SplitTuple = (String, u64, u64, u64, u64);
 
+/// The first ordering key and LIMIT as Python gives them (see [`EmitTop`]): column, divisor,
+/// null as zero, descending, k.
+pub type TopTuple = (u32, Option<u32>, bool, bool, u64);
+
 /// Plan `sql` over `tables` (name, Parquet path) with the fact table cut into `splits` (in
-/// the order they are read) and start it; returns the stream of folded statistics and the
+/// the order they are read), the folds sending only candidates for `top`, and start it; returns the stream of folded statistics and the
 /// staged plan's text.
 #[allow(clippy::too_many_arguments)]
 pub fn start(
@@ -27,7 +31,15 @@ pub fn start(
     tables: Vec<(String, String)>,
     splits: Vec<SplitTuple>,
     fold_every: usize,
+    top: Option<TopTuple>,
 ) -> PyResult<(NativeStream, String)> {
+    let top = top.map(|(column, divisor, null_as_zero, descending, k)| EmitTop {
+        column,
+        divisor,
+        null_as_zero,
+        descending,
+        k,
+    });
     let weights: Vec<u64> = splits.iter().map(|s| s.4).collect();
     let splits: Vec<FactSplit> = splits
         .into_iter()
@@ -50,7 +62,7 @@ pub fn start(
         for (name, path) in &tables {
             register(&ctx, name, path).await?;
         }
-        online::plan(&ctx, &sql, splits).await.map_err(df_err)
+        online::plan(&ctx, &sql, splits, top).await.map_err(df_err)
     })??;
     let explain = planned.explain.clone();
     let mut ids: Vec<_> = planned.dims.iter().map(|s| s.writer.shuffle).collect();

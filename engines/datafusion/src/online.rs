@@ -14,8 +14,9 @@
 //! * [`run`] runs the stages that feed the fact stage to completion first, then the fact stage
 //!   under the streaming strategy with rounds by completion: its partial aggregates are
 //!   hash-exchanged on the group keys and folded on the workers by [`PartialFold`] (the
-//!   same `PartialReduce` aggregate in-exchange combining uses), and each round's combined
-//!   statistics go to the caller, which turns them into estimates.
+//!   same `PartialReduce` aggregate in-exchange combining uses, see [`crate::fold`]), and
+//!   each round's combined statistics go to the caller, which turns them into estimates
+//!   (for `ORDER BY ... LIMIT k`, only the groups that can be among the first k).
 
 use crate::codec::ExchangeCodec;
 use crate::context::DistributedContext;
@@ -23,7 +24,6 @@ use crate::planner::Stage;
 use crate::source::StageTask;
 use crate::writer::ShuffleWriterExec;
 use crate::{Error, Result, STAGE_SOURCE};
-use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::datasource::listing::PartitionedFile;
@@ -39,11 +39,9 @@ use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PlanProperties,
 };
 use datafusion_proto::bytes::physical_plan_to_bytes_with_extension_codec;
-use exchange::combine::CombinerKind;
 use exchange::driver::{MapInput, ShuffleSpec};
 use exchange::proto;
 use exchange::strategy::streaming::{self, Partial, StreamingJob};
-use exchange::task::{ReduceState, Reducer};
 use prost::Message;
 use std::collections::HashSet;
 use std::fmt;
@@ -51,8 +49,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
 
-/// Reducer kind folding partial aggregate states (payload: a `PartialReduce` plan).
-pub const PARTIAL_FOLD: &str = "datafusion-partial-fold";
+pub use crate::fold::{EmitTop, PartialFold, PARTIAL_FOLD};
 
 /// One split of the fact table: rows `start..start + rows` of one Parquet file, counted over
 /// the whole file in row-group order.
@@ -184,7 +181,7 @@ pub struct OnlinePlan {
     pub dims: Vec<Stage>,
     /// The fact stage: one partition per split, rooted at its partial aggregate's exchange.
     pub fact: Stage,
-    /// The `PartialReduce` plan that folds the fact stage's rows.
+    /// What folds the fact stage's rows: an encoded [`crate::fold::FoldPayload`].
     pub fold: Vec<u8>,
     /// Columns of the folded statistics: the group columns, then one per statistic.
     pub schema: SchemaRef,
@@ -193,15 +190,18 @@ pub struct OnlinePlan {
     /// What it was planned from (planned again, with new shuffles, to run again).
     sql: String,
     splits: Vec<FactSplit>,
+    top: Option<EmitTop>,
 }
 
 /// Plan `sql` (a grouped aggregate whose inputs include the fact table `splits` cut) for
 /// online aggregation (see the module doc). `ctx` should plan joins as broadcasts
-/// ([`DistributedContext::online_config`]).
+/// ([`DistributedContext::online_config`]). With `top`, the folds send only the groups that
+/// can be among the caller's first `top.k` (see [`crate::fold`]).
 pub async fn plan(
     ctx: &DistributedContext,
     sql: &str,
     splits: Vec<FactSplit>,
+    top: Option<EmitTop>,
 ) -> Result<OnlinePlan> {
     if splits.is_empty() {
         return Err(plan_err("the fact table has no rows to split"));
@@ -248,9 +248,26 @@ pub async fn plan(
                 staged.display()
             ))
         })?;
-    let fold = crate::combine::partial_reduce(agg)?
+    let reduce = crate::combine::partial_reduce(agg)?
         .ok_or_else(|| plan_err("the aggregate's partial states cannot be folded again"))?;
     let schema = agg.schema();
+    if let Some(t) = &top {
+        let n = schema.fields().len() as u32;
+        if let Some(c) = [Some(t.column), t.divisor]
+            .into_iter()
+            .flatten()
+            .find(|c| *c >= n)
+        {
+            return Err(plan_err(format!(
+                "the ordering column {c} is outside the statistics' {n} columns"
+            )));
+        }
+    }
+    let fold = crate::fold::FoldPayload {
+        plan: reduce,
+        top: top.clone(),
+    }
+    .encode_to_vec();
     // The stages the fact stage reads, transitively.
     let mut needed: HashSet<u32> = fact.inputs.iter().copied().collect();
     for s in staged.stages.iter().rev() {
@@ -305,6 +322,7 @@ pub async fn plan(
         explain: staged.display(),
         sql,
         splits: kept,
+        top,
     })
 }
 
@@ -402,7 +420,7 @@ pub async fn run(
         }
         // New shuffles: a fold or map of the failed run still in flight on a worker must
         // not land in the next run's.
-        plan = match self::plan(ctx, &plan.sql, plan.splits.clone()).await {
+        plan = match self::plan(ctx, &plan.sql, plan.splits.clone(), plan.top.clone()).await {
             Ok(p) => p,
             Err(e) => {
                 let _ = out.send(Err(exchange::Error::Task(e.to_string()))).await;
@@ -499,47 +517,6 @@ fn split_tasks(ctx: &DistributedContext, writer: &Arc<ShuffleWriterExec>) -> Res
             })
         })
         .collect())
-}
-
-/// A fold's state: the statistics' schema and the combined states.
-type FoldState = (SchemaRef, Vec<RecordBatch>);
-
-/// Folds the partial aggregate states of an online query's fact stage: the running state is
-/// the states combined per group so far; a fold combines it with the new blocks.
-pub struct PartialFold;
-
-impl Reducer for PartialFold {
-    fn fold(
-        &self,
-        payload: &[u8],
-        state: Option<ReduceState>,
-        batches: Vec<RecordBatch>,
-        schema: SchemaRef,
-    ) -> exchange::Result<ReduceState> {
-        let mut all = match state {
-            Some(s) => {
-                s.downcast::<FoldState>()
-                    .map_err(|_| exchange::Error::invalid("partial fold given a foreign state"))?
-                    .1
-            }
-            None => Vec::new(),
-        };
-        all.extend(batches);
-        let combiner = crate::combine::PartialReduceKind.open(payload, &schema)?;
-        let folded = combiner.combine(&all)?;
-        Ok(Box::new((schema, folded) as FoldState))
-    }
-
-    fn emit(
-        &self,
-        _payload: &[u8],
-        state: &ReduceState,
-    ) -> exchange::Result<(SchemaRef, Vec<RecordBatch>)> {
-        let (schema, batches) = state
-            .downcast_ref::<FoldState>()
-            .ok_or_else(|| exchange::Error::invalid("partial fold given a foreign state"))?;
-        Ok((schema.clone(), batches.clone()))
-    }
 }
 
 #[cfg(test)]
