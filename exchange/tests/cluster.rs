@@ -367,19 +367,19 @@ async fn bad_requests_get_clear_statuses() {
 /// progress, and the final partial's rows and checksum equal the input's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_rounds_fold_to_the_exact_multiset() {
-    let partials = streaming_partials(0).await;
+    let partials = streaming_partials(false, 4).await;
     assert_eq!(partials.len(), 4);
     for (i, p) in partials.iter().enumerate() {
         assert_eq!(p.is_final, i == 3);
     }
 }
 
-/// Rounds by completion: the first round folds one map per worker (2), then every 5
-/// committed maps are folded as a round; every map is folded exactly once and only the last
-/// round is final.
+/// Rounds by completion: the first round folds one map per worker (2), then the other 10
+/// committed maps are folded in 2 rounds of 5; every map is folded exactly once and only the
+/// last round is final.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_rounds_by_completion_fold_every_map_once() {
-    let partials = streaming_partials(5).await;
+    let partials = streaming_partials(true, 2).await;
     assert_eq!(partials.len(), 3);
     for (i, p) in partials.iter().enumerate() {
         assert_eq!(p.maps_done, [2, 7, 12][i]);
@@ -387,9 +387,13 @@ async fn streaming_rounds_by_completion_fold_every_map_once() {
     }
 }
 
-/// Run a 12-map streaming job (`fold_every` 0: 4 fixed rounds) and check what every mode
-/// shares: rounds in order, folded rows growing with progress, an exact final multiset.
-async fn streaming_partials(fold_every: usize) -> Vec<exchange::strategy::streaming::Partial> {
+/// Run a 12-map streaming job in `rounds` rounds (fixed, or by completion) and check what
+/// every mode shares: rounds in order, folded rows growing with progress, an exact final
+/// multiset.
+async fn streaming_partials(
+    by_completion: bool,
+    rounds: usize,
+) -> Vec<exchange::strategy::streaming::Partial> {
     use exchange::strategy::streaming::{self, StreamingJob};
     let mut cluster = LocalCluster::start(config(2, 1 << 30)).await.unwrap();
     let input = batches(12, 500);
@@ -409,8 +413,8 @@ async fn streaming_partials(fold_every: usize) -> Vec<exchange::strategy::stream
         },
         weights: vec![500; inputs.len()],
         inputs,
-        rounds: 4,
-        fold_every,
+        rounds,
+        by_completion,
         reducer: exchange::task::CHECKSUM_REDUCER.to_string(),
         payload: vec![],
     };

@@ -437,8 +437,10 @@ class Cluster:
         GROUP BY keys``) over ``tables`` (as in :meth:`sql`) or a table registered here, run
         on each split by ``engine`` (DataFusion or DuckDB); or a ``dataset.group_by(keys).agg(
         exprs)`` with Polars expressions. Input splits are read in a random order (``seed``) in
-        ``rounds`` rounds (at least ``min_splits`` splits, default ``4 * rounds``). Each
-        result has ``.progress`` (fraction of the input read), ``.final`` and ``.estimates``
+        ``rounds`` rounds after an early first one (at least ``min_splits`` splits, default
+        ``2 * rounds``: whole Parquet row groups where there are that many, since a row group
+        cut in two decompresses the pages at the cut twice). Each result has ``.progress``
+        (fraction of the input read), ``.final`` and ``.estimates``
         (a Polars DataFrame: keys, then per aggregate ``name``, ``name_low``, ``name_high``,
         the estimate and its ``confidence`` interval; MIN/MAX have no interval). A tqdm bar
         shows progress on a terminal (``progress=False`` hides it).
@@ -450,7 +452,7 @@ class Cluster:
             raise ValueError(f"engine must be 'datafusion' or 'duckdb', not {engine!r}")
         if not 0 < confidence < 1:
             raise ValueError("confidence must be between 0 and 1")
-        want = max(min_splits or 0, 4 * rounds)
+        want = max(min_splits or 0, 2 * rounds)
         plan = None
         if isinstance(query, Grouped):
             if query.aggs is None:

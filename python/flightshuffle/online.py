@@ -501,7 +501,8 @@ def run_sql(
     """Online SQL with the native map side: the statistics query is planned once by
     DataFusion on the driver; the largest table (the fact table) is read in random splits,
     one per map task, joined with the other tables (broadcast to every worker before the
-    first split), and folded every ``len(splits) / rounds`` committed splits."""
+    first split), and folded as they commit: an early first round of one split per worker,
+    then the others in ``rounds`` rounds."""
     from flightshuffle.dataset import parquet_files
 
     if rounds < 1:
@@ -516,7 +517,6 @@ def run_sql(
     splits = fact_splits(files[fact], want, seed)
     if not splits:
         raise ValueError(f"the fact table {fact!r} has no rows")
-    fold_every = max(1, -(-len(splits) // rounds))
     shape = Shape(
         plan.keys, plan.aggs, plan.order, plan.limit, plan.having, plan.hidden, plan.selected
     )
@@ -524,7 +524,7 @@ def run_sql(
     expand = lambda t: expand_stats(ops.to_polars(t), plan)
     try:
         native, cluster.last_online_plan = cluster._native.online_sql(
-            plan.stats, [(t, tables[t]) for t in plan.tables], splits, fold_every, emit_top(plan)
+            plan.stats, [(t, tables[t]) for t in plan.tables], splits, rounds, emit_top(plan)
         )
     except ValueError as e:
         if "small enough to run whole" not in str(e):

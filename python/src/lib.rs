@@ -386,17 +386,17 @@ impl NativeCluster {
 
     /// Online aggregation of SQL with the native map side: `sql` is the statistics query,
     /// `splits` cut the fact table (path, file bytes, file rows, first row, rows) in the order
-    /// they are read, folded every `fold_every` committed splits; with `top` (column,
+    /// they are read, folded in an early first round and then `rounds` rounds as they commit; with `top` (column,
     /// divisor, null as zero, descending, k) each fold sends only the groups that can be among
     /// the first k in that order. Returns the stream and the staged plan's text.
-    #[pyo3(signature = (sql, tables, splits, fold_every, top=None))]
+    #[pyo3(signature = (sql, tables, splits, rounds, top=None))]
     fn online_sql(
         &self,
         py: Python<'_>,
         sql: String,
         tables: Vec<(String, String)>,
         splits: Vec<online::SplitTuple>,
-        fold_every: usize,
+        rounds: usize,
         top: Option<online::TopTuple>,
     ) -> PyResult<(stage::NativeStream, String)> {
         let driver = self.driver()?;
@@ -408,7 +408,7 @@ impl NativeCluster {
             sql,
             tables,
             splits,
-            fold_every,
+            rounds,
             top,
         )
     }

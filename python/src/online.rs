@@ -30,7 +30,7 @@ pub fn start(
     sql: String,
     tables: Vec<(String, String)>,
     splits: Vec<SplitTuple>,
-    fold_every: usize,
+    rounds: usize,
     top: Option<TopTuple>,
 ) -> PyResult<(NativeStream, String)> {
     let top = top.map(|(column, divisor, null_as_zero, descending, k)| EmitTop {
@@ -69,7 +69,7 @@ pub fn start(
     ids.push(planned.fact.writer.shuffle);
     let (tx, rx) = mpsc::channel(2);
     let task = rt.spawn(async move {
-        online::run(&ctx, planned, fold_every, weights, tx).await;
+        online::run(&ctx, planned, rounds, weights, tx).await;
     });
     Ok((NativeStream::new(rt, &driver, ids, rx, task), explain))
 }

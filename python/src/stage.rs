@@ -180,7 +180,7 @@ pub fn start_stream(
         inputs: inputs(driver, stages, tasks)?,
         weights,
         rounds,
-        fold_every: 0,
+        by_completion: false,
         reducer: PYTHON_KIND.to_string(),
         payload: reducer_payload,
     };

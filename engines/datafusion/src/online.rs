@@ -362,7 +362,7 @@ fn is_fact_scan(
 }
 
 /// Run `plan`: its build sides to completion, then the fact stage in rounds by completion
-/// (a fold every `fold_every` committed splits), sending each round's folded statistics to
+/// (an early first round, then the other splits in `rounds` rounds as they commit), sending each round's folded statistics to
 /// `out` (the last one is final), or the error that stopped it. Every shuffle is dropped at
 /// the end.
 ///
@@ -373,7 +373,7 @@ fn is_fact_scan(
 pub async fn run(
     ctx: &DistributedContext,
     plan: OnlinePlan,
-    fold_every: usize,
+    rounds: usize,
     weights: Vec<u64>,
     out: mpsc::Sender<exchange::Result<Partial>>,
 ) {
@@ -384,7 +384,7 @@ pub async fn run(
     loop {
         let replacements = driver.replacements();
         let (tx, mut rx) = mpsc::channel(2);
-        let attempt = run_once(ctx, &plan, fold_every, weights.clone(), tx);
+        let attempt = run_once(ctx, &plan, rounds, weights.clone(), tx);
         let forward = async {
             while let Some(item) = rx.recv().await {
                 match item {
@@ -434,7 +434,7 @@ pub async fn run(
 async fn run_once(
     ctx: &DistributedContext,
     plan: &OnlinePlan,
-    fold_every: usize,
+    rounds: usize,
     weights: Vec<u64>,
     out: mpsc::Sender<exchange::Result<Partial>>,
 ) {
@@ -471,8 +471,8 @@ async fn run_once(
             spec,
             inputs: split_tasks(ctx, &plan.fact.writer)?,
             weights,
-            rounds: 1,
-            fold_every,
+            rounds,
+            by_completion: true,
             reducer: PARTIAL_FOLD.to_string(),
             payload: plan.fold.clone(),
         };

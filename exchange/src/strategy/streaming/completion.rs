@@ -1,5 +1,5 @@
 //! Rounds by completion (see the module doc of [`super`]): every map submitted at once, the
-//! next k to commit folded as a round.
+//! maps folded in rounds as they commit.
 
 use super::{fold_round, input_weights, FoldSpec, Partial, RoundInfo, StreamingJob};
 use crate::driver::{Driver, MapDone};
@@ -23,7 +23,7 @@ pub(super) async fn completion_rounds(
     if total_maps == 0 {
         return Err(Error::invalid("a streaming job needs at least one input"));
     }
-    let every = job.fold_every.clamp(1, total_maps);
+    let sizes = round_sizes(total_maps, driver.num_workers(), job.rounds);
     let (weights, total_weight) = input_weights(&job.weights, total_maps);
     let fold = FoldSpec {
         spec: job.spec.clone(),
@@ -48,14 +48,11 @@ pub(super) async fn completion_rounds(
     let folds = async {
         let mut seen = std::collections::HashSet::new();
         let (mut round, mut folded_weight) = (0usize, 0u64);
-        // The first round is early: one map per worker (an estimate as soon as one can be made).
-        let first = every.min(driver.num_workers().max(1));
-        let rounds = 1 + (total_maps - first).div_ceil(every);
-        while seen.len() < total_maps {
-            // The next `every` maps to commit (the rest for the last round).
-            let size = if round == 0 { first } else { every };
+        let rounds = sizes.len();
+        for size in sizes.iter().copied() {
+            // The next `size` maps to commit.
             let mut arrived: Vec<MapDone> = Vec::new();
-            while arrived.len() < size.min(total_maps - seen.len() + arrived.len()) {
+            while arrived.len() < size {
                 match rx.recv().await {
                     Some(d) if seen.insert(d.map) => arrived.push(d),
                     Some(_) => {}
@@ -83,4 +80,51 @@ pub(super) async fn completion_rounds(
         Ok(())
     };
     futures::future::try_join(maps, folds).await.map(|_| ())
+}
+
+/// How many committed maps each round folds: first an early round of one map per worker (at
+/// most a round's share), then the other maps cut evenly into `rounds` rounds (fewer when
+/// there are fewer maps).
+fn round_sizes(maps: usize, workers: usize, rounds: usize) -> Vec<usize> {
+    let rounds = rounds.max(1);
+    let first = maps
+        .div_ceil(rounds)
+        .min(workers)
+        .clamp(1, maps.max(1))
+        .min(maps);
+    let mut sizes = vec![first];
+    sizes.extend(
+        super::round_ranges(maps - first, rounds)
+            .iter()
+            .map(|r| r.len()),
+    );
+    sizes.retain(|&s| s > 0);
+    sizes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::round_sizes;
+
+    #[test]
+    fn rounds_fold_every_map_once_early_first_then_even() {
+        assert_eq!(round_sizes(12, 2, 2), vec![2, 5, 5]);
+        // 24 splits in 10 rounds: the first early, the other 22 in 10 rounds of 2 or 3.
+        let s = round_sizes(24, 2, 10);
+        assert_eq!((s.len(), s[0]), (11, 2));
+        assert!(s[1..].iter().all(|&n| n == 2 || n == 3), "{s:?}");
+        for maps in 0..30 {
+            for workers in 1..5 {
+                for rounds in 0..12 {
+                    let s = round_sizes(maps, workers, rounds);
+                    assert_eq!(s.iter().sum::<usize>(), maps);
+                    assert!(s.iter().all(|&n| n > 0));
+                    assert!(s.len() <= rounds.max(1) + 1);
+                    if maps > 0 {
+                        assert!(s[0] <= workers);
+                    }
+                }
+            }
+        }
+    }
 }

@@ -4,13 +4,13 @@
 //! map tasks run. The last round's partial result is the exact, final result.
 //!
 //! Two ways to cut rounds:
-//! * fixed rounds (`fold_every == 0`): the inputs are cut into `rounds` consecutive ranges;
-//!   a round's maps all finish before the next round's start (its fold runs meanwhile);
-//! * rounds by completion (`fold_every = k`): every map is submitted at once (at most
-//!   `maps_per_worker` running per worker) and the next k maps to commit, in commit order, are
-//!   folded as the next round (fewer for the last), so a slow map holds back no other map,
-//!   only the fold that waits for it. The first round is one map per worker (at most k): the
-//!   first estimate comes as early as it can.
+//! * fixed rounds: the inputs are cut into `rounds` consecutive ranges; a round's maps all
+//!   finish before the next round's start (its fold runs meanwhile);
+//! * rounds by completion (`by_completion`): every map is submitted at once (at most
+//!   `maps_per_worker` running per worker) and the maps are folded in commit order, so a slow
+//!   map holds back no other map, only the fold that waits for it. The first round is one map
+//!   per worker (at most a round's share): the first estimate comes as early as it can; the
+//!   maps after it are cut evenly into `rounds` more rounds.
 //!
 //! Only the driver API is used: `run_maps` per round, one `fold` per partition per round.
 
@@ -35,10 +35,10 @@ pub struct StreamingJob {
     pub inputs: Vec<MapInput>,
     /// Size of each input (e.g. rows), for progress; empty = every input weighs 1.
     pub weights: Vec<u64>,
-    /// Number of rounds (clamped to 1..=inputs); ignored with `fold_every`.
+    /// Number of rounds (clamped to 1..=inputs; by completion, after the early first one).
     pub rounds: usize,
-    /// Rounds by completion: fold every `fold_every` committed maps (0: fixed rounds).
-    pub fold_every: usize,
+    /// Rounds by completion rather than fixed rounds (see the module doc).
+    pub by_completion: bool,
     /// Reducer kind registered on the workers and its description.
     pub reducer: String,
     pub payload: Vec<u8>,
@@ -80,7 +80,7 @@ pub async fn run(
     out: mpsc::Sender<Result<Partial>>,
 ) {
     let id = job.spec.id;
-    let by_completion = job.fold_every > 0;
+    let by_completion = job.by_completion;
     let result = match driver.create_shuffle(&job.spec).await {
         Ok(()) if by_completion => {
             driver
