@@ -388,6 +388,19 @@ class Cluster:
         path = self._write_arrow(data, "dataset")
         return self.read_parquet(path, min_splits)
 
+    def _never_null(self, names: list[str]) -> set[str]:
+        """Columns that hold no null in every file of the registered tables ``names`` (an
+        unknown table is reported later, by the query)."""
+        from flightshuffle import footers
+        from flightshuffle.dataset import parquet_files
+
+        try:
+            return footers.never_null(
+                parquet_files(self._tables[n]) for n in names if n in self._tables
+            )
+        except (OSError, ValueError):
+            return set()
+
     def _write_arrow(self, data: Any, stem: str) -> str:
         """Write Arrow data to a new Parquet file in the cluster's scratch directory (streamed,
         row groups of 128Ki rows: the input splits of datasets); returns its path."""
@@ -470,12 +483,12 @@ class Cluster:
             stats: Any = ol.PolarsStats(query.keys, query.aggs)
             keys, columns, order, limit = query.keys, None, None, None
         elif isinstance(query, str):
-            plan = ol.plan_sql(query, engine)
             for name, source in (tables or {}).items():
                 if isinstance(source, (str, os.PathLike)):
                     self._tables[name] = os.fspath(source)
                 else:
                     self._tables[name] = self._write_arrow(source, name)
+            plan = ol.plan_sql(query, engine, self._never_null)
             if engine == "datafusion":
                 return ol.run_sql(
                     self, plan, self._tables, rounds, want, seed, confidence, progress

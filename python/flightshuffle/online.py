@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ import cloudpickle
 import polars as pl
 import pyarrow as pa
 
-from flightshuffle import ops
+from flightshuffle import footers, ops
 from flightshuffle._exec import MapTask, Split, apply_ops
 
 # Statistics each aggregate kind needs: c = count, s = sum, q = sum of squares, m = min/max.
@@ -186,9 +186,32 @@ def as_double(e: Any, nested: bool = False) -> Any:
     return exp.Cast(this=e.copy(), to=exp.DataType.build("DOUBLE"))
 
 
-def plan_sql(query: str, engine: str) -> SqlPlan:
+def _never_null(e: Any, required: set[str]) -> bool:
+    """True when ``e`` is arithmetic (``+ - *``, casts, parentheses) over literals and
+    columns in ``required`` only: it is never null."""
+    from sqlglot import exp
+
+    if isinstance(e, exp.Column):
+        return e.name in required
+    if isinstance(e, exp.Literal):
+        return True
+    if isinstance(e, (exp.Paren, exp.Neg)) or (
+        isinstance(e, exp.Cast) and not isinstance(e, exp.TryCast)
+    ):
+        return _never_null(e.this, required)
+    if isinstance(e, (exp.Add, exp.Sub, exp.Mul)):
+        return _never_null(e.left, required) and _never_null(e.right, required)
+    return False
+
+
+def plan_sql(
+    query: str, engine: str, never_null: Callable[[list[str]], set[str]] | None = None
+) -> SqlPlan:
     """Rewrite ``SELECT keys, AGG(x) ... FROM tables [JOIN ...] [WHERE ...] GROUP BY keys
-    [HAVING ...] [ORDER BY] [LIMIT]`` into the per-split statistics query."""
+    [HAVING ...] [ORDER BY] [LIMIT]`` into the per-split statistics query. ``never_null``
+    names the columns of the query's tables that hold no null: the count of an argument
+    computed from those alone is ``COUNT(*)``, shared by all such aggregates (TPC-H Q1
+    counts once instead of six times)."""
     import sqlglot
     from sqlglot import exp
 
@@ -235,6 +258,7 @@ def plan_sql(query: str, engine: str) -> SqlPlan:
     if len(tables) != len(set(tables)):
         raise unsupported("a table is read twice (self-joins are not supported)")
     table = source.this.name
+    required = never_null(tables) if never_null else set()
     group = list(tree.args["group"].expressions) if tree.args.get("group") else []
     # GROUP BY may name a selected column by its alias or its position.
     items = [(i.alias_or_name, i.this if isinstance(i, exp.Alias) else i) for i in tree.expressions]
@@ -277,7 +301,7 @@ def plan_sql(query: str, engine: str) -> SqlPlan:
         for stat in NEEDS[kind]:
             if stat == "m":
                 expr = f"{kind.upper()}({column(f'({arg})')})"
-            elif kind == "len":
+            elif kind == "len" or (stat == "c" and _never_null(node.this, required)):
                 expr = "COUNT(*)"
             else:
                 x = column(sql(as_double(node.this)))
@@ -512,7 +536,7 @@ def run_sql(
         if t not in tables:
             raise ValueError(f"unknown table {t!r}: pass it in tables= or register_parquet() it")
     files = {t: parquet_files(tables[t]) for t in plan.tables}
-    rows = {t: sum(_file_rows(f) for f in fs) for t, fs in files.items()}
+    rows = {t: sum(footers.file_rows(f) for f in fs) for t, fs in files.items()}
     fact = max(plan.tables, key=lambda t: rows[t])
     splits = fact_splits(files[fact], want, seed)
     if not splits:
@@ -584,12 +608,6 @@ class _Whole:
         self.table = None
 
 
-def _file_rows(path: str) -> int:
-    import pyarrow.parquet as pq
-
-    return pq.ParquetFile(path).metadata.num_rows
-
-
 def fact_splits(
     files: list[str], want: int, seed: int | None
 ) -> list[tuple[str, int, int, int, int]]:
@@ -598,14 +616,12 @@ def fact_splits(
     ``want``."""
     import os
 
-    import pyarrow.parquet as pq
-
     from flightshuffle.dataset import make_splits, shuffled
 
     splits, _ = make_splits(files, want)
     meta: dict[str, tuple[int, int, list[int]]] = {}
     for f in files:
-        md = pq.ParquetFile(f).metadata
+        md = footers.metadata(f)
         offsets = [0]
         for i in range(md.num_row_groups):
             offsets.append(offsets[-1] + md.row_group(i).num_rows)
