@@ -143,6 +143,7 @@ impl DistributedContext {
             .with_physical_optimizer_rules(rules)
             .build();
         let ctx = SessionContext::new_with_state(state);
+        ctx.register_udf(crate::double::udf());
         Ok(DistributedContext {
             ctx,
             driver,

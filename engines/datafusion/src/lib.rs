@@ -12,6 +12,7 @@ pub mod broadcast;
 pub mod codec;
 pub mod combine;
 pub mod context;
+pub mod double;
 pub mod fold;
 pub mod online;
 pub mod planner;

@@ -88,13 +88,15 @@ impl StageSource {
                 } else {
                     RuntimeEnvBuilder::new().build_arc()
                 };
-                match runtime {
+                let session = match runtime {
                     Ok(rt) => SessionContext::new_with_config_rt(config, rt),
                     Err(e) => {
                         tracing::warn!("no memory pool for stage sessions: {e}");
                         SessionContext::new_with_config(config)
                     }
-                }
+                };
+                session.register_udf(crate::double::udf());
+                session
             })
             .clone()
     }
