@@ -330,3 +330,24 @@ def test_nulls_in_a_nullable_column_are_not_counted(cl, tmp_path):
     got = final.estimates
     for c in ("aa", "ca", "ab", "cb"):
         assert got[c].to_list() == pytest.approx([float(v) for v in want[c]]), c
+
+
+def test_a_table_rewritten_in_place_is_read_again(cl, tmp_path):
+    """The online context keeps its tables registered between queries; a file rewritten
+    under the same path (new rows, a new column) is registered again, not read stale."""
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"k": [1, 2, 2] * 1000, "x": [1.0, 2.0, 3.0] * 1000}), path)
+    query = "SELECT k, sum(x) AS s FROM t GROUP BY k ORDER BY k"
+    first = list(cl.online(query, tables={"t": str(path)}, rounds=2, progress=False))[-1]
+    assert first.estimates["s"].to_list() == [1000.0, 5000.0]
+    pq.write_table(
+        pa.table({"k": [1, 3] * 1000, "y": ["a", "b"] * 1000, "x": [10.0, 20.0] * 1000}), path
+    )
+    again = list(cl.online(query, tables={"t": str(path)}, rounds=2, progress=False))[-1]
+    assert again.estimates["k"].to_list() == [1, 3]
+    assert again.estimates["s"].to_list() == [10000.0, 20000.0]
+    by_y = "SELECT y, sum(x) AS s FROM t GROUP BY y ORDER BY y"
+    new = list(cl.online(by_y, tables={"t": str(path)}, rounds=2, progress=False))[-1]
+    assert new.estimates["y"].to_list() == ["a", "b"]

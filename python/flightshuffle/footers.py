@@ -23,6 +23,15 @@ def metadata(path: str) -> Any:
     return _footer(os.path.abspath(path), st.st_size, st.st_mtime_ns)
 
 
+def version(files: list[str]) -> str:
+    """What changes when any of ``files`` is rewritten, added or removed."""
+    import hashlib
+
+    stats = [(os.path.abspath(f), os.stat(f)) for f in files]
+    text = repr([(f, s.st_size, s.st_mtime_ns) for f, s in stats])
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
 def file_rows(path: str) -> int:
     return metadata(path).num_rows
 

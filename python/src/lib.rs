@@ -113,6 +113,8 @@ struct NativeCluster {
     rt: Arc<Rt>,
     cluster: Arc<Mutex<Option<Workers>>>,
     sql: Mutex<Option<Arc<exchange_datafusion::DistributedContext>>>,
+    /// The context of online SQL and its tables.
+    online: online::Sessions,
     /// Single-process DataFusion over the same tables: the baseline of benchmarks.
     local: datafusion::prelude::SessionContext,
     /// Output shuffles of Python map stages (datasets), by id.
@@ -394,7 +396,7 @@ impl NativeCluster {
         &self,
         py: Python<'_>,
         sql: String,
-        tables: Vec<(String, String)>,
+        tables: Vec<(String, String, String)>,
         splits: Vec<online::SplitTuple>,
         rounds: usize,
         top: Option<online::TopTuple>,
@@ -403,6 +405,7 @@ impl NativeCluster {
         online::start(
             py,
             &self.rt,
+            &self.online,
             driver,
             self.strategy,
             sql,
@@ -608,6 +611,7 @@ impl NativeCluster {
             rt: Arc::new(rt),
             cluster: Arc::new(Mutex::new(Some(workers))),
             sql: Mutex::new(None),
+            online: online::Sessions::default(),
             local: datafusion::prelude::SessionContext::new_with_config(
                 datafusion::prelude::SessionConfig::new().with_target_partitions(
                     std::thread::available_parallelism().map_or(2, |n| n.get()),
