@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from typing import Any
 
@@ -89,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
             if args.plot_dir:
+                os.makedirs(args.plot_dir, exist_ok=True)
                 path = f"{args.plot_dir}/q{n:02d}-sf{args.sf:g}-w{args.workers}.png"
                 plot(history, keys, names, path, args.top_plot)
     report["queries"] = rows
