@@ -351,3 +351,37 @@ def test_a_table_rewritten_in_place_is_read_again(cl, tmp_path):
     by_y = "SELECT y, sum(x) AS s FROM t GROUP BY y ORDER BY y"
     new = list(cl.online(by_y, tables={"t": str(path)}, rounds=2, progress=False))[-1]
     assert new.estimates["y"].to_list() == ["a", "b"]
+
+
+def test_a_column_is_never_null_only_where_every_file_requires_it(tmp_path):
+    """A table reads a column that some of its files lack as null there: only a column
+    present and required in every file of every table that has it counts as never null."""
+    import pyarrow.parquet as pq
+    from flightshuffle import footers
+
+    def write(name: str, fields: list[tuple[str, bool]]) -> str:
+        schema = pa.schema([pa.field(n, pa.int64(), nullable) for n, nullable in fields])
+        table = pa.table({n: [1, 2] for n, _ in fields}, schema=schema)
+        path = str(tmp_path / f"{name}.parquet")
+        pq.write_table(table, path)
+        return path
+
+    a1 = write("a1", [("a", False), ("b", False), ("c", False)])
+    a2 = write("a2", [("a", False), ("b", True)])  # no c; b nullable here
+    other = write("o", [("a", False), ("d", False), ("e", True)])
+    assert footers.never_null([[a1, a2], [other]]) == {"a", "d"}
+    assert footers.never_null([[a1]]) == {"a", "b", "c"}
+
+
+def test_count_rewrite_follows_identifier_case_and_qualifiers():
+    """Unquoted identifiers fold to lower case as in DataFusion; a qualifier that names no
+    table of the query may be a struct field, whose nulls are unknown."""
+    from flightshuffle.online import plan_sql
+
+    required = lambda tables: {"price"}
+    stats = plan_sql("SELECT k, AVG(Price), AVG(t.price) FROM t GROUP BY k", "datafusion", required)
+    assert stats.stats.count("COUNT(*)") == 1 and stats.stats.count("COUNT(") == 1
+    quoted = plan_sql('SELECT k, AVG("Price") FROM t GROUP BY k', "datafusion", required).stats
+    assert 'COUNT("__x0")' in quoted
+    field = plan_sql("SELECT k, AVG(s.price) FROM t GROUP BY k", "datafusion", required).stats
+    assert 'COUNT("__x0")' in field

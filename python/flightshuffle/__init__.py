@@ -450,9 +450,10 @@ class Cluster:
         GROUP BY keys``) over ``tables`` (as in :meth:`sql`) or a table registered here, run
         on each split by ``engine`` (DataFusion or DuckDB); or a ``dataset.group_by(keys).agg(
         exprs)`` with Polars expressions. Input splits are read in a random order (``seed``) in
-        ``rounds`` rounds after an early first one (at least ``min_splits`` splits, default
-        ``2 * rounds``: whole Parquet row groups where there are that many, since a row group
-        cut in two decompresses the pages at the cut twice). Each result has ``.progress``
+        ``rounds`` rounds (SQL on DataFusion: after an early first round of one split per
+        worker) from at least ``min_splits`` splits, default ``2 * rounds``: whole Parquet row
+        groups where there are that many, since a row group cut in two decompresses the pages
+        at the cut twice. Each result has ``.progress``
         (fraction of the input read), ``.final`` and ``.estimates``
         (a Polars DataFrame: keys, then per aggregate ``name``, ``name_low``, ``name_high``,
         the estimate and its ``confidence`` interval; MIN/MAX have no interval). A tqdm bar

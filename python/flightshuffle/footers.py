@@ -37,12 +37,20 @@ def file_rows(path: str) -> int:
 
 
 def never_null(tables: Iterable[list[str]]) -> set[str]:
-    """Column names that are required (cannot hold a null) in every file of ``tables`` (each a
-    list of Parquet files) that has a column of that name."""
+    """Column names that cannot hold a null in any of ``tables`` (each a list of Parquet
+    files): required in every file of each table that has the column. A table reads a
+    column some of its files lack as null there, so a column missing from one file of a
+    table, or nullable anywhere, is not one of them."""
     required: set[str] = set()
-    nullable: set[str] = set()
+    unsafe: set[str] = set()
     for files in tables:
+        present: set[str] = set()
+        everywhere: set[str] | None = None
         for f in files:
-            for field in metadata(f).schema.to_arrow_schema():
-                (nullable if field.nullable else required).add(field.name)
-    return required - nullable
+            schema = metadata(f).schema.to_arrow_schema()
+            present |= set(schema.names)
+            here = {field.name for field in schema if not field.nullable}
+            everywhere = here if everywhere is None else everywhere & here
+        required |= everywhere or set()
+        unsafe |= present - (everywhere or set())
+    return required - unsafe

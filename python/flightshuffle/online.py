@@ -201,21 +201,25 @@ def as_double(e: Any, nested: bool = False, cast: str | None = None) -> Any:
     return double(e)
 
 
-def _never_null(e: Any, required: frozenset[str]) -> bool:
+def _never_null(e: Any, required: frozenset[str], tables: frozenset[str]) -> bool:
     """True when ``e`` is arithmetic (``+ - *``, casts, parentheses) over literals and
-    columns in ``required`` only: it is never null."""
+    columns in ``required`` only: it is never null. A column qualified by anything but one of
+    the query's ``tables`` (or their aliases) may be a struct field: not known."""
     from sqlglot import exp
 
     if isinstance(e, exp.Column):
-        return e.name in required
+        if e.table and e.table not in tables:
+            return False
+        # DataFusion folds unquoted identifiers to lower case.
+        return (e.name if e.this.quoted else e.name.lower()) in required
     if isinstance(e, exp.Literal):
         return True
     if isinstance(e, (exp.Paren, exp.Neg)) or (
         isinstance(e, exp.Cast) and not isinstance(e, exp.TryCast)
     ):
-        return _never_null(e.this, required)
+        return _never_null(e.this, required, tables)
     if isinstance(e, (exp.Add, exp.Sub, exp.Mul)):
-        return _never_null(e.left, required) and _never_null(e.right, required)
+        return _never_null(e.left, required, tables) and _never_null(e.right, required, tables)
     return False
 
 
@@ -291,6 +295,7 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
     if len(tables) != len(set(tables)):
         raise unsupported("a table is read twice (self-joins are not supported)")
     table = source.this.name
+    named = frozenset(n for t in tree.find_all(exp.Table) for n in (t.name, t.alias_or_name))
     to_double = TO_DOUBLE if engine == "datafusion" else None
     group = list(tree.args["group"].expressions) if tree.args.get("group") else []
     # GROUP BY may name a selected column by its alias or its position.
@@ -334,7 +339,7 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
         for stat in NEEDS[kind]:
             if stat == "m":
                 expr = f"{kind.upper()}({column(f'({arg})')})"
-            elif kind == "len" or (stat == "c" and _never_null(node.this, required)):
+            elif kind == "len" or (stat == "c" and _never_null(node.this, required, named)):
                 expr = "COUNT(*)"
             else:
                 x = column(sql(as_double(node.this, cast=to_double)))

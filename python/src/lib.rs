@@ -114,7 +114,7 @@ struct NativeCluster {
     cluster: Arc<Mutex<Option<Workers>>>,
     sql: Mutex<Option<Arc<exchange_datafusion::DistributedContext>>>,
     /// The context of online SQL and its tables.
-    online: online::Sessions,
+    online: Arc<online::Sessions>,
     /// Single-process DataFusion over the same tables: the baseline of benchmarks.
     local: datafusion::prelude::SessionContext,
     /// Output shuffles of Python map stages (datasets), by id.
@@ -388,15 +388,16 @@ impl NativeCluster {
 
     /// Online aggregation of SQL with the native map side: `sql` is the statistics query,
     /// `splits` cut the fact table (path, file bytes, file rows, first row, rows) in the order
-    /// they are read, folded in an early first round and then `rounds` rounds as they commit; with `top` (column,
-    /// divisor, null as zero, descending, k) each fold sends only the groups that can be among
-    /// the first k in that order. Returns the stream and the staged plan's text.
+    /// they are read, folded in an early first round and then `rounds` rounds as they commit;
+    /// with `top` (column, divisor, null as zero, descending, k) each fold sends only the
+    /// groups that can be among the first k in that order. `tables` are (name, Parquet path,
+    /// a version of its files). Returns the stream and the staged plan's text.
     #[pyo3(signature = (sql, tables, splits, rounds, top=None))]
     fn online_sql(
         &self,
         py: Python<'_>,
         sql: String,
-        tables: Vec<(String, String, String)>,
+        tables: Vec<online::TableTuple>,
         splits: Vec<online::SplitTuple>,
         rounds: usize,
         top: Option<online::TopTuple>,
@@ -596,6 +597,7 @@ impl NativeCluster {
     /// Stop every worker process. Safe to call more than once.
     fn close(&self, py: Python<'_>) {
         self.sql.lock().unwrap_or_else(|p| p.into_inner()).take();
+        self.online.close();
         let taken = self
             .cluster
             .lock()
@@ -611,7 +613,7 @@ impl NativeCluster {
             rt: Arc::new(rt),
             cluster: Arc::new(Mutex::new(Some(workers))),
             sql: Mutex::new(None),
-            online: online::Sessions::default(),
+            online: Arc::default(),
             local: datafusion::prelude::SessionContext::new_with_config(
                 datafusion::prelude::SessionConfig::new().with_target_partitions(
                     std::thread::available_parallelism().map_or(2, |n| n.get()),

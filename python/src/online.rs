@@ -1,7 +1,7 @@
 //! Online aggregation of SQL with the native map side (`exchange_datafusion::online`): the
 //! statistics query is planned once here and its fact stage streams, one split per map task.
 
-use crate::sql::{df_err, register};
+use crate::sql::df_err;
 use crate::stage::NativeStream;
 use exchange::driver::Driver;
 use exchange::strategy::StrategyOptions;
@@ -19,6 +19,9 @@ pub type SplitTuple = (String, u64, u64, u64, u64);
 /// null as zero, descending, k.
 pub type TopTuple = (u32, Option<u32>, bool, bool, u64);
 
+/// A table as Python gives it: name, Parquet path, a version of its files.
+pub type TableTuple = (String, String, String);
+
 /// A cluster's context for online SQL (every join planned as a broadcast), made once, with
 /// the tables registered so far (name to path and version): a table is registered again
 /// only under a new path or when its files changed. Registering (which reads the Parquet
@@ -26,46 +29,71 @@ pub type TopTuple = (u32, Option<u32>, bool, bool, u64);
 /// the first split could start.
 #[derive(Default)]
 pub struct Sessions {
-    ctx: std::sync::Mutex<Option<Arc<DistributedContext>>>,
     /// Held while a query registers its tables and plans, so it plans over its own tables.
-    tables: tokio::sync::Mutex<HashMap<String, (String, String)>>,
+    state: tokio::sync::Mutex<Option<Session>>,
+}
+
+struct Session {
+    ctx: Arc<DistributedContext>,
+    tables: HashMap<String, (String, String)>,
 }
 
 impl Sessions {
-    fn context(
+    /// Plan `sql` over `tables` on the cluster's online context (made on first use).
+    async fn plan(
         &self,
-        rt: &Arc<crate::Rt>,
         driver: &Arc<Driver>,
         opts: StrategyOptions,
-    ) -> PyResult<Arc<DistributedContext>> {
-        let mut slot = self.ctx.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(ctx) = slot.as_ref() {
-            return Ok(ctx.clone());
+        tables: &[TableTuple],
+        sql: &str,
+        splits: Vec<FactSplit>,
+        top: Option<EmitTop>,
+    ) -> exchange_datafusion::Result<(Arc<DistributedContext>, online::OnlinePlan)> {
+        let mut state = self.state.lock().await;
+        if state.is_none() {
+            let config = DistributedContext::online_config(driver.num_workers());
+            let ctx = DistributedContext::new(driver.clone(), config)?
+                .with_strategy_options(StrategyOptions { parity: 0, ..opts });
+            *state = Some(Session {
+                ctx: Arc::new(ctx),
+                tables: HashMap::new(),
+            });
         }
-        let _runtime = rt.enter();
-        let config = DistributedContext::online_config(driver.num_workers());
-        let ctx = Arc::new(
-            DistributedContext::new(driver.clone(), config)
-                .map_err(df_err)?
-                .with_strategy_options(StrategyOptions { parity: 0, ..opts }),
-        );
-        *slot = Some(ctx.clone());
-        Ok(ctx)
+        let session = state
+            .as_mut()
+            .ok_or_else(|| datafusion::error::DataFusionError::Internal("no session".into()))?;
+        for (name, path, version) in tables {
+            let now = (path.clone(), version.clone());
+            if session.tables.get(name) != Some(&now) {
+                session.tables.remove(name);
+                session.ctx.register_parquet(name, path).await?;
+                session.tables.insert(name.clone(), now);
+            }
+        }
+        let planned = online::plan(&session.ctx, sql, splits, top).await?;
+        Ok((session.ctx.clone(), planned))
+    }
+
+    /// Forget the context (the cluster is closing); a query planning now keeps its own.
+    pub fn close(&self) {
+        if let Ok(mut state) = self.state.try_lock() {
+            state.take();
+        }
     }
 }
 
-/// Plan `sql` over `tables` (name, Parquet path, a version of its files) with the fact table cut into `splits` (in
-/// the order they are read), the folds sending only candidates for `top`, and start it;
-/// returns the stream of folded statistics and the staged plan's text.
+/// Plan `sql` over `tables` with the fact table cut into `splits` (in the order they are
+/// read), the folds sending only candidates for `top`, and start it; returns the stream of
+/// folded statistics and the staged plan's text.
 #[allow(clippy::too_many_arguments)]
 pub fn start(
     py: Python<'_>,
     rt: &Arc<crate::Rt>,
-    sessions: &Sessions,
+    sessions: &Arc<Sessions>,
     driver: Arc<Driver>,
     opts: StrategyOptions,
     sql: String,
-    tables: Vec<(String, String, String)>,
+    tables: Vec<TableTuple>,
     splits: Vec<SplitTuple>,
     rounds: usize,
     top: Option<TopTuple>,
@@ -88,25 +116,38 @@ pub fn start(
             rows,
         })
         .collect();
-    let ctx = sessions.context(rt, &driver, opts)?;
-    let planned = crate::wait(py, rt, async {
-        let mut registered = sessions.tables.lock().await;
-        for (name, path, version) in &tables {
-            let now = (path.clone(), version.clone());
-            if registered.get(name) != Some(&now) {
-                registered.remove(name);
-                register(&ctx, name, path).await?;
-                registered.insert(name.clone(), now);
-            }
+    for (name, path, _) in &tables {
+        if !std::path::Path::new(path).exists() {
+            return Err(pyo3::exceptions::PyFileNotFoundError::new_err(format!(
+                "table {name}: no such file or directory: {path}"
+            )));
         }
-        online::plan(&ctx, &sql, splits, top).await.map_err(df_err)
-    })??;
+    }
+    let planning = sessions.plan(&driver, opts, &tables, &sql, splits.clone(), top.clone());
+    let (ctx, planned) = crate::wait(py, rt, planning)?.map_err(df_err)?;
+    // A run after a lost worker plans again over the same tables, under the same lock.
+    let replan: online::Replan = {
+        let (sessions, driver) = (sessions.clone(), driver.clone());
+        Arc::new(move || {
+            let (sessions, driver, tables, sql) = (
+                sessions.clone(),
+                driver.clone(),
+                tables.clone(),
+                sql.clone(),
+            );
+            let (splits, top) = (splits.clone(), top.clone());
+            Box::pin(async move {
+                let planned = sessions.plan(&driver, opts, &tables, &sql, splits, top);
+                planned.await.map(|(_, p)| p)
+            })
+        })
+    };
     let explain = planned.explain.clone();
     let mut ids: Vec<_> = planned.dims.iter().map(|s| s.writer.shuffle).collect();
     ids.push(planned.fact.writer.shuffle);
     let (tx, rx) = mpsc::channel(2);
     let task = rt.spawn(async move {
-        online::run(&ctx, planned, rounds, weights, tx).await;
+        online::run(&ctx, planned, rounds, weights, tx, replan).await;
     });
     Ok((NativeStream::new(rt, &driver, ids, rx, task), explain))
 }

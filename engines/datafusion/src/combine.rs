@@ -81,7 +81,9 @@ pub struct PartialReduceKind;
 impl CombinerKind for PartialReduceKind {
     fn open(&self, payload: &[u8], schema: &SchemaRef) -> exchange::Result<Arc<dyn Combiner>> {
         let bad = |what: String| exchange::Error::invalid(format!("combiner plan: {what}"));
-        let ctx = SessionContext::new().task_ctx();
+        let session = SessionContext::new();
+        session.register_udf(crate::double::udf());
+        let ctx = session.task_ctx();
         let plan = physical_plan_from_bytes_with_extension_codec(payload, &ctx, &ExchangeCodec)
             .map_err(|e| bad(e.to_string()))?;
         let agg = plan

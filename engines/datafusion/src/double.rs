@@ -77,7 +77,12 @@ pub fn to_double(array: &ArrayRef) -> Result<ArrayRef> {
         DataType::Decimal128(precision, scale) if *precision <= 18 => {
             let pow = 10_f64.powi(i32::from(*scale));
             let values = array.as_primitive::<Decimal128Type>();
-            let out: Float64Array = values.unary(|x| (x as i64) as f64 / pow);
+            // A value outside its declared precision (arrays do not enforce it) converts as
+            // CAST converts it.
+            let out: Float64Array = values.unary(|x| match i64::try_from(x) {
+                Ok(v) => v as f64 / pow,
+                Err(_) => x as f64 / pow,
+            });
             Ok(Arc::new(out))
         }
         _ => {

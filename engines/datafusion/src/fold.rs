@@ -9,8 +9,10 @@
 //! it in its own partition has as many before it overall. Estimates of SUM and COUNT are the
 //! folded sums scaled by one positive factor (the share of the input read), AVG is their
 //! ratio, MIN and MAX are as folded: the order of the estimates is the order of values a
-//! worker computes from its states without knowing the factor. The state itself stays whole;
-//! only what is sent shrinks (TPC-H Q10 at SF1: 38 K groups, 20 returned).
+//! worker computes from its states without knowing the factor (one caveat: two sums that
+//! differ can round to the same estimate in an early round, where a second ORDER BY key may
+//! then prefer the group not sent; the final round, unscaled, is exact). The state itself
+//! stays whole; only what is sent shrinks (TPC-H Q10 at SF1: 38 K groups, 20 returned).
 
 use crate::combine::PartialReduceKind;
 use arrow::array::{Array, ArrayRef, AsArray, Float64Array, RecordBatch, Scalar};
@@ -194,7 +196,7 @@ fn order_values(batch: &RecordBatch, top: &EmitTop) -> Result<ArrayRef, arrow::e
     Ok(Arc::new(out))
 }
 
-/// One zero and one NaN: the driver orders -0.0 with 0.0 and every NaN last.
+/// One zero and one NaN: the driver orders -0.0 with 0.0 and every NaN as the largest value.
 fn canonical(x: f64) -> f64 {
     if x.is_nan() {
         f64::NAN

@@ -42,6 +42,7 @@ use datafusion_proto::bytes::physical_plan_to_bytes_with_extension_codec;
 use exchange::driver::{MapInput, ShuffleSpec};
 use exchange::proto;
 use exchange::strategy::streaming::{self, Partial, StreamingJob};
+use futures::future::BoxFuture;
 use prost::Message;
 use std::collections::HashSet;
 use std::fmt;
@@ -187,11 +188,11 @@ pub struct OnlinePlan {
     pub schema: SchemaRef,
     /// The staged plan as `EXPLAIN` shows it.
     pub explain: String,
-    /// What it was planned from (planned again, with new shuffles, to run again).
-    sql: String,
-    splits: Vec<FactSplit>,
-    top: Option<EmitTop>,
 }
+
+/// Plans the query again, as the caller planned it first (over the same tables), with new
+/// shuffles: for a run after a lost worker.
+pub type Replan = Arc<dyn Fn() -> BoxFuture<'static, Result<OnlinePlan>> + Send + Sync>;
 
 /// Plan `sql` (a grouped aggregate whose inputs include the fact table `splits` cut) for
 /// online aggregation (see the module doc). `ctx` should plan joins as broadcasts
@@ -206,8 +207,7 @@ pub async fn plan(
     if splits.is_empty() {
         return Err(plan_err("the fact table has no rows to split"));
     }
-    let (sql, kept) = (sql.to_string(), splits.clone());
-    let staged = ctx.plan(&sql).await?;
+    let staged = ctx.plan(sql).await?;
     if let Some(why) = &staged.on_driver {
         return Err(plan_err(why));
     }
@@ -320,9 +320,6 @@ pub async fn plan(
         fold,
         schema,
         explain: staged.display(),
-        sql,
-        splits: kept,
-        top,
     })
 }
 
@@ -361,21 +358,22 @@ fn is_fact_scan(
     Ok(fact > 0)
 }
 
-/// Run `plan`: its build sides to completion, then the fact stage in rounds by completion
-/// (an early first round, then the other splits in `rounds` rounds as they commit), sending each round's folded statistics to
-/// `out` (the last one is final), or the error that stopped it. Every shuffle is dropped at
-/// the end.
+/// Run `plan`: its build sides to completion, then the fact stage in rounds by completion (an
+/// early first round, then the other splits in `rounds` rounds as they commit), sending each
+/// round's folded statistics to `out` (the last one is final), or the error that stopped it.
+/// Every shuffle is dropped at the end.
 ///
-/// A worker lost on the way (the driver replacing it) makes the query run again whole once
-/// the replacement is up, at most [`crate::context::QUERY_RETRIES`] times: the build sides
-/// and fold states it held are gone with it. Rounds already sent are not sent again, so the
-/// caller sees one pause and then the next round.
+/// A worker lost on the way (the driver replacing it) makes the query run again whole, planned
+/// again by `replan`, once the replacement is up, at most [`crate::context::QUERY_RETRIES`]
+/// times: the build sides and fold states it held are gone with it. Rounds already sent are
+/// not sent again, so the caller sees one pause and then the next round.
 pub async fn run(
     ctx: &DistributedContext,
     plan: OnlinePlan,
     rounds: usize,
     weights: Vec<u64>,
     out: mpsc::Sender<exchange::Result<Partial>>,
+    replan: Replan,
 ) {
     let driver = ctx.driver().clone();
     let mut sent = 0usize;
@@ -420,7 +418,7 @@ pub async fn run(
         }
         // New shuffles: a fold or map of the failed run still in flight on a worker must
         // not land in the next run's.
-        plan = match self::plan(ctx, &plan.sql, plan.splits.clone(), plan.top.clone()).await {
+        plan = match replan().await {
             Ok(p) => p,
             Err(e) => {
                 let _ = out.send(Err(exchange::Error::Task(e.to_string()))).await;
