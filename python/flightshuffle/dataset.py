@@ -19,9 +19,8 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 import polars as pl
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from flightshuffle import ops
+from flightshuffle import footers, ops
 from flightshuffle._exec import MapTask, Split, apply_ops
 
 if TYPE_CHECKING:
@@ -54,13 +53,13 @@ def make_splits(files: list[str], min_splits: int) -> tuple[list[Split], pa.Sche
     groups: list[tuple[str, int, int]] = []
     schema: pa.Schema | None = None
     for f in files:
-        pf = pq.ParquetFile(f)
-        s = pf.schema_arrow
+        md = footers.metadata(f)
+        s = md.schema.to_arrow_schema()
         if schema is None:
             schema = s
         elif not s.equals(schema):
             raise ValueError(f"{f} has schema {s}, unlike the first file's {schema}")
-        groups.extend((f, i, pf.metadata.row_group(i).num_rows) for i in range(pf.num_row_groups))
+        groups.extend((f, i, md.row_group(i).num_rows) for i in range(md.num_row_groups))
     if schema is None:
         raise ValueError("no input files")
     pieces = max(1, -(-min_splits // max(1, len(groups))))
