@@ -669,7 +669,8 @@ impl Driver {
 
     /// Fold round `round` of `partition` of `shuffle` (streaming strategy) on the partition's
     /// owner (worker p mod N): the round's blocks of that partition, read from where `maps`
-    /// left them, into the partition's running state there; returns the partial result.
+    /// left them, into the partition's running state there; returns the partial result, and
+    /// the worker's report (its `result_ipc` taken: decoded into the result).
     pub async fn fold_partition(
         &self,
         shuffle: ShuffleId,
@@ -700,13 +701,14 @@ impl Driver {
         };
         let owner = Placement::owner(partition, self.num_workers());
         match self.worker(owner)?.fold(&task).await {
-            Ok(r) => {
+            Ok(mut r) => {
                 tracing::debug!(
                     %shuffle, partition, round, seconds = r.seconds, rows = r.rows_folded,
                     result_bytes = r.result_ipc.len(), "folded"
                 );
-                let (schema, batches) =
-                    crate::block::decode_block(&bytes::Bytes::from(r.result_ipc.clone()))?;
+                // Decoded from the response's own bytes (the result leaves `result_ipc` empty).
+                let ipc = bytes::Bytes::from(std::mem::take(&mut r.result_ipc));
+                let (schema, batches) = crate::block::decode_block(&ipc)?;
                 Ok((schema, batches, r))
             }
             Err(e) => Err(self.classify(e).await),

@@ -165,7 +165,8 @@ _SQL_KINDS = {"Sum": "sum", "Avg": "mean", "Count": "count", "Min": "min", "Max"
 
 
 # DataFusion's CAST to DOUBLE with the same results, faster for decimals (registered by
-# flightshuffle in every session, engines/datafusion/src/double.rs).
+# flightshuffle in every session, engines/datafusion/src/double.rs). Plans are cached: a
+# change here reaches queries asked before only after ``_plan_sql.cache_clear()``.
 TO_DOUBLE: str | None = "fs_to_double"
 
 

@@ -50,18 +50,18 @@ impl Sessions {
         top: Option<EmitTop>,
     ) -> exchange_datafusion::Result<(Arc<DistributedContext>, online::OnlinePlan)> {
         let mut state = self.state.lock().await;
-        if state.is_none() {
-            let config = DistributedContext::online_config(driver.num_workers());
-            let ctx = DistributedContext::new(driver.clone(), config)?
-                .with_strategy_options(StrategyOptions { parity: 0, ..opts });
-            *state = Some(Session {
-                ctx: Arc::new(ctx),
-                tables: HashMap::new(),
-            });
-        }
-        let session = state
-            .as_mut()
-            .ok_or_else(|| datafusion::error::DataFusionError::Internal("no session".into()))?;
+        let session = match state.take() {
+            Some(session) => state.insert(session),
+            None => {
+                let config = DistributedContext::online_config(driver.num_workers());
+                let ctx = DistributedContext::new(driver.clone(), config)?
+                    .with_strategy_options(StrategyOptions { parity: 0, ..opts });
+                state.insert(Session {
+                    ctx: Arc::new(ctx),
+                    tables: HashMap::new(),
+                })
+            }
+        };
         for (name, path, version) in tables {
             let now = (path.clone(), version.clone());
             if session.tables.get(name) != Some(&now) {

@@ -87,11 +87,7 @@ pub(super) async fn completion_rounds(
 /// there are fewer maps).
 fn round_sizes(maps: usize, workers: usize, rounds: usize) -> Vec<usize> {
     let rounds = rounds.max(1);
-    let first = maps
-        .div_ceil(rounds)
-        .min(workers)
-        .clamp(1, maps.max(1))
-        .min(maps);
+    let first = maps.div_ceil(rounds).min(workers.max(1)).min(maps);
     let mut sizes = vec![first];
     sizes.extend(
         super::round_ranges(maps - first, rounds)
