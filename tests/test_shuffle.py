@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Any
 
 import duckdb
@@ -314,3 +315,26 @@ def test_large_batches_are_cut_and_a_row_over_the_message_cap_is_a_clear_error(c
         pa.concat_tables(cluster.shuffle(huge, by="k", partitions=2))
     got = pa.concat_tables(cluster.shuffle(table, by="k", partitions=3))
     assert got.num_rows == 2000
+
+
+def test_map_tasks_run_on_lower_priority_threads_apart_from_serving(cluster):
+    """Map tasks run on their own runtime's threads at nice 10; the threads serving Flight
+    (block reads, folds, commits) stay at the worker's own priority."""
+    df = sample_frame(60_000)
+    # Small map tasks: some run on every worker.
+    result = cluster.shuffle(df, by="key", partitions=3, output="polars", map_bytes="64KiB")
+    assert_same_multiset(df, list(result))
+    for pid in cluster.worker_pids:
+        nice: dict[str, set[int]] = {}
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    stat = f.read()
+            except FileNotFoundError:
+                continue  # the thread ended meanwhile
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2 :].split()
+            nice.setdefault(name, set()).add(int(fields[16]))
+        # Thread names are cut to 15 bytes.
+        assert nice.get("flightshuffle-c") == {10}, nice
+        assert nice.get("flightshuffle-w") == {0}, nice

@@ -25,8 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
+import numpy as np
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from flightshuffle import footers, ops
 from flightshuffle._exec import MapTask, Split, apply_ops
@@ -473,45 +475,58 @@ def estimate(
     confidence: float = 0.95,
 ) -> pl.DataFrame:
     """Estimates and CLT intervals from combined statistics after reading ``n`` of ``total``
-    input rows."""
+    input rows.
+
+    Computed with NumPy over whole columns: a Polars ``select`` of the same expressions took
+    3.6 ms per round for TPC-H Q1's 4 groups (8 aggregates), this 1.4 ms, on a driver that
+    computes one every round while the workers want the same cores."""
     z = statistics.NormalDist().inv_cdf(0.5 + confidence / 2)
     f = n / total if total else 1.0
     fpc = max(0.0, 1.0 - f)
     nn = max(n, 1)
-    cols: list[pl.Expr] = [pl.col(k) for k in keys]
-    for j, a in enumerate(aggs):
-        c = pl.col(f"__c{j}").cast(pl.Float64) if "c" in NEEDS[a.kind] else None
-        if a.kind in ("min", "max"):
-            m = pl.col(f"__m{j}")
-            cols += [m.alias(a.name), m.alias(f"{a.name}_low"), m.alias(f"{a.name}_high")]
-            continue
-        assert c is not None
-        if a.kind in ("count", "len"):
-            est = c / f if f > 0 else c
-            p = c / nn
-            se = total * (p * (1 - p) / nn * fpc).clip(0).sqrt()
-        else:
-            s, q = pl.col(f"__s{j}").fill_null(0.0), pl.col(f"__q{j}").fill_null(0.0)
-            if a.kind == "sum":
-                est = s / f if f > 0 else s
-                var = (q / nn - (s / nn) ** 2).clip(0)
-                se = total * (var / nn * fpc).sqrt()
+    table = state.to_arrow()
+    names: list[str] = list(keys)
+    out: list[pa.Array | pa.ChunkedArray] = [table.column(k) for k in keys]
+
+    def col(name: str, fill: float | None = None) -> np.ndarray:
+        c = pc.cast(table.column(name), pa.float64())
+        if fill is not None:
+            c = pc.fill_null(c, fill)
+        return c.to_numpy()
+
+    no = np.zeros(table.num_rows, dtype=bool)
+    with np.errstate(all="ignore"):
+        for j, a in enumerate(aggs):
+            names += [a.name, f"{a.name}_low", f"{a.name}_high"]
+            if a.kind in ("min", "max"):
+                m = table.column(f"__m{j}")
+                none = pa.nulls(table.num_rows, m.type)
+                out += [m, none, none]
+                continue
+            c = col(f"__c{j}")
+            if a.kind in ("count", "len"):
+                est = c / f if f > 0 else c
+                p = c / nn
+                se = total * np.sqrt(np.maximum(p * (1 - p) / nn * fpc, 0))
+                est_null = se_null = np.isnan(c)
             else:
-                est = pl.when(c > 0).then(s / c)
-                var = (q / c - (s / c) ** 2).clip(0)
-                se = pl.when(c > 1).then((var / c * fpc).sqrt()).otherwise(None)
-        cols += [
-            est.alias(a.name),
-            (est - z * se).alias(f"{a.name}_low"),
-            (est + z * se).alias(f"{a.name}_high"),
-        ]
-    minmax = [
-        f"{a.name}{sfx}" for a in aggs if a.kind in ("min", "max") for sfx in ("_low", "_high")
-    ]
-    out = state.select(cols)
-    if minmax:
-        out = out.with_columns([pl.lit(None).cast(out.schema[c]).alias(c) for c in minmax])
-    return out
+                s, q = col(f"__s{j}", 0.0), col(f"__q{j}", 0.0)
+                if a.kind == "sum":
+                    est = s / f if f > 0 else s
+                    var = np.maximum(q / nn - (s / nn) ** 2, 0)
+                    se = total * np.sqrt(var / nn * fpc)
+                    est_null = se_null = no
+                else:
+                    est = s / c
+                    var = np.maximum(q / c - (s / c) ** 2, 0)
+                    se = np.sqrt(var / c * fpc)
+                    est_null, se_null = ~(c > 0), ~(c > 1)
+            out += [
+                pa.array(est, mask=est_null),
+                pa.array(est - z * se, mask=est_null | se_null),
+                pa.array(est + z * se, mask=est_null | se_null),
+            ]
+    return pl.from_arrow(pa.Table.from_arrays(out, names=names))  # type: ignore[return-value]
 
 
 def run(
