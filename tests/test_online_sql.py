@@ -385,3 +385,28 @@ def test_count_rewrite_follows_identifier_case_and_qualifiers():
     assert 'COUNT("__x0")' in quoted
     field = plan_sql("SELECT k, AVG(s.price) FROM t GROUP BY k", "datafusion", required).stats
     assert 'COUNT("__x0")' in field
+
+
+def test_online_bound_counts_draws_within_and_the_whole_table_is_exact(tpch_data, tmp_path):
+    """`flightshuffle online-bound`: the whole table scaled by 1 is the exact answer, and the
+    share of draws within 5% is reported per sample size."""
+    import argparse
+    import json
+
+    import polars as pl
+    from flightshuffle import samplebound
+
+    lineitem = pl.read_parquet(tpch.table_paths(tpch_data)["lineitem"], columns=samplebound.COLUMNS)
+    exact = samplebound.q1(lineitem, 1.0)
+    assert samplebound.within(exact, exact, 0.0)
+    assert not samplebound.within(samplebound.q1(lineitem.head(1000), 1.0), exact, 0.05)
+    out = tmp_path / "bound.json"
+    args = argparse.Namespace(
+        sf=TPCH_SF, data=tpch_data, workers=2, rows="1024,65536", trials=5, within=0.05, seed=0
+    )
+    args.json = str(out)
+    assert samplebound.run(args) == 0
+    sizes = json.loads(out.read_text())["sizes"]
+    assert [s["rows_per_split"] for s in sizes] == [1024, 65536]
+    assert all(0 <= s["p_within_stored_order"] <= 1 for s in sizes)
+    assert sizes[0]["p_within_stored_order"] < 1  # 2 K rows of 600 K: Q1's smallest group misses

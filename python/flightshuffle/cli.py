@@ -740,9 +740,10 @@ def main(argv: list[str] | None = None) -> int:
     from flightshuffle import skewbench
 
     skewbench.add_parser(sub)
-    from flightshuffle import onlinebench
+    from flightshuffle import onlinebench, samplebound
 
     onlinebench.add_parser(sub)
+    samplebound.add_parser(sub)
 
     o = sub.add_parser(
         "online",
