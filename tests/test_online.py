@@ -226,3 +226,26 @@ def test_a_worker_killed_mid_stream_is_recovered_and_the_final_is_exact(
     finally:
         c.close()
     assert not any(alive(p) for p in pids + replacements)
+
+
+def test_estimates_keep_key_and_min_max_types():
+    """Group keys and MIN/MAX pass through with their Polars types (an Enum stays an Enum);
+    an AVG over no rows is null, and its interval too."""
+    from flightshuffle import online as ol
+
+    enum = pl.Enum(["a", "b", "c"])
+    state = pl.DataFrame(
+        {
+            "k": pl.Series(["a", "b"], dtype=enum),
+            "__m0": pl.Series(["a", "c"], dtype=enum),
+            "__c1": [3, 0],
+            "__s1": [1.0, None],
+            "__q1": [2.0, None],
+        }
+    )
+    aggs = [ol.AggRef("mx", "max"), ol.AggRef("avg", "mean")]
+    out = ol.estimate(state, ["k"], aggs, 10, 100)
+    assert out.columns == ["k", "mx", "mx_low", "mx_high", "avg", "avg_low", "avg_high"]
+    assert [out.schema[c] for c in ["k", "mx", "mx_low"]] == [enum, enum, enum]
+    assert out["avg"].to_list()[1] is None and out["avg_low"].to_list()[1] is None
+    assert out["avg"].to_list()[0] == pytest.approx(1 / 3)

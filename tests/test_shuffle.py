@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 from typing import Any
 
 import duckdb
@@ -317,15 +318,17 @@ def test_large_batches_are_cut_and_a_row_over_the_message_cap_is_a_clear_error(c
     assert got.num_rows == 2000
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_map_tasks_run_on_lower_priority_threads_apart_from_serving(cluster):
-    """Map tasks run on their own runtime's threads at nice 10; the threads serving Flight
-    (block reads, folds, commits) stay at the worker's own priority."""
+    """Map tasks run on their own runtime, whose worker threads are 10 nice steps below the
+    worker's own priority; the threads serving Flight (block reads, folds, commits) keep it."""
     df = sample_frame(60_000)
     # Small map tasks: some run on every worker.
     result = cluster.shuffle(df, by="key", partitions=3, output="polars", map_bytes="64KiB")
     assert_same_multiset(df, list(result))
     for pid in cluster.worker_pids:
         nice: dict[str, set[int]] = {}
+        base = None
         for tid in os.listdir(f"/proc/{pid}/task"):
             try:
                 with open(f"/proc/{pid}/task/{tid}/stat") as f:
@@ -333,8 +336,12 @@ def test_map_tasks_run_on_lower_priority_threads_apart_from_serving(cluster):
             except FileNotFoundError:
                 continue  # the thread ended meanwhile
             name = stat[stat.index("(") + 1 : stat.rindex(")")]
-            fields = stat[stat.rindex(")") + 2 :].split()
-            nice.setdefault(name, set()).add(int(fields[16]))
-        # Thread names are cut to 15 bytes.
-        assert nice.get("flightshuffle-c") == {10}, nice
-        assert nice.get("flightshuffle-w") == {0}, nice
+            value = int(stat[stat.rindex(")") + 2 :].split()[16])
+            nice.setdefault(name, set()).add(value)
+            if int(tid) == pid:
+                base = value
+        assert base is not None
+        # Thread names are cut to 15 bytes. The compute runtime's blocking threads (file
+        # reads, Python map tasks) keep the worker's priority.
+        assert min(base + 10, 19) in nice.get("flightshuffle-c", set()), nice
+        assert nice.get("flightshuffle-w") == {base}, nice

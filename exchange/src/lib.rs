@@ -12,6 +12,7 @@ pub mod calibrate;
 pub mod checksum;
 pub mod cluster;
 pub mod combine;
+pub mod compute;
 pub mod cost;
 pub mod driver;
 pub mod error;

@@ -189,7 +189,7 @@ impl WorkerState {
             .as_ref()
             .map_or(0, |s| self.sources.memory_hint(&s.kind, &s.payload));
         let me = self.clone();
-        let handle = compute().spawn(async move {
+        let handle = crate::compute::runtime().spawn(async move {
             // Waited for inside the task, so a cancel or a dropped shuffle also ends a task
             // still waiting; held until the task ends: its buffers come out of the budget.
             let _grant = me
@@ -595,55 +595,6 @@ impl Drop for AttemptGuard {
         if self.armed {
             let (shuffle, map, attempt) = self.key;
             self.state.cancel(shuffle, map, attempt);
-        }
-    }
-}
-
-/// The runtime map tasks run on, apart from the one serving Flight. A map task computes for
-/// long stretches without yielding: on the serving threads it held back the block reads, folds
-/// and commits that other workers and the driver wait on (an online query's first fold read
-/// its blocks in 15-50 ms while the next maps ran). Its threads run at a lower CPU priority
-/// ([`lower_thread_priority`]), so where a worker shares its cores (with other workers, the
-/// driver) the short serving work goes first. If the runtime cannot start, map tasks run on
-/// the serving runtime as before.
-fn compute() -> tokio::runtime::Handle {
-    static RT: std::sync::OnceLock<Option<tokio::runtime::Runtime>> = std::sync::OnceLock::new();
-    let rt = RT.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .thread_name(COMPUTE_THREAD)
-            .on_thread_start(lower_thread_priority)
-            .build()
-            .map_err(|e| tracing::warn!(error = %e, "no compute runtime: map tasks run on the serving one"))
-            .ok()
-    });
-    match rt {
-        Some(rt) => rt.handle().clone(),
-        None => tokio::runtime::Handle::current(),
-    }
-}
-
-/// Name of the threads map tasks run on.
-pub const COMPUTE_THREAD: &str = "flightshuffle-compute";
-
-/// Nice value of the map tasks' threads.
-pub const COMPUTE_NICE: i32 = 10;
-
-/// Lower the calling thread's CPU priority to [`COMPUTE_NICE`] (Linux keeps it per thread).
-fn lower_thread_priority() {
-    #[cfg(target_os = "linux")]
-    {
-        unsafe extern "C" {
-            fn setpriority(
-                which: std::ffi::c_int,
-                who: std::ffi::c_uint,
-                prio: std::ffi::c_int,
-            ) -> std::ffi::c_int;
-        }
-        const PRIO_PROCESS: std::ffi::c_int = 0;
-        // SAFETY: who = 0 names the calling thread; a refused change leaves it as it was.
-        unsafe {
-            setpriority(PRIO_PROCESS, 0, COMPUTE_NICE);
         }
     }
 }

@@ -484,9 +484,12 @@ def estimate(
     f = n / total if total else 1.0
     fpc = max(0.0, 1.0 - f)
     nn = max(n, 1)
+    # Keys and MIN/MAX stay Polars columns (an Enum keeps its categories); the estimates are
+    # computed from Arrow arrays and made into Polars columns once.
     table = state.to_arrow()
-    names: list[str] = list(keys)
-    out: list[pa.Array | pa.ChunkedArray] = [table.column(k) for k in keys]
+    names: list[str] = []
+    kept: dict[str, pl.Series] = {k: state.get_column(k) for k in keys}
+    floats: dict[str, pa.Array] = {}
 
     def col(name: str, fill: float | None = None) -> np.ndarray:
         c = pc.cast(table.column(name), pa.float64())
@@ -497,11 +500,12 @@ def estimate(
     no = np.zeros(table.num_rows, dtype=bool)
     with np.errstate(all="ignore"):
         for j, a in enumerate(aggs):
-            names += [a.name, f"{a.name}_low", f"{a.name}_high"]
+            low, high = f"{a.name}_low", f"{a.name}_high"
+            names += [a.name, low, high]
             if a.kind in ("min", "max"):
-                m = table.column(f"__m{j}")
-                none = pa.nulls(table.num_rows, m.type)
-                out += [m, none, none]
+                m = state.get_column(f"__m{j}")
+                none = pl.repeat(None, state.height, dtype=m.dtype, eager=True)
+                kept |= {a.name: m.alias(a.name), low: none.alias(low), high: none.alias(high)}
                 continue
             c = col(f"__c{j}")
             if a.kind in ("count", "len"):
@@ -521,12 +525,14 @@ def estimate(
                     var = np.maximum(q / c - (s / c) ** 2, 0)
                     se = np.sqrt(var / c * fpc)
                     est_null, se_null = ~(c > 0), ~(c > 1)
-            out += [
-                pa.array(est, mask=est_null),
-                pa.array(est - z * se, mask=est_null | se_null),
-                pa.array(est + z * se, mask=est_null | se_null),
-            ]
-    return pl.from_arrow(pa.Table.from_arrays(out, names=names))  # type: ignore[return-value]
+            floats[a.name] = pa.array(est, mask=est_null)
+            floats[low] = pa.array(est - z * se, mask=est_null | se_null)
+            floats[high] = pa.array(est + z * se, mask=est_null | se_null)
+    if floats:
+        made = pl.from_arrow(pa.table(floats))
+        assert isinstance(made, pl.DataFrame)
+        kept |= {n: made.get_column(n) for n in floats}
+    return pl.DataFrame([kept[n] for n in [*keys, *names]])
 
 
 def run(

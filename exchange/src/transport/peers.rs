@@ -23,6 +23,10 @@ pub struct PeerReader {
     clients: Mutex<HashMap<String, WorkerClient>>,
     /// This process's own worker: its advertised address and its store.
     local: Option<(String, Arc<BlockStore>)>,
+    /// The runtime the pool was made on: clients are made there, so their connections' tasks
+    /// run on it (a worker's serving runtime), not on whichever runtime first asked for a
+    /// peer (a map task's, whose threads run at a lower priority).
+    runtime: Option<tokio::runtime::Handle>,
 }
 
 impl PeerReader {
@@ -37,6 +41,7 @@ impl PeerReader {
             timeout,
             clients: Mutex::new(HashMap::new()),
             local,
+            runtime: tokio::runtime::Handle::try_current().ok(),
         }
     }
 
@@ -53,6 +58,7 @@ impl PeerReader {
         if let Some(c) = clients.get(addr) {
             return Ok(c.clone());
         }
+        let _on = self.runtime.as_ref().map(|rt| rt.enter());
         let c = WorkerClient::new(index, addr, &self.creds, self.timeout)?;
         clients.insert(addr.to_string(), c.clone());
         Ok(c)
