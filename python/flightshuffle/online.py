@@ -485,19 +485,18 @@ def estimate(
     fpc = max(0.0, 1.0 - f)
     nn = max(n, 1)
     # Keys and MIN/MAX stay Polars columns (an Enum keeps its categories); the estimates are
-    # computed from Arrow arrays and made into Polars columns once.
-    table = state.to_arrow()
+    # computed from the statistics' Arrow arrays and made into Polars columns once.
     names: list[str] = []
     kept: dict[str, pl.Series] = {k: state.get_column(k) for k in keys}
     floats: dict[str, pa.Array] = {}
 
     def col(name: str, fill: float | None = None) -> np.ndarray:
-        c = pc.cast(table.column(name), pa.float64())
+        c = pc.cast(state.get_column(name).to_arrow(), pa.float64())
         if fill is not None:
             c = pc.fill_null(c, fill)
-        return c.to_numpy()
+        return c.to_numpy(zero_copy_only=False)
 
-    no = np.zeros(table.num_rows, dtype=bool)
+    no = np.zeros(state.height, dtype=bool)
     with np.errstate(all="ignore"):
         for j, a in enumerate(aggs):
             low, high = f"{a.name}_low", f"{a.name}_high"
