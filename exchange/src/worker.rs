@@ -294,7 +294,7 @@ impl WorkerState {
     }
 
     /// Calibration for the `auto` strategy: measure this worker's rates
-    /// ([`crate::calibrate`]), unless the call only carries ballast to time the transport.
+    /// ([`crate::calibrate`]); without `measure`, nothing.
     pub async fn calibrate(&self, m: proto::CalibrateTask) -> Result<proto::Calibration> {
         if !m.measure {
             return Ok(proto::Calibration::default());

@@ -42,13 +42,22 @@ async fn calibrating_stays_small() {
     // may be busy: its scratch data must fit beside the tasks (it once peaked at 276 MB, and
     // glibc kept it resident).
     let cluster = LocalCluster::start(config(2, 64 << 20)).await.unwrap();
-    let before = cluster.driver.stats().await.unwrap()[0].peak_rss_bytes;
+    let stats_before = cluster.driver.stats().await.unwrap()[0];
+    let before = stats_before.peak_rss_bytes;
     let c = cluster.driver.calibration().await.unwrap();
     assert!(
         c.merge_bytes_per_s > 0.0 && c.partition_bytes_per_s > 0.0,
         "{c:?}"
     );
     let after = cluster.driver.stats().await.unwrap()[0];
+    // The transport is timed as reducers see it, through partition streams of probe
+    // shuffles read back three times each (64 + 2 partitions): not one unary call.
+    let (rpcs_before, rpcs_after) = (stats_before.rpcs, after.rpcs);
+    assert!(
+        rpcs_after - rpcs_before >= 3 * (64 + 2),
+        "{rpcs_before} -> {rpcs_after} calls"
+    );
+    assert!(c.network_bytes_per_s > 0.0, "{c:?}");
     let grown = after.peak_rss_bytes.saturating_sub(before);
     assert!(
         grown < 128 << 20,
