@@ -382,8 +382,8 @@ impl Driver {
     }
 
     /// This machine's calibration for the `auto` strategy, measured on first use: the
-    /// first live worker's rates ([`crate::calibrate`]), the median latency of a few small
-    /// requests, and the transport rate of a 16 MiB request.
+    /// first live worker's rates ([`crate::calibrate`]), the fastest of a few small
+    /// requests, and the cost of a remote block and of a byte, from probe shuffles.
     pub async fn calibration(self: &Arc<Self>) -> Result<proto::Calibration> {
         self.calibration
             .get_or_try_init(|| crate::calibrate::on_cluster(self))

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import sys
 import time
 
@@ -138,6 +139,7 @@ def _sweep(args: argparse.Namespace) -> int:
                     "choices": [r.get("strategy_choice") for r in runs[strategy]],
                     "bytes": report["bytes"],
                     "seconds": report["seconds"],
+                    "median_seconds": statistics.median(r["seconds"] for r in runs[strategy]),
                     "throughput_gb_s": report["throughput_gb_s"],
                     "map_seconds": report["map_seconds"],
                     "reduce_seconds": report["reduce_tail_seconds"],
