@@ -246,8 +246,9 @@ mod tests {
     #[test]
     fn pushed_bytes_cross_once_when_some_maps_ran_in_place() {
         // Under auto, 4 of 64 maps ran in place: readers read every worker, but only those
-        // maps' bytes cross when read; the pushed ones crossed as pushes (the model charged
-        // them again, as if read remotely: 0.75, and push never won under auto).
+        // maps' bytes cross when read; the pushed ones crossed as pushes, with the credit
+        // pushes get outside auto (the model charged all of them as remote reads, 0.75 with
+        // no credit: push was merged plus the pushes' cost, and never won under auto).
         let s = Shape {
             maps_in_place: 4,
             ..shape(16, 64)

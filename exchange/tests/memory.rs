@@ -58,6 +58,10 @@ async fn calibrating_stays_small() {
         "{rpcs_before} -> {rpcs_after} calls"
     );
     assert!(c.network_bytes_per_s > 0.0, "{c:?}");
+    assert_eq!(
+        after.shuffles, stats_before.shuffles,
+        "a probe shuffle was left"
+    );
     let grown = after.peak_rss_bytes.saturating_sub(before);
     assert!(
         grown < 128 << 20,
