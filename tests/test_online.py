@@ -15,6 +15,8 @@ import polars as pl
 import pytest
 from flightshuffle import tpch
 from flightshuffle.cli import Q1_LIKE
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 SF = 0.1
 DATA = os.environ.get(
@@ -231,7 +233,7 @@ def test_a_worker_killed_mid_stream_is_recovered_and_the_final_is_exact(
 def test_estimates_keep_key_and_min_max_types():
     """Group keys and MIN/MAX pass through with their Polars types (an Enum stays an Enum);
     an AVG over no rows is null, and its interval too."""
-    from flightshuffle import online as ol
+    from flightshuffle import estimates as es
 
     enum = pl.Enum(["a", "b", "c"])
     state = pl.DataFrame(
@@ -243,9 +245,63 @@ def test_estimates_keep_key_and_min_max_types():
             "__q1": [2.0, None],
         }
     )
-    aggs = [ol.AggRef("mx", "max"), ol.AggRef("avg", "mean")]
-    out = ol.estimate(state, ["k"], aggs, 10, 100)
+    aggs = [es.AggRef("mx", "max"), es.AggRef("avg", "mean")]
+    out = es.estimate(state, ["k"], aggs, 10, 100)
     assert out.columns == ["k", "mx", "mx_low", "mx_high", "avg", "avg_low", "avg_high"]
     assert [out.schema[c] for c in ["k", "mx", "mx_low"]] == [enum, enum, enum]
     assert out["avg"].to_list()[1] is None and out["avg_low"].to_list()[1] is None
     assert out["avg"].to_list()[0] == pytest.approx(1 / 3)
+
+
+STAT_VALUES = {
+    pl.Int64: st.one_of(st.none(), st.integers(-(10**6), 10**6)),
+    pl.Float64: st.one_of(st.none(), st.floats(allow_infinity=False, width=64)),
+    pl.Float32: st.one_of(st.none(), st.floats(allow_infinity=False, width=32)),
+}
+
+
+@st.composite
+def folded_stats(draw):
+    """A folded statistics frame as the SQL fold sends it: string keys (one row per group),
+    then per aggregate its count, sum and sum of squares (or extreme), with nulls and NaN."""
+    from flightshuffle import estimates as es
+
+    kinds = st.sampled_from(["sum", "mean", "count", "len", "min", "max"])
+    kinds = draw(st.lists(kinds, min_size=1, max_size=4))
+    aggs = [es.AggRef(f"a{j}", k) for j, k in enumerate(kinds)]
+    rows = draw(st.integers(0, 6))
+    cols: dict[str, pl.Series] = {"k": pl.Series([f"g{i}" for i in range(rows)])}
+    for j, a in enumerate(aggs):
+        for stat in es.NEEDS[a.kind]:
+            kind = pl.Int64 if stat == "c" else draw(st.sampled_from(list(STAT_VALUES)))
+            values = draw(st.lists(STAT_VALUES[kind], min_size=rows, max_size=rows))
+            cols[f"__{stat}{j}"] = pl.Series(values, dtype=kind)
+    n, total = draw(st.sampled_from([(0, 100), (7, 100), (100, 100), (0, 0)]))
+    return pl.DataFrame(cols), aggs, n, total
+
+
+@settings(max_examples=300, deadline=None)
+@given(folded_stats())
+def test_estimates_from_arrow_equal_those_from_polars(case):
+    """Online SQL estimates its rounds from the fold's Arrow table (no Polars call per column);
+    the result equals the Polars path's on the same statistics, nulls and NaN included."""
+    from flightshuffle import estimates as es
+    from polars.testing import assert_frame_equal
+
+    state, aggs, n, total = case
+    want = es.estimate(state, ["k"], aggs, n, total)
+    got = pl.from_arrow(es.estimate_arrow(state.to_arrow(), ["k"], aggs, n, total))
+    assert_frame_equal(got, want)
+
+
+def test_online_sql_rounds_are_estimated_in_arrow(cl, exact, monkeypatch):
+    """The native SQL fold's rounds take the Arrow path (the Polars one would raise here)."""
+    from flightshuffle import estimates as es
+
+    def polars_path(*args, **kwargs):
+        raise AssertionError("online SQL estimated through Polars")
+
+    monkeypatch.setattr(es, "estimate", polars_path)
+    results = list(cl.online(Q1_LIKE, rounds=3, seed=5, progress=False))
+    assert results[-1].final
+    assert_exact(results[-1].estimates, exact, AGGS)

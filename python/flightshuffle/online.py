@@ -17,7 +17,6 @@ statistics) and ``Dataset.group_by().agg()`` with Polars expressions.
 from __future__ import annotations
 
 import functools
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -25,43 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
-import numpy as np
 import polars as pl
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from flightshuffle import footers, ops
 from flightshuffle._exec import MapTask, Split, apply_ops
-
-# Statistics each aggregate kind needs: c = count, s = sum, q = sum of squares, m = min/max.
-NEEDS = {
-    "sum": "csq",
-    "mean": "csq",
-    "count": "c",
-    "len": "c",
-    "min": "m",
-    "max": "m",
-}
-
-
-@dataclass(frozen=True)
-class AggRef:
-    """An aggregate of an online query: output ``name`` and ``kind``."""
-
-    name: str
-    kind: str
-
-
-def combine(df: pl.DataFrame, keys: list[str], aggs: list[AggRef]) -> pl.DataFrame:
-    """Merge rows of statistics of the same group."""
-    exprs: list[pl.Expr] = []
-    for j, a in enumerate(aggs):
-        for stat in NEEDS[a.kind]:
-            col = pl.col(f"__{stat}{j}")
-            exprs.append(getattr(col, a.kind)() if stat == "m" else col.sum())
-    if not keys:
-        return df.select(exprs)
-    return df.group_by(keys).agg(exprs)
+from flightshuffle.estimates import NEEDS, AggRef, Shape, combine, shaped
 
 
 @dataclass
@@ -434,18 +402,18 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
     )
 
 
-def expand_stats(df: pl.DataFrame, plan: SqlPlan) -> pl.DataFrame:
+def expand_stats(table: pa.Table, plan: SqlPlan) -> pa.Table:
     """Folded statistics (keys, then the statistics query's columns, by position) as the
     per-aggregate columns ``__{stat}{j}`` that :func:`combine` and :func:`estimate` read."""
     want = len(plan.keys) + len(plan.stat_columns)
-    if df.width != want:
+    if table.num_columns != want:
         raise RuntimeError(
-            f"online aggregation: the folded statistics have {df.width} columns, expected {want}"
+            f"online aggregation: the folded statistics have {table.num_columns} columns, "
+            f"expected {want}"
         )
-    df = df.rename(dict(zip(df.columns, plan.keys + plan.stat_columns, strict=True)))
-    return df.select(
-        [pl.col(k) for k in plan.keys] + [pl.col(c).alias(s) for s, c in plan.stat_of.items()]
-    )
+    table = table.rename_columns(plan.keys + plan.stat_columns)
+    cols = {k: table.column(k) for k in plan.keys}
+    return pa.table(cols | {s: table.column(c) for s, c in plan.stat_of.items()})
 
 
 @dataclass
@@ -464,74 +432,6 @@ class OnlineResult:
     """Seconds since the query started."""
     maps_done: int
     maps_total: int
-
-
-def estimate(
-    state: pl.DataFrame,
-    keys: list[str],
-    aggs: list[AggRef],
-    n: int,
-    total: int,
-    confidence: float = 0.95,
-) -> pl.DataFrame:
-    """Estimates and CLT intervals from combined statistics after reading ``n`` of ``total``
-    input rows.
-
-    Computed with NumPy over whole columns: a Polars ``select`` of the same expressions took
-    3.6 ms per round for TPC-H Q1's 4 groups (8 aggregates), this 1.4 ms, on a driver that
-    computes one every round while the workers want the same cores."""
-    z = statistics.NormalDist().inv_cdf(0.5 + confidence / 2)
-    f = n / total if total else 1.0
-    fpc = max(0.0, 1.0 - f)
-    nn = max(n, 1)
-    # Keys and MIN/MAX stay Polars columns (an Enum keeps its categories); the estimates are
-    # computed from the statistics' Arrow arrays and made into Polars columns once.
-    names: list[str] = []
-    kept: dict[str, pl.Series] = {k: state.get_column(k) for k in keys}
-    floats: dict[str, pa.Array] = {}
-
-    def col(name: str, fill: float | None = None) -> np.ndarray:
-        c = pc.cast(state.get_column(name).to_arrow(), pa.float64())
-        if fill is not None:
-            c = pc.fill_null(c, fill)
-        return c.to_numpy(zero_copy_only=False)
-
-    no = np.zeros(state.height, dtype=bool)
-    with np.errstate(all="ignore"):
-        for j, a in enumerate(aggs):
-            low, high = f"{a.name}_low", f"{a.name}_high"
-            names += [a.name, low, high]
-            if a.kind in ("min", "max"):
-                m = state.get_column(f"__m{j}")
-                none = pl.repeat(None, state.height, dtype=m.dtype, eager=True)
-                kept |= {a.name: m.alias(a.name), low: none.alias(low), high: none.alias(high)}
-                continue
-            c = col(f"__c{j}")
-            if a.kind in ("count", "len"):
-                est = c / f if f > 0 else c
-                p = c / nn
-                se = total * np.sqrt(np.maximum(p * (1 - p) / nn * fpc, 0))
-                est_null = se_null = np.isnan(c)
-            else:
-                s, q = col(f"__s{j}", 0.0), col(f"__q{j}", 0.0)
-                if a.kind == "sum":
-                    est = s / f if f > 0 else s
-                    var = np.maximum(q / nn - (s / nn) ** 2, 0)
-                    se = total * np.sqrt(var / nn * fpc)
-                    est_null = se_null = no
-                else:
-                    est = s / c
-                    var = np.maximum(q / c - (s / c) ** 2, 0)
-                    se = np.sqrt(var / c * fpc)
-                    est_null, se_null = ~(c > 0), ~(c > 1)
-            floats[a.name] = pa.array(est, mask=est_null)
-            floats[low] = pa.array(est - z * se, mask=est_null | se_null)
-            floats[high] = pa.array(est + z * se, mask=est_null | se_null)
-    if floats:
-        made = pl.from_arrow(pa.table(floats))
-        assert isinstance(made, pl.DataFrame)
-        kept |= {n: made.get_column(n) for n in floats}
-    return pl.DataFrame([kept[n] for n in [*keys, *names]])
 
 
 def run(
@@ -604,7 +504,7 @@ def run_sql(
         plan.keys, plan.aggs, plan.order, plan.limit, plan.having, plan.hidden, plan.selected
     )
     total = sum(s[4] for s in splits)
-    expand = lambda t: expand_stats(ops.to_polars(t), plan)
+    expand = lambda t: expand_stats(t, plan)
     try:
         native, cluster.last_online_plan = cluster._native.online_sql(
             plan.stats,
@@ -700,19 +600,6 @@ def fact_splits(
     return out
 
 
-@dataclass
-class Shape:
-    """How estimates are shaped for the caller."""
-
-    keys: list[str]
-    aggs: list[AggRef]
-    order: list[tuple[str, bool]] | None
-    limit: int | None
-    having: str | None = None
-    hidden: list[str] | None = None
-    selected: list[str] | None = None
-
-
 def results(
     native: Any,
     to_stats: Any,
@@ -729,28 +616,15 @@ def results(
         from tqdm import tqdm
 
         bar = tqdm(total=100, unit="%", desc="online", bar_format="{l_bar}{bar}| {n:.0f}%")
-    keys, aggs = shape.keys, shape.aggs
     try:
         while True:
             item = native.next_partial()
             if item is None:
                 return
             info, table = item
-            state = combine(to_stats(table), keys, aggs)
+            state = to_stats(table)
             n = round(info["progress"] * total)
-            est = estimate(state, keys, aggs, n, total, confidence)
-            if shape.having:
-                est = est.sql(f"SELECT * FROM self WHERE {shape.having}")
-            if shape.hidden:
-                est = est.drop([f"{h}{x}" for h in shape.hidden for x in ("", "_low", "_high")])
-            by = [c for c, _ in shape.order or []] or keys
-            if by:
-                desc = [d for _, d in shape.order] if shape.order else False
-                est = est.sort(by, descending=desc, nulls_last=True)
-            if shape.limit is not None:
-                est = est.head(shape.limit)
-            if shape.selected:
-                est = est.select(shape.selected)
+            est = shaped(state, shape, n, total, confidence)
             if bar is not None:
                 bar.update(100 * info["progress"] - bar.n)
             yield OnlineResult(
