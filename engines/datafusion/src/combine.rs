@@ -80,24 +80,35 @@ pub struct PartialReduceKind;
 
 impl CombinerKind for PartialReduceKind {
     fn open(&self, payload: &[u8], schema: &SchemaRef) -> exchange::Result<Arc<dyn Combiner>> {
-        let bad = |what: String| exchange::Error::invalid(format!("combiner plan: {what}"));
-        let session = SessionContext::new();
-        session.register_udf(crate::double::udf());
-        let ctx = session.task_ctx();
-        let plan = physical_plan_from_bytes_with_extension_codec(payload, &ctx, &ExchangeCodec)
-            .map_err(|e| bad(e.to_string()))?;
-        let agg = plan
-            .downcast_ref::<AggregateExec>()
-            .ok_or_else(|| bad(format!("expected an aggregate, got {}", plan.name())))?;
-        if *agg.mode() != AggregateMode::PartialReduce {
-            return Err(bad(format!("expected PartialReduce, got {:?}", agg.mode())));
-        }
-        let input = agg.input().schema();
-        if !same_columns(&input, schema) || !same_columns(&agg.schema(), schema) {
-            return Err(bad("its columns are not the shuffle's".into()));
-        }
+        let (plan, ctx) = decode(payload, schema)?;
+        let input = plan.children()[0].schema();
         Ok(Arc::new(PartialReduce { plan, input, ctx }))
     }
+}
+
+/// The `PartialReduce` aggregate encoded in `payload`, checked to take and give `schema`'s
+/// columns, and the context it runs in.
+pub fn decode(
+    payload: &[u8],
+    schema: &SchemaRef,
+) -> exchange::Result<(Arc<dyn ExecutionPlan>, Arc<TaskContext>)> {
+    let bad = |what: String| exchange::Error::invalid(format!("combiner plan: {what}"));
+    let session = SessionContext::new();
+    session.register_udf(crate::double::udf());
+    let ctx = session.task_ctx();
+    let plan = physical_plan_from_bytes_with_extension_codec(payload, &ctx, &ExchangeCodec)
+        .map_err(|e| bad(e.to_string()))?;
+    let agg = plan
+        .downcast_ref::<AggregateExec>()
+        .ok_or_else(|| bad(format!("expected an aggregate, got {}", plan.name())))?;
+    if *agg.mode() != AggregateMode::PartialReduce {
+        return Err(bad(format!("expected PartialReduce, got {:?}", agg.mode())));
+    }
+    let input = agg.input().schema();
+    if !same_columns(&input, schema) || !same_columns(&agg.schema(), schema) {
+        return Err(bad("its columns are not the shuffle's".into()));
+    }
+    Ok((plan, ctx))
 }
 
 struct PartialReduce {

@@ -15,10 +15,12 @@
 //! stays whole; only what is sent shrinks (TPC-H Q10 at SF1: 38 K groups, 20 returned).
 
 use crate::combine::PartialReduceKind;
+use crate::running::Running;
 use arrow::array::{Array, ArrayRef, AsArray, Float64Array, RecordBatch, Scalar};
 use arrow::compute::kernels::cmp::{gt_eq, lt_eq};
-use arrow::compute::{cast, concat_batches, filter_record_batch, sort_to_indices, SortOptions};
+use arrow::compute::{cast, concat, filter_record_batch, sort_to_indices, SortOptions};
 use arrow::datatypes::{DataType, Float64Type, SchemaRef};
+use datafusion::physical_plan::aggregates::AggregateExec;
 use exchange::combine::{Combiner, CombinerKind};
 use exchange::task::{ReduceState, Reducer};
 use prost::Message;
@@ -57,20 +59,35 @@ pub struct EmitTop {
     pub k: u64,
 }
 
-/// A partition's running state: the combined states, and what folds them (decoded once).
+/// A partition's running state, and what folds it (decoded once).
 struct FoldState {
     schema: SchemaRef,
-    batches: Vec<RecordBatch>,
-    combiner: Arc<dyn Combiner>,
+    folded: Folded,
     top: Option<EmitTop>,
+}
+
+enum Folded {
+    /// Groups interned once, states merged into accumulators (see [`crate::running`]), and
+    /// every group's states after the last fold.
+    Running(Box<Running>, Vec<RecordBatch>),
+    /// The states combined per group so far, all combined again with each round's blocks
+    /// (aggregates [`Running`] cannot take).
+    Combined {
+        combiner: Arc<dyn Combiner>,
+        batches: Vec<RecordBatch>,
+    },
 }
 
 fn foreign() -> exchange::Error {
     exchange::Error::invalid("partial fold given a foreign state")
 }
 
-/// Folds the partial aggregate states of an online query's fact stage: the running state is
-/// the states combined per group so far; a fold combines it with the new blocks.
+fn task_err(e: datafusion::error::DataFusionError) -> exchange::Error {
+    exchange::Error::Task(format!("online fold: {e}"))
+}
+
+/// Folds the partial aggregate states of an online query's fact stage into the running
+/// state of the partition.
 pub struct PartialFold;
 
 impl Reducer for PartialFold {
@@ -86,18 +103,42 @@ impl Reducer for PartialFold {
             None => {
                 let p = FoldPayload::decode(payload)
                     .map_err(|e| exchange::Error::invalid(format!("partial fold payload: {e}")))?;
+                let (plan, _) = crate::combine::decode(&p.plan, &schema)?;
+                let running = match plan.downcast_ref::<AggregateExec>() {
+                    Some(agg) => Running::try_new(agg, schema.clone()).map_err(task_err)?,
+                    None => None,
+                };
+                let folded = match running {
+                    Some(r) => Folded::Running(Box::new(r), Vec::new()),
+                    None => Folded::Combined {
+                        combiner: PartialReduceKind.open(&p.plan, &schema)?,
+                        batches: Vec::new(),
+                    },
+                };
                 FoldState {
-                    combiner: PartialReduceKind.open(&p.plan, &schema)?,
                     schema,
-                    batches: Vec::new(),
+                    folded,
                     top: p.top,
                 }
             }
         };
-        if batches.iter().any(|b| b.num_rows() > 0) {
-            let mut all = std::mem::take(&mut state.batches);
-            all.extend(batches);
-            state.batches = state.combiner.combine(&all)?;
+        match &mut state.folded {
+            Folded::Running(running, all) => {
+                for b in batches.iter().filter(|b| b.num_rows() > 0) {
+                    running.add(b).map_err(task_err)?;
+                }
+                *all = running.snapshot().map_err(task_err)?;
+            }
+            Folded::Combined {
+                combiner,
+                batches: kept,
+            } => {
+                if batches.iter().any(|b| b.num_rows() > 0) {
+                    let mut all = std::mem::take(kept);
+                    all.extend(batches);
+                    *kept = combiner.combine(&all)?;
+                }
+            }
         }
         Ok(Box::new(state))
     }
@@ -108,13 +149,17 @@ impl Reducer for PartialFold {
         state: &ReduceState,
     ) -> exchange::Result<(SchemaRef, Vec<RecordBatch>)> {
         let s = state.downcast_ref::<FoldState>().ok_or_else(foreign)?;
+        let all = match &s.folded {
+            Folded::Running(_, all) => all.clone(),
+            Folded::Combined { batches, .. } => batches.clone(),
+        };
         let batches = match &s.top {
-            Some(top) => candidates(&s.batches, top).unwrap_or_else(|e| {
+            Some(top) => candidates(&all, top).unwrap_or_else(|e| {
                 // Never worse than sending everything.
                 tracing::debug!(error = %e, "online fold: sending every group");
-                s.batches.clone()
+                all
             }),
-            None => s.batches.clone(),
+            None => all,
         };
         Ok((s.schema.clone(), batches))
     }
@@ -130,31 +175,43 @@ pub fn candidates(
     let Some(first) = batches.first() else {
         return Ok(Vec::new());
     };
-    let batch = concat_batches(&first.schema(), batches)?;
+    let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
     let k = usize::try_from(top.k).unwrap_or(usize::MAX);
-    if batch.num_rows() <= k {
-        return Ok(vec![batch]);
+    if rows <= k {
+        return Ok(batches.to_vec());
     }
     if k == 0 {
-        return Ok(vec![batch.slice(0, 0)]);
+        return Ok(vec![first.slice(0, 0)]);
     }
-    let values = order_values(&batch, top)?;
+    // Only the ordering values are put together; the rows stay in their batches.
+    let values = batches
+        .iter()
+        .map(|b| order_values(b, top))
+        .collect::<Result<Vec<_>, _>>()?;
+    let all = concat(&values.iter().map(|v| v.as_ref()).collect::<Vec<_>>())?;
     let opts = SortOptions {
         descending: top.descending,
         nulls_first: false,
     };
-    let firsts = sort_to_indices(&values, Some(opts), Some(k))?;
+    let firsts = sort_to_indices(&all, Some(opts), Some(k))?;
     let kth = firsts.value(k - 1) as usize;
-    if values.is_null(kth) {
-        return Ok(vec![batch]);
+    if all.is_null(kth) {
+        return Ok(batches.to_vec());
     }
-    let threshold = Scalar::new(values.slice(kth, 1));
-    let keep = if top.descending {
-        gt_eq(&values, &threshold)?
-    } else {
-        lt_eq(&values, &threshold)?
-    };
-    Ok(vec![filter_record_batch(&batch, &keep)?])
+    let threshold = Scalar::new(all.slice(kth, 1));
+    let mut out = Vec::new();
+    for (batch, values) in batches.iter().zip(&values) {
+        let keep = if top.descending {
+            gt_eq(values, &threshold)?
+        } else {
+            lt_eq(values, &threshold)?
+        };
+        let kept = filter_record_batch(batch, &keep)?;
+        if kept.num_rows() > 0 {
+            out.push(kept);
+        }
+    }
+    Ok(out)
 }
 
 /// The value each row is ordered by, as the driver's estimates order it.
@@ -358,7 +415,10 @@ mod tests {
                     idx.iter().map(|&i| sums[i]).collect(),
                     idx.iter().map(|&i| counts[i]).collect(),
                 );
-                sent.extend(keys(&candidates(&[b], &t).unwrap()));
+                // In two batches, as a running fold's chunks come.
+                let cut = b.num_rows() / 2;
+                let halves = [b.slice(0, cut), b.slice(cut, b.num_rows() - cut)];
+                sent.extend(keys(&candidates(&halves, &t).unwrap()));
             }
             for w in want {
                 prop_assert!(sent.contains(&w), "row {} missing from {:?}", w, sent);

@@ -18,6 +18,7 @@ pub mod online;
 pub mod planner;
 pub mod pool;
 pub mod reader;
+pub mod running;
 pub mod sendable;
 pub mod skew;
 pub mod source;
