@@ -130,7 +130,25 @@ pub struct WorkerState {
     fold_rounds: Arc<Mutex<HashMap<(ShuffleId, u32), u32>>>,
     /// States being folded now. The fold finishes and puts its state back even when the
     /// call that asked for it is cancelled; a later fold of the same state waits for it.
-    folding: Arc<Mutex<std::collections::HashSet<(ShuffleId, u32)>>>,
+    folding: FoldKeys,
+}
+
+type FoldKeys = Arc<Mutex<std::collections::HashSet<(ShuffleId, u32)>>>;
+
+/// A partition being folded, until dropped (also on a panic: its next fold fails at once).
+struct Folding(FoldKeys, (ShuffleId, u32));
+
+impl Folding {
+    fn start(set: FoldKeys, key: (ShuffleId, u32)) -> Self {
+        lock(&set).insert(key);
+        Folding(set, key)
+    }
+}
+
+impl Drop for Folding {
+    fn drop(&mut self) {
+        lock(&self.0).remove(&self.1);
+    }
 }
 
 impl WorkerState {
@@ -389,10 +407,11 @@ impl WorkerState {
             self.fold_rounds.clone(),
             self.folding.clone(),
         );
-        lock(&folding).insert(key);
+        let busy = Folding::start(folding, key);
         let round = m.round;
         let folded = tokio::task::spawn_blocking(move || {
-            let result = (|| {
+            let _busy = busy;
+            (|| {
                 let state = reducer.fold(&payload, state, batches, schema)?;
                 let out = reducer.emit(&payload, &state);
                 // Not if the shuffle was dropped meanwhile: nothing of it may come back.
@@ -401,9 +420,7 @@ impl WorkerState {
                     lock(&rounds).insert(key, round + 1);
                 }
                 out
-            })();
-            lock(&folding).remove(&key);
-            result
+            })()
         })
         .await
         .map_err(|e| Error::Cluster(format!("fold task panicked: {e}")))?;
@@ -440,13 +457,13 @@ impl WorkerState {
             })?;
         // Put back by the blocking task itself (see `fold`).
         let (states, folding) = (self.fold_states.clone(), self.folding.clone());
-        lock(&folding).insert(key);
+        let busy = Folding::start(folding, key);
         let out = tokio::task::spawn_blocking(move || {
+            let _busy = busy;
             let out = reducer.emit(&payload, &state);
             if let Some(slot) = lock(&states).get_mut(&key) {
                 *slot = Some(state);
             }
-            lock(&folding).remove(&key);
             out
         })
         .await

@@ -124,10 +124,14 @@ impl Reducer for PartialFold {
         };
         match &mut state.folded {
             Folded::Running(running, all) => {
+                let mut added = false;
                 for b in batches.iter().filter(|b| b.num_rows() > 0) {
                     running.add(b).map_err(task_err)?;
+                    added = true;
                 }
-                *all = running.snapshot().map_err(task_err)?;
+                if added {
+                    *all = running.snapshot().map_err(task_err)?;
+                }
             }
             Folded::Combined {
                 combiner,
