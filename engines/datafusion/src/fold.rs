@@ -169,6 +169,15 @@ impl Reducer for PartialFold {
     }
 }
 
+/// Whether a fold state merges rounds into a [`Running`] state (for tests).
+#[cfg(test)]
+pub(crate) fn is_running(state: &ReduceState) -> bool {
+    matches!(
+        state.downcast_ref::<FoldState>().map(|s| &s.folded),
+        Some(Folded::Running(..))
+    )
+}
+
 /// The rows of `batches` that can be among the first `top.k` in `top`'s order: every row
 /// ordered no later than the k-th, ties included; rows whose value is null only when fewer
 /// than k values are not (nulls sort last).

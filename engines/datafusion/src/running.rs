@@ -189,6 +189,7 @@ impl Running {
 mod tests {
     use super::*;
     use crate::combine::{partial_reduce, PartialReduceKind};
+    use crate::fold::{FoldPayload, PartialFold};
     use arrow::array::{Int32Array, Int64Array, StringArray, StringViewArray};
     use arrow::datatypes::{DataType, Field, Schema};
     use arrow::util::pretty::pretty_format_batches;
@@ -196,7 +197,9 @@ mod tests {
     use datafusion::physical_plan::{collect, ExecutionPlan};
     use datafusion::prelude::{SessionConfig, SessionContext};
     use exchange::combine::CombinerKind;
+    use exchange::task::Reducer;
     use proptest::prelude::*;
+    use prost::Message;
 
     type Row = (Option<u8>, i64, Option<i32>);
 
@@ -251,7 +254,7 @@ mod tests {
         #[test]
         fn folding_round_by_round_equals_combining_at_once(
             rows in proptest::collection::vec(
-                (prop::option::of(0u8..5), 0i64..3, prop::option::of(-50i32..50)), 1..200),
+                (prop::option::of(0u8..5), 0i64..3, prop::option::of(-50i32..50)), 4..200),
             parts in 2usize..5,
             rounds in 1usize..4,
             view: bool,
@@ -284,6 +287,9 @@ mod tests {
                 let mut running = Running::try_new(reduce, schema.clone()).unwrap().unwrap();
                 let per_round = states.len().div_ceil(rounds).max(1);
                 let mut added = Vec::new();
+                // The same rounds through the reducer the workers run.
+                let fold_payload = FoldPayload { plan: payload.clone(), top: None }.encode_to_vec();
+                let mut folded = None;
                 for round in states.chunks(per_round) {
                     for b in round {
                         running.add(b).unwrap();
@@ -292,6 +298,13 @@ mod tests {
                     let got = running.snapshot().unwrap();
                     let want = tokio::task::block_in_place(|| combiner.combine(&added)).unwrap();
                     prop_assert_eq!(lines(&got), lines(&want));
+                    let state = PartialFold
+                        .fold(&fold_payload, folded.take(), round.to_vec(), schema.clone())
+                        .unwrap();
+                    prop_assert!(crate::fold::is_running(&state), "the fold took the running path");
+                    let (_, emitted) = PartialFold.emit(&fold_payload, &state).unwrap();
+                    prop_assert_eq!(lines(&emitted), lines(&want));
+                    folded = Some(state);
                 }
                 let all = tokio::task::block_in_place(|| combiner.combine(&states)).unwrap();
                 prop_assert_eq!(running.len(), lines(&all).len() - 1);
