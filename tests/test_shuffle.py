@@ -206,7 +206,7 @@ def test_auto_estimates_the_map_count_of_an_in_memory_table(cluster, kind):
         assert "so far, the input's size unknown" in note, note
     else:
         expected = -(-size // (128 << 10))
-        assert f", {expected} maps: " in note, (expected, note)
+        assert f", {expected} maps, " in note, (expected, note)
 
 
 def test_a_one_chunk_frame_is_cut_into_several_map_tasks(cluster):

@@ -1,6 +1,7 @@
-//! The pipelined scheduler with real worker processes: a worker killed while a run's stages
-//! are half done is replaced, and the run goes on from where it was (only the missing maps
-//! run again), without starting over.
+//! The map runner and the pipelined scheduler with real worker processes: a worker killed
+//! while a run's stages are half done is replaced, and the run goes on from where it was
+//! (only the missing maps run again), without starting over; the first wave of an online
+//! query's maps runs one map per worker.
 
 use arrow::array::RecordBatch;
 use exchange::checksum::Checksum;
@@ -129,4 +130,72 @@ async fn a_worker_lost_mid_run_reruns_only_the_missing_maps() {
     for s in [spec_a.id, spec_b.id] {
         driver.drop_shuffle(s).await.unwrap();
     }
+}
+
+/// `first_wave_alone`: each worker runs one map until one map per worker has committed (an
+/// online query's first round then commits in the time of one map alone), then
+/// `maps_per_worker` again. Map inputs here are driver streams that count when they are
+/// first read and wait for a permit: with 2 workers, 2 maps start, not 4; once the first 2
+/// commit, up to 4 run; every map commits once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_wave_runs_one_map_per_worker() {
+    use exchange::strategy::pull;
+    let cluster = LocalCluster::start(config(2, 1 << 30)).await.unwrap();
+    let driver = cluster.driver.clone();
+    let input = batches(8, 200);
+    let want = checksum(&input);
+    let Gated {
+        inputs,
+        started,
+        permits,
+    } = gated(input);
+    let spec = ShuffleSpec {
+        id: exchange::ShuffleId::random(),
+        schema: schema(),
+        partitions: 3,
+        partitioner: exchange::partitioner::hash(&["k"]),
+        checksum_inputs: true,
+        combine: None,
+    };
+    driver.create_shuffle(&spec).await.unwrap();
+    let opts = StrategyOptions {
+        first_wave_alone: true,
+        ..StrategyOptions::default()
+    };
+    let committed = Arc::new(AtomicUsize::new(0));
+    let run = {
+        let (driver, spec, committed) = (driver.clone(), spec.clone(), committed.clone());
+        tokio::spawn(async move {
+            pull::run_maps_observed(
+                &driver,
+                &spec,
+                futures::stream::iter(inputs),
+                0,
+                opts,
+                |_| {
+                    committed.fetch_add(1, Ordering::SeqCst);
+                },
+            )
+            .await
+        })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert_eq!(
+        started.load(Ordering::SeqCst),
+        2,
+        "one map per worker first"
+    );
+    permits.add_permits(2);
+    until("2 maps committed", || committed.load(Ordering::SeqCst) >= 2).await;
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert_eq!(
+        started.load(Ordering::SeqCst),
+        6,
+        "then maps_per_worker (2) each"
+    );
+    permits.add_permits(6);
+    let mapped = run.await.unwrap().unwrap();
+    assert_eq!(mapped.maps.len(), 8);
+    assert_eq!(mapped.input, want, "every map's rows committed once");
+    driver.drop_shuffle(spec.id).await.unwrap();
 }

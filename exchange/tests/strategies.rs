@@ -206,3 +206,67 @@ async fn packed_map_blocks_keep_the_multiset_merged_or_not() {
         }
     }
 }
+
+/// `auto` runs its first wave alone (one map per worker) and starts the next maps only once
+/// it has chosen, so they run packed or placed as the pick wants: with one of the two first
+/// maps committed, no third map has started; once both have, the rest run and the output
+/// is exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_starts_the_maps_after_its_first_wave_once_it_has_chosen() {
+    use std::sync::atomic::Ordering;
+    let cluster = LocalCluster::start(config(2, 1 << 30)).await.unwrap();
+    let driver = cluster.driver.clone();
+    let input = batches(8, 200);
+    let want = checksum(&input);
+    let Gated {
+        inputs,
+        started,
+        permits,
+    } = gated(input);
+    let spec = ShuffleSpec {
+        id: exchange::ShuffleId::random(),
+        schema: schema(),
+        partitions: 3,
+        partitioner: exchange::partitioner::hash(&["k"]),
+        checksum_inputs: true,
+        combine: None,
+    };
+    driver.create_shuffle(&spec).await.unwrap();
+    // Calibrated before the maps start, so the choice is made as the wave commits.
+    driver.calibration().await.unwrap();
+    let run = {
+        let (driver, spec) = (driver.clone(), spec.clone());
+        let opts = StrategyOptions::named("auto").unwrap();
+        tokio::spawn(async move {
+            exchange::strategy::map_side(&driver, &spec, futures::stream::iter(inputs), opts).await
+        })
+    };
+    until("the first wave started", || {
+        started.load(Ordering::SeqCst) >= 2
+    })
+    .await;
+    permits.add_permits(1);
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert_eq!(
+        started.load(Ordering::SeqCst),
+        2,
+        "no map starts before the choice"
+    );
+    permits.add_permits(1);
+    until("maps after the choice", || {
+        started.load(Ordering::SeqCst) > 2
+    })
+    .await;
+    permits.add_permits(6);
+    let mapped = run.await.unwrap().unwrap();
+    assert_eq!(mapped.maps.len(), 8);
+    assert_eq!(mapped.input, want, "every map's rows committed once");
+    assert!(
+        driver
+            .choice(spec.id)
+            .is_some_and(|c| c.starts_with("auto: ") && c.contains("2 run before the choice")),
+        "{:?}",
+        driver.choice(spec.id)
+    );
+    driver.drop_shuffle(spec.id).await.unwrap();
+}

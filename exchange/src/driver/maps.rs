@@ -35,6 +35,14 @@ pub async fn run_maps_observed(
 ) -> Result<Mapped> {
     let n = driver.num_workers();
     let limit = n * opts.maps_per_worker.max(1);
+    // Maps running at once, once `done` maps have committed (one per worker first, if asked).
+    let cap = |done: usize| {
+        if opts.first_wave_alone && done < n {
+            n
+        } else {
+            limit
+        }
+    };
     let mut load = vec![0usize; n];
     let mut running = FuturesUnordered::new();
     let mut inputs = inputs.fuse();
@@ -141,7 +149,7 @@ pub async fn run_maps_observed(
                 break;
             }
             tokio::select! {
-                input = inputs.next(), if !inputs_done && running.len() < limit => {
+                input = inputs.next(), if !inputs_done && running.len() < cap(done_maps.len()) => {
                     let Some(input) = input else {
                         inputs_done = true;
                         continue;

@@ -6,7 +6,9 @@
 //! ([`crate::driver::Driver::calibration`]) and the cheapest wins: `pull` lets the rest run as
 //! they are; `merged` merges on each worker, the first wave included; `push` and `two-level`
 //! send the blocks of the maps still to run to their holders (the first wave's stay where they
-//! are, so readers keep reading every worker) and merge there. The pick and the predicted
+//! are, so readers keep reading every worker) and merge there. The first wave runs one map per
+//! worker and the next maps start once the choice is made, so only the first wave's maps
+//! write unpacked blocks in place. The pick and the predicted
 //! times are noted on the driver and shown by `EXPLAIN ANALYZE`.
 //!
 //! The model itself is [`crate::cost`].
@@ -73,7 +75,22 @@ pub async fn map_side(
     let submitted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let exhausted = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (counted, ended) = (submitted.clone(), exhausted.clone());
+    // The first wave runs alone (one map per worker) and the maps after it wait for the
+    // choice: they then run packed or placed as the pick wants, and the maps left in place
+    // unpacked (each R blocks) are the first wave only.
+    let n = driver.num_workers();
+    let (decided, choice) = tokio::sync::watch::channel(false);
     let inputs = inputs
+        .enumerate()
+        .then(move |(i, input)| {
+            let mut choice = choice.clone();
+            async move {
+                if i >= n {
+                    let _ = choice.wait_for(|d| *d).await;
+                }
+                input
+            }
+        })
         .inspect(move |_| {
             counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         })
@@ -82,11 +99,14 @@ pub async fn map_side(
             std::task::Poll::Ready(None)
         }));
     let (tx, mut rx) = mpsc::unbounded_channel::<MapDone>();
-    let maps = pull::run_maps_observed(driver, spec, inputs, 0, opts, move |done| {
+    let alone = StrategyOptions {
+        first_wave_alone: true,
+        ..opts
+    };
+    let maps = pull::run_maps_observed(driver, spec, Box::pin(inputs), 0, alone, move |done| {
         let _ = tx.send(done.clone());
     });
     let decide = async {
-        let n = driver.num_workers();
         let mut wave = Vec::new();
         while wave.len() < n {
             match rx.recv().await {
@@ -124,30 +144,31 @@ pub async fn map_side(
             None => " so far, the input's size unknown",
         };
         let note = format!(
-            "auto: {pick} (predicted for {:.1} MB, {} maps{m_from}: {})",
+            "auto: {pick} (predicted for {:.1} MB, {} maps{m_from}, {} run before the choice: {})",
             shape.bytes / 1e6,
             shape.maps,
+            shape.maps_in_place,
             predicted.join(", ")
         );
         tracing::info!(shuffle = %spec.id, %note, "strategy chosen");
         driver.note_choice(spec.id, note);
+        if pick != Strategy::Pull {
+            if opts.pack {
+                driver.pack_maps(spec.id);
+            }
+            match pick {
+                Strategy::Push => driver.place_maps(spec.id, Placement::Owner),
+                Strategy::TwoLevel => driver.place_maps(spec.id, Placement::Grid),
+                _ => {}
+            }
+        }
+        let _ = decided.send(true);
         match pick {
             Strategy::Pull => {
                 while rx.recv().await.is_some() {}
                 Ok(Vec::new())
             }
-            other => {
-                if opts.pack {
-                    driver.pack_maps(spec.id);
-                }
-                if other != Strategy::Merged {
-                    let placement = if other == Strategy::Push {
-                        Placement::Owner
-                    } else {
-                        Placement::Grid
-                    };
-                    driver.place_maps(spec.id, placement);
-                }
+            _ => {
                 let rest = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
                 let commits = futures::stream::iter(wave).chain(rest);
                 merged::merge(driver, spec, commits, opts).await

@@ -68,6 +68,10 @@ pub struct StrategyOptions {
     pub strategy: Strategy,
     /// Map tasks running at once on one worker.
     pub maps_per_worker: usize,
+    /// Each worker runs one map at a time until one map per worker has committed: the first
+    /// commits come as soon as a map alone takes, not at the pace of `maps_per_worker` maps
+    /// sharing the worker's cores (an online query's first round).
+    pub first_wave_alone: bool,
     /// Reduce tasks running at once on one worker.
     pub reduces_per_worker: usize,
     /// Check worker health while waiting (off when the caller watches already).
@@ -106,6 +110,7 @@ impl Default for StrategyOptions {
         StrategyOptions {
             strategy: Strategy::Pull,
             maps_per_worker: 2,
+            first_wave_alone: false,
             reduces_per_worker: 2,
             watch: true,
             merge_timeout: std::time::Duration::from_secs(10),

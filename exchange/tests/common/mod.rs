@@ -183,3 +183,51 @@ pub fn lineitem_spec(checksum_inputs: bool) -> ShuffleSpec {
         combine: None,
     }
 }
+
+/// One map input per batch, fed from the driver: each counts in `started` when it is first
+/// read (its map task started) and then waits for a permit of `permits` before sending its
+/// rows. For tests of when the map runner starts maps.
+pub struct Gated {
+    pub inputs: Vec<MapInput>,
+    pub started: Arc<std::sync::atomic::AtomicUsize>,
+    pub permits: Arc<tokio::sync::Semaphore>,
+}
+
+pub fn gated(input: Vec<RecordBatch>) -> Gated {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let started = Arc::new(AtomicUsize::new(0));
+    let permits = Arc::new(tokio::sync::Semaphore::new(0));
+    let inputs = input
+        .into_iter()
+        .map(|b| {
+            let (started, permits) = (started.clone(), permits.clone());
+            let once = futures::stream::once(async move {
+                started.fetch_add(1, Ordering::SeqCst);
+                let permit = permits
+                    .acquire()
+                    .await
+                    .map_err(|e| exchange::Error::Cancelled(format!("test gate closed: {e}")))?;
+                permit.forget();
+                Ok(b)
+            });
+            MapInput::Stream(Box::pin(once))
+        })
+        .collect();
+    Gated {
+        inputs,
+        started,
+        permits,
+    }
+}
+
+/// Wait until `done()` holds, checking every 10 ms; panics after 30 s.
+pub async fn until(what: &str, done: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !done() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting: {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}

@@ -32,9 +32,12 @@ pub(super) async fn completion_rounds(
         total_maps,
     };
     let (tx, mut rx) = mpsc::unbounded_channel::<MapDone>();
+    // One map per worker until the first round has committed: it commits in the time of one
+    // map alone, not of `maps_per_worker` sharing the worker's cores.
     let opts = StrategyOptions {
         recover: false,
         watch: false,
+        first_wave_alone: true,
         ..opts
     };
     let inputs = futures::stream::iter(job.inputs);
