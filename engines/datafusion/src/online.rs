@@ -13,7 +13,8 @@
 //!   [`crate::source`]).
 //! * [`run`] runs the stages that feed the fact stage to completion first, then the fact stage
 //!   under the streaming strategy with rounds by completion: its partial aggregates are
-//!   hash-exchanged on the group keys and folded on the workers by [`PartialFold`] (the
+//!   hash-exchanged on the group keys into one fold partition per worker and folded there
+//!   by [`PartialFold`] (the
 //!   same `PartialReduce` aggregate in-exchange combining uses, see [`crate::fold`]), and
 //!   each round's combined statistics go to the caller, which turns them into estimates
 //!   (for `ORDER BY ... LIMIT k`, only the groups that can be among the first k).
@@ -275,7 +276,7 @@ pub async fn plan(
             needed.extend(s.inputs.iter().copied());
         }
     }
-    let dims = staged
+    let dims: Vec<Stage> = staged
         .stages
         .iter()
         .filter(|s| needed.contains(&s.id()))
@@ -303,7 +304,12 @@ pub async fn plan(
             input.output_partitioning().partition_count()
         )));
     }
-    let writer = Arc::new(fact.writer.with_input(input));
+    // One fold partition per worker, not the planner's count (cut for the cores of the whole
+    // query): every round costs a fold task per partition, a call and a read of its blocks
+    // from every worker.
+    let mut writer = fact.writer.with_input(input);
+    writer.partitions = fold_partitions(ctx.driver().num_workers(), writer.partitions);
+    let writer = Arc::new(writer);
     crate::sendable::check(&(writer.clone() as Arc<dyn ExecutionPlan>), &ctx.task_ctx()).map_err(
         |why| {
             plan_err(format!(
@@ -311,16 +317,39 @@ pub async fn plan(
             ))
         },
     )?;
+    let fact = Stage {
+        writer,
+        inputs: fact.inputs.clone(),
+    };
+    let explain = explain(&dims, &fact);
     Ok(OnlinePlan {
         dims,
-        fact: Stage {
-            writer,
-            inputs: fact.inputs.clone(),
-        },
+        fact,
         fold,
         schema,
-        explain: staged.display(),
+        explain,
     })
+}
+
+/// Fold partitions of the fact stage's exchange on `workers` workers, where the planner cut
+/// `planned` (1 without group keys): one per worker, at most as planned.
+fn fold_partitions(workers: usize, planned: u32) -> u32 {
+    (workers.max(1) as u32).min(planned.max(1))
+}
+
+/// What an online query runs, as `EXPLAIN` shows a query: the build stages, the fact stage
+/// (one partition per split), then the folds.
+fn explain(dims: &[Stage], fact: &Stage) -> String {
+    let mut stages = dims.to_vec();
+    stages.push(fact.clone());
+    let mut out = crate::planner::display_stages(&stages);
+    out.push_str(&format!(
+        "Folds — stage {}'s partial aggregates, folded on the workers as its splits commit; \
+         fold partitions: {}; the driver estimates from each round\n",
+        fact.id(),
+        fact.writer.partitions
+    ));
+    out
 }
 
 /// Parquet scans of the fact table's files under `plan`.

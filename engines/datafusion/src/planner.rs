@@ -89,24 +89,7 @@ impl StagedPlan {
 
     /// Every stage, indented, then the driver's part: what `EXPLAIN` prints.
     pub fn display(&self) -> String {
-        let mut out = String::new();
-        for s in &self.stages {
-            let reads = if s.inputs.is_empty() {
-                String::new()
-            } else {
-                format!(", reads stages {:?}", s.inputs)
-            };
-            out.push_str(&format!(
-                "Stage {} — {} partitions, exchange: {} (strategy {}){reads}\n",
-                s.id(),
-                s.writer.tasks(),
-                s.writer.describe(),
-                s.writer.strategy,
-            ));
-            out.push_str(&indent(
-                &displayable(s.writer.as_ref()).indent(true).to_string(),
-            ));
-        }
+        let mut out = display_stages(&self.stages);
         match &self.on_driver {
             Some(why) => out.push_str(&format!("Driver — runs the whole query: {why}\n")),
             None => out.push_str(&format!("Driver — reads stages {:?}\n", self.root_inputs)),
@@ -116,6 +99,30 @@ impl StagedPlan {
         ));
         out
     }
+}
+
+/// `stages`, each with its exchange and its plan indented (the first part of
+/// [`StagedPlan::display`]).
+pub fn display_stages(stages: &[Stage]) -> String {
+    let mut out = String::new();
+    for s in stages {
+        let reads = if s.inputs.is_empty() {
+            String::new()
+        } else {
+            format!(", reads stages {:?}", s.inputs)
+        };
+        out.push_str(&format!(
+            "Stage {} — {} partitions, exchange: {} (strategy {}){reads}\n",
+            s.id(),
+            s.writer.tasks(),
+            s.writer.describe(),
+            s.writer.strategy,
+        ));
+        out.push_str(&indent(
+            &displayable(s.writer.as_ref()).indent(true).to_string(),
+        ));
+    }
+    out
 }
 
 fn indent(s: &str) -> String {
