@@ -234,14 +234,7 @@ async fn bad_requests_get_clear_statuses() {
     assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status}");
 
     // A map input with another schema than the shuffle's.
-    let spec = ShuffleSpec {
-        id: ShuffleId::random(),
-        schema: schema(),
-        partitions: 2,
-        partitioner: partitioner::hash(&["k"]),
-        checksum_inputs: true,
-        combine: None,
-    };
+    let spec = spec_k(2);
     cluster.driver.create_shuffle(&spec).await.unwrap();
     let other = Arc::new(Schema::new(vec![Field::new("k", DataType::Utf8, false)]));
     let b =
@@ -403,14 +396,7 @@ async fn streaming_partials(
         .map(|b| MapInput::Stream(Box::pin(futures::stream::iter(vec![Ok(b.clone())]))))
         .collect();
     let job = StreamingJob {
-        spec: ShuffleSpec {
-            id: ShuffleId::random(),
-            schema: schema(),
-            partitions: 3,
-            partitioner: partitioner::hash(&["k"]),
-            checksum_inputs: true,
-            combine: None,
-        },
+        spec: spec_k(3),
         weights: vec![500; inputs.len()],
         inputs,
         rounds,

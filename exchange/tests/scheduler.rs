@@ -142,22 +142,9 @@ async fn the_first_wave_runs_one_map_per_worker() {
     use exchange::strategy::pull;
     let cluster = LocalCluster::start(config(2, 1 << 30)).await.unwrap();
     let driver = cluster.driver.clone();
-    let input = batches(8, 200);
-    let want = checksum(&input);
-    let Gated {
-        inputs,
-        started,
-        permits,
-    } = gated(input);
-    let spec = ShuffleSpec {
-        id: exchange::ShuffleId::random(),
-        schema: schema(),
-        partitions: 3,
-        partitioner: exchange::partitioner::hash(&["k"]),
-        checksum_inputs: true,
-        combine: None,
-    };
-    driver.create_shuffle(&spec).await.unwrap();
+    let g = gated(&driver, 8).await;
+    let (spec, inputs, want) = (g.spec, g.inputs, g.want);
+    let (started, permits) = (g.started, g.permits);
     let opts = StrategyOptions {
         first_wave_alone: true,
         ..StrategyOptions::default()

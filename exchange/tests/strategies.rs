@@ -216,22 +216,9 @@ async fn auto_starts_the_maps_after_its_first_wave_once_it_has_chosen() {
     use std::sync::atomic::Ordering;
     let cluster = LocalCluster::start(config(2, 1 << 30)).await.unwrap();
     let driver = cluster.driver.clone();
-    let input = batches(8, 200);
-    let want = checksum(&input);
-    let Gated {
-        inputs,
-        started,
-        permits,
-    } = gated(input);
-    let spec = ShuffleSpec {
-        id: exchange::ShuffleId::random(),
-        schema: schema(),
-        partitions: 3,
-        partitioner: exchange::partitioner::hash(&["k"]),
-        checksum_inputs: true,
-        combine: None,
-    };
-    driver.create_shuffle(&spec).await.unwrap();
+    let g = gated(&driver, 8).await;
+    let (spec, inputs, want) = (g.spec, g.inputs, g.want);
+    let (started, permits) = (g.started, g.permits);
     // Calibrated before the maps start, so the choice is made as the wave commits.
     driver.calibration().await.unwrap();
     let run = {

@@ -48,6 +48,18 @@ pub fn checksum(batches: &[RecordBatch]) -> Checksum {
     c
 }
 
+/// A shuffle of [`schema`] rows into `partitions`, hashed on `k`, its map inputs checksummed.
+pub fn spec_k(partitions: u32) -> ShuffleSpec {
+    ShuffleSpec {
+        id: ShuffleId::random(),
+        schema: schema(),
+        partitions,
+        partitioner: partitioner::hash(&["k"]),
+        checksum_inputs: true,
+        combine: None,
+    }
+}
+
 /// Shuffle `input` from the driver in `maps` map tasks; return every partition's batches.
 pub async fn shuffle(
     cluster: &LocalCluster,
@@ -56,14 +68,7 @@ pub async fn shuffle(
     partitions: u32,
 ) -> exchange::Result<Vec<Vec<RecordBatch>>> {
     let driver = cluster.driver.clone();
-    let spec = ShuffleSpec {
-        id: ShuffleId::random(),
-        schema: schema(),
-        partitions,
-        partitioner: partitioner::hash(&["k"]),
-        checksum_inputs: true,
-        combine: None,
-    };
+    let spec = spec_k(partitions);
     driver.create_shuffle(&spec).await?;
     let chunk = input.len().div_ceil(maps);
     let inputs: Vec<MapInput> = input
@@ -184,17 +189,23 @@ pub fn lineitem_spec(checksum_inputs: bool) -> ShuffleSpec {
     }
 }
 
-/// One map input per batch, fed from the driver: each counts in `started` when it is first
-/// read (its map task started) and then waits for a permit of `permits` before sending its
-/// rows. For tests of when the map runner starts maps.
+/// A shuffle of `maps` map inputs of 200 rows, fed from the driver: each input counts in
+/// `started` when it is first read (its map task started) and then waits for a permit of
+/// `permits` before sending its rows; created on `driver`. For tests of when the map runner
+/// starts maps.
 pub struct Gated {
+    pub spec: ShuffleSpec,
     pub inputs: Vec<MapInput>,
+    /// The rows of all inputs.
+    pub want: Checksum,
     pub started: Arc<std::sync::atomic::AtomicUsize>,
     pub permits: Arc<tokio::sync::Semaphore>,
 }
 
-pub fn gated(input: Vec<RecordBatch>) -> Gated {
+pub async fn gated(driver: &exchange::driver::Driver, maps: usize) -> Gated {
     use std::sync::atomic::{AtomicUsize, Ordering};
+    let input = batches(maps, 200);
+    let want = checksum(&input);
     let started = Arc::new(AtomicUsize::new(0));
     let permits = Arc::new(tokio::sync::Semaphore::new(0));
     let inputs = input
@@ -213,8 +224,15 @@ pub fn gated(input: Vec<RecordBatch>) -> Gated {
             MapInput::Stream(Box::pin(once))
         })
         .collect();
+    let spec = spec_k(3);
+    driver
+        .create_shuffle(&spec)
+        .await
+        .expect("create the gated shuffle");
     Gated {
+        spec,
         inputs,
+        want,
         started,
         permits,
     }
