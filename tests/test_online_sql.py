@@ -416,3 +416,34 @@ def test_online_bound_counts_draws_within_and_the_whole_table_is_exact(tpch_data
     assert [s["rows_per_split"] for s in sizes] == [1024, 65536]
     assert all(0 <= s["p_within_stored_order"] <= 1 for s in sizes)
     assert sizes[0]["p_within_stored_order"] < 1  # 2 K rows of 600 K: Q1's smallest group misses
+
+
+def test_the_first_wave_reads_a_cut_split_and_every_row_is_read_once(tmp_path):
+    """The fact table's splits: the first wave (one per worker) reads at most
+    FIRST_WAVE_ROWS rows each, the rest of its row group is one more split later; over all
+    splits every row of every file is read exactly once, in an order fixed by the seed."""
+    import pyarrow.parquet as pq
+    from flightshuffle import online as ol
+
+    cut = ol.FIRST_WAVE_ROWS
+    sizes = {"a": (cut + 34_464, cut + 1), "b": (40_000, 40_000), "c": (2 * cut + 5, 2 * cut)}
+    files = []
+    for name, (rows, group) in sizes.items():
+        path = str(tmp_path / f"{name}.parquet")
+        pq.write_table(pa.table({"x": pa.array(range(rows), pa.int32())}), path, group)
+        files.append(path)
+    cuts = 0
+    for seed, first, want in itertools.product(range(4), range(5), (1, 9)):
+        splits = ol.fact_splits(files, want, seed, first)
+        assert splits == ol.fact_splits(files, want, seed, first)
+        assert all(s[4] <= cut for s in splits[:first])
+        uncut = ol.fact_splits(files, want, seed, 0)
+        over = sum(s[4] > cut for s in uncut[:first])
+        assert len(splits) == len(uncut) + over
+        cuts += over
+        for path, (rows, _) in zip(files, sizes.values()):
+            ranges = sorted((s[3], s[4]) for s in splits if s[0] == path)
+            assert all(n > 0 for _, n in ranges)
+            ends = [0] + [start + n for start, n in ranges]
+            assert [start for start, _ in ranges] == ends[:-1] and ends[-1] == rows
+    assert cuts > 0

@@ -13,6 +13,7 @@ import os
 import re
 import shlex
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Self
 
@@ -462,6 +463,8 @@ class Cluster:
         from flightshuffle import online as ol
         from flightshuffle.dataset import Grouped, make_splits, parquet_files, shuffled
 
+        started = time.perf_counter()
+
         if engine not in ("datafusion", "duckdb"):
             raise ValueError(f"engine must be 'datafusion' or 'duckdb', not {engine!r}")
         if not 0 < confidence < 1:
@@ -492,7 +495,7 @@ class Cluster:
             plan = ol.plan_sql(query, engine, self._never_null)
             if engine == "datafusion":
                 return ol.run_sql(
-                    self, plan, self._tables, rounds, want, seed, confidence, progress
+                    self, plan, self._tables, rounds, want, seed, confidence, progress, started
                 )
             if plan.table not in self._tables:
                 raise ValueError(
@@ -519,6 +522,7 @@ class Cluster:
             order,
             limit,
             plan,
+            started,
         )
 
     def sql(

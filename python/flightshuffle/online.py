@@ -448,15 +448,17 @@ def run(
     order: list[tuple[str, bool]] | None = None,
     limit: int | None = None,
     plan: SqlPlan | None = None,
+    started: float | None = None,
 ) -> Iterator[OnlineResult]:
-    """Run the streaming job with Python map tasks and yield estimates after every round."""
+    """Run the streaming job with Python map tasks and yield estimates after every round
+    (their ``elapsed`` counts from ``started``, default now)."""
     from flightshuffle.dataset import empty
 
     if rounds < 1:
         raise ValueError("online aggregation needs at least one round")
     if not splits:
         raise ValueError("online aggregation needs input splits")
-    started = time.perf_counter()
+    started = time.perf_counter() if started is None else started
     stage_ops = [*pre_ops, stats_op]
     schema = apply_ops(empty(splits[0].schema(columns)), stage_ops).schema
     body = cloudpickle.dumps(MapTask(stage_ops))
@@ -480,6 +482,7 @@ def run_sql(
     seed: int | None,
     confidence: float,
     progress: bool | None,
+    started: float | None = None,
 ) -> Iterator[OnlineResult]:
     """Online SQL with the native map side: the statistics query is planned once by
     DataFusion on the driver; the largest table (the fact table) is read in random splits,
@@ -490,14 +493,14 @@ def run_sql(
 
     if rounds < 1:
         raise ValueError("online aggregation needs at least one round")
-    started = time.perf_counter()
+    started = time.perf_counter() if started is None else started
     for t in plan.tables:
         if t not in tables:
             raise ValueError(f"unknown table {t!r}: pass it in tables= or register_parquet() it")
     files = {t: parquet_files(tables[t]) for t in plan.tables}
     rows = {t: sum(footers.file_rows(f) for f in fs) for t, fs in files.items()}
     fact = max(plan.tables, key=lambda t: rows[t])
-    splits = fact_splits(files[fact], want, seed)
+    splits = fact_splits(files[fact], want, seed, cluster.workers)
     if not splits:
         raise ValueError(f"the fact table {fact!r} has no rows")
     shape = Shape(
@@ -571,13 +574,22 @@ class _Whole:
         self.table = None
 
 
+# Rows a split of the first wave reads at most (a quarter of the 262,144-row row groups
+# DataFusion and tpchgen write): the first estimate comes after that many rows per worker,
+# not after a whole row group each (TPC-H Q1 at SF1: 54 -> 39 ms median over 10 seeds).
+FIRST_WAVE_ROWS = 65_536
+
+
 def fact_splits(
-    files: list[str], want: int, seed: int | None
+    files: list[str], want: int, seed: int | None, first: int = 0
 ) -> list[tuple[str, int, int, int, int]]:
     """The fact table's splits in a random order: (path, file bytes, file rows, first row,
     rows), one per row group, row groups cut into row ranges when there would be fewer than
-    ``want``."""
+    ``want``. The first ``first`` splits (the first wave: one per worker) read at most
+    :data:`FIRST_WAVE_ROWS` rows; the rest of each is one more split, at a random place
+    among the others."""
     import os
+    import random
 
     from flightshuffle.dataset import make_splits, shuffled
 
@@ -597,7 +609,14 @@ def fact_splits(
         out.append(
             (os.path.abspath(s.path), size, file_rows, offsets[s.row_group] + s.start, s.rows)
         )
-    return out
+    rng = random.Random(None if seed is None else f"{seed}/first wave")
+    rest = out[first:]
+    for i, (path, size, file_rows, start, rows) in enumerate(out[:first]):
+        if rows > FIRST_WAVE_ROWS:
+            out[i] = (path, size, file_rows, start, FIRST_WAVE_ROWS)
+            tail = (path, size, file_rows, start + FIRST_WAVE_ROWS, rows - FIRST_WAVE_ROWS)
+            rest.insert(rng.randrange(len(rest) + 1), tail)
+    return out[:first] + rest
 
 
 def results(
