@@ -447,3 +447,22 @@ def test_the_first_wave_reads_a_cut_split_and_every_row_is_read_once(tmp_path):
             ends = [0] + [start + n for start, n in ranges]
             assert [start for start, _ in ranges] == ends[:-1] and ends[-1] == rows
     assert cuts > 0
+
+
+@pytest.mark.parametrize("n, cut", [(1, True), (6, True), (3, False)])
+def test_a_one_table_query_cuts_its_first_wave_and_stays_exact(cl, con, n, cut):
+    """Whole row groups as splits (150,000 rows at SF0.1): a query over one table reads
+    FIRST_WAVE_ROWS rows in each worker's first split, and the rest of those row groups
+    later; a query with joins reads whole row groups from the start. Both end exact."""
+    from flightshuffle import online as ol
+
+    query, ordered = tpch.query(n, SF)
+    groups = 4  # row groups of lineitem at SF0.1, one per file
+    results = list(cl.online(query, rounds=2, seed=3, min_splits=1, progress=False))
+    assert results[-1].maps_total == groups + (2 if cut else 0)
+    assert f"SplitScanExec: {results[-1].maps_total} splits" in cl.last_online_plan
+    if cut:
+        rows = con.sql("SELECT count(*) FROM lineitem").fetchall()[0][0]
+        assert results[0].progress == pytest.approx(2 * ol.FIRST_WAVE_ROWS / rows)
+    problem = tpch.compare(con.sql(query).to_arrow_table(), output(results[-1].estimates), ordered)
+    assert problem is None, f"q{n}: {problem}"

@@ -500,7 +500,10 @@ def run_sql(
     files = {t: parquet_files(tables[t]) for t in plan.tables}
     rows = {t: sum(footers.file_rows(f) for f in fs) for t, fs in files.items()}
     fact = max(plan.tables, key=lambda t: rows[t])
-    splits = fact_splits(files[fact], want, seed, cluster.workers)
+    # With joins the first estimate waits for the build sides: a cut first wave brings it
+    # little earlier and its extra splits cost more than that (see FIRST_WAVE_ROWS).
+    first = cluster.workers if len(plan.tables) == 1 else 0
+    splits = fact_splits(files[fact], want, seed, first)
     if not splits:
         raise ValueError(f"the fact table {fact!r} has no rows")
     shape = Shape(
@@ -575,8 +578,12 @@ class _Whole:
 
 
 # Rows a split of the first wave reads at most (a quarter of the 262,144-row row groups
-# DataFusion and tpchgen write): the first estimate comes after that many rows per worker,
-# not after a whole row group each (TPC-H Q1 at SF1: 54 -> 39 ms median over 10 seeds).
+# DataFusion and tpchgen write), for a query over one table: its first estimate comes after
+# that many rows per worker, not a whole row group each. A/B in one cluster, 10 seeds x 3
+# runs, TPC-H SF1: Q1's first estimate 74 -> 49 ms (median), time-to-5% / SQL 0.146 ->
+# 0.106. Its W extra splits (the tails) cost the joins more than they bring: Q3's first
+# estimate 110 -> 105 ms, its whole run / SQL 1.258 -> 1.279; Q10 182 -> 165 ms and
+# 1.167 -> 1.208; so queries with joins read whole row groups from the start.
 FIRST_WAVE_ROWS = 65_536
 
 
