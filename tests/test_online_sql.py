@@ -418,35 +418,52 @@ def test_online_bound_counts_draws_within_and_the_whole_table_is_exact(tpch_data
     assert sizes[0]["p_within_stored_order"] < 1  # 2 K rows of 600 K: Q1's smallest group misses
 
 
-def test_the_first_wave_reads_a_cut_split_and_every_row_is_read_once(tmp_path):
-    """The fact table's splits: the first wave (one per worker) reads at most
-    FIRST_WAVE_ROWS rows each, the rest of its row group is one more split later; over all
-    splits every row of every file is read exactly once, in an order fixed by the seed."""
+def test_fact_splits_merge_row_groups_cut_the_first_wave_and_read_every_row_once(tmp_path):
+    """The fact table's splits: later splits read runs of whole row groups (at most
+    SPLIT_ROWS rows, and at least `first + rounds` splits); the first wave (one per worker)
+    reads one row group, at most `head_rows` rows, and the rest of its run is one more
+    split later; over all splits every row of every file is read exactly once, in an order
+    fixed by the seed."""
+    import bisect
+
     import pyarrow.parquet as pq
     from flightshuffle import online as ol
 
     cut = ol.FIRST_WAVE_ROWS
-    sizes = {"a": (cut + 34_464, cut + 1), "b": (40_000, 40_000), "c": (2 * cut + 5, 2 * cut)}
-    files = []
+    sizes = {"a": (150_000, 30_000), "b": (40_000, 40_000), "c": (3 * 2 * cut + 5, 2 * cut)}
+    files, bounds = [], {}
     for name, (rows, group) in sizes.items():
         path = str(tmp_path / f"{name}.parquet")
         pq.write_table(pa.table({"x": pa.array(range(rows), pa.int32())}), path, group)
+        md = pq.ParquetFile(path).metadata
+        ends = list(
+            itertools.accumulate(md.row_group(i).num_rows for i in range(md.num_row_groups))
+        )
         files.append(path)
-    cuts = 0
-    for seed, first, want in itertools.product(range(4), range(5), (1, 9)):
-        splits = ol.fact_splits(files, want, seed, first)
-        assert splits == ol.fact_splits(files, want, seed, first)
-        assert all(s[4] <= cut for s in splits[:first])
-        uncut = ol.fact_splits(files, want, seed, 0)
-        over = sum(s[4] > cut for s in uncut[:first])
-        assert len(splits) == len(uncut) + over
-        cuts += over
+        bounds[path] = [0, *ends]
+
+    def groups_read(s: tuple) -> int:
+        b = bounds[s[0]]
+        return bisect.bisect_left(b, s[3] + s[4]) - bisect.bisect_right(b, s[3]) + 1
+
+    cuts = merged = 0
+    cases = itertools.product(range(3), range(4), (0, 2, 6, 30), (1, 9, 40), (None, cut))
+    for seed, first, rounds, want, head in cases:
+        splits = ol.fact_splits(files, want, seed, first, rounds, head)
+        assert splits == ol.fact_splits(files, want, seed, first, rounds, head)
+        assert all(groups_read(s) == 1 and s[4] <= (head or s[4]) for s in splits[:first])
         for path, (rows, _) in zip(files, sizes.values()):
             ranges = sorted((s[3], s[4]) for s in splits if s[0] == path)
             assert all(n > 0 for _, n in ranges)
             ends = [0] + [start + n for start, n in ranges]
             assert [start for start, _ in ranges] == ends[:-1] and ends[-1] == rows
-    assert cuts > 0
+        wide = [s for s in splits if groups_read(s) > 1]
+        assert all(s[4] <= ol.SPLIT_ROWS for s in wide)
+        if wide:
+            assert len(splits) >= first + rounds
+        merged += len(wide)
+        cuts += sum(s[4] == cut for s in splits[:first])
+    assert cuts > 0 and merged > 0
 
 
 @pytest.mark.parametrize("n, cut", [(1, True), (6, True), (3, False)])
@@ -462,7 +479,33 @@ def test_a_one_table_query_cuts_its_first_wave_and_stays_exact(cl, con, n, cut):
     assert results[-1].maps_total == groups + (2 if cut else 0)
     assert f"SplitScanExec: {results[-1].maps_total} splits" in cl.last_online_plan
     if cut:
+        # The first round: the first two commits, a head first (only heads run at the
+        # start); the second is the other head or, from a worker done early, another split.
         rows = con.sql("SELECT count(*) FROM lineitem").fetchall()[0][0]
-        assert results[0].progress == pytest.approx(2 * ol.FIRST_WAVE_ROWS / rows)
+        assert results[0].progress <= (ol.FIRST_WAVE_ROWS + 150_753) / rows
+    problem = tpch.compare(con.sql(query).to_arrow_table(), output(results[-1].estimates), ordered)
+    assert problem is None, f"q{n}: {problem}"
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_splits_of_merged_row_groups_stay_exact(cl, con, tpch_data, tmp_path, n):
+    """lineitem as one file of 30 row groups: the splits after the first wave read runs of
+    row groups (fewer map tasks), the first wave one row group each (Q1: part of one); the
+    rounds asked for all come, and the final equals DuckDB's."""
+    import pyarrow.parquet as pq
+
+    original = tpch.table_paths(tpch_data)["lineitem"]
+    path = str(tmp_path / "lineitem.parquet")
+    pq.write_table(pq.read_table(original), path, row_group_size=20_000)
+    query, ordered = tpch.query(n, SF)
+    try:
+        results = list(
+            cl.online(query, tables={"lineitem": path}, rounds=3, seed=2, progress=False)
+        )
+    finally:
+        cl.register_parquet("lineitem", original)
+    assert len(results) == 4 and results[-1].final
+    assert 2 + 3 <= results[-1].maps_total < 30
+    assert f"SplitScanExec: {results[-1].maps_total} splits" in cl.last_online_plan
     problem = tpch.compare(con.sql(query).to_arrow_table(), output(results[-1].estimates), ordered)
     assert problem is None, f"q{n}: {problem}"

@@ -454,7 +454,9 @@ class Cluster:
         ``rounds`` rounds (SQL on DataFusion: after an early first round of one split per
         worker) from at least ``min_splits`` splits, default ``2 * rounds``: whole Parquet row
         groups where there are that many, since a row group cut in two decompresses the pages
-        at the cut twice. Each result has ``.progress``
+        at the cut twice; for SQL on DataFusion, runs of consecutive row groups of up to
+        ~1M rows after the first round, as long as each round keeps a split (every split is
+        a map task to call, commit and fold). Each result has ``.progress``
         (fraction of the input read), ``.final`` and ``.estimates``
         (a Polars DataFrame: keys, then per aggregate ``name``, ``name_low``, ``name_high``,
         the estimate and its ``confidence`` interval; MIN/MAX have no interval). A tqdm bar
