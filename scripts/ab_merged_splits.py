@@ -10,7 +10,7 @@ import time
 
 import flightshuffle.online as ol
 from flightshuffle import Cluster, tpch
-from flightshuffle.onlinebench import top_within
+from flightshuffle.onlinebench import first_within
 
 sf = float(sys.argv[1])
 qs = [int(x) for x in sys.argv[2].split(",")]
@@ -37,12 +37,7 @@ with Cluster(workers=2, memory_budget="4GiB") as c:
                 h = list(c.online(query, rounds=10, seed=1, progress=False))
                 tot = time.perf_counter() - t
                 final = h[-1]
-                est = final.estimates
-                names = [x for x in est.columns if f"{x}_low" in est.columns]
-                keys = [
-                    k for k in est.columns if k not in names and not k.endswith(("_low", "_high"))
-                ]
-                close = top_within(h, final, keys, names, 10, 0.05)
+                close = first_within(h)
                 res[m].append(
                     {
                         "total": tot,

@@ -7,7 +7,7 @@ import sys
 import time
 
 from flightshuffle import Cluster, tpch
-from flightshuffle.onlinebench import top_within
+from flightshuffle.onlinebench import first_within
 
 sf = float(sys.argv[1]) if len(sys.argv) > 1 else 1.0
 seeds = range(1, int(sys.argv[2]) + 1 if len(sys.argv) > 2 else 11)
@@ -32,10 +32,7 @@ with Cluster(workers=2, memory_budget="4GiB") as c:
             runs.append((time.perf_counter() - t, h))
         tot, h = min(runs, key=lambda r: r[0])
         final = h[-1]
-        est = final.estimates
-        names = [x for x in est.columns if f"{x}_low" in est.columns]
-        keys = [k for k in est.columns if k not in names and not k.endswith(("_low", "_high"))]
-        close = top_within(h, final, keys, names, 10, 0.05)
+        close = first_within(h)
         r = {
             "seed": s,
             "first": h[0].elapsed,

@@ -35,6 +35,19 @@ def top_within(history: list, final: Any, keys: list[str], names: list[str], top
     return final
 
 
+def estimate_columns(est: Any) -> tuple[list[str], list[str]]:
+    """An online result's group keys and estimated columns (those with an interval)."""
+    names = [x for x in est.columns if f"{x}_low" in est.columns]
+    keys = [k for k in est.columns if k not in names and not k.endswith(("_low", "_high"))]
+    return keys, names
+
+
+def first_within(history: list, top: int = 10, rel: float = 0.05):
+    """:func:`top_within` of a whole run (its last result is the final)."""
+    keys, names = estimate_columns(history[-1].estimates)
+    return top_within(history, history[-1], keys, names, top, rel)
+
+
 def run(args: argparse.Namespace) -> int:
     from flightshuffle import Cluster, tpch
     from flightshuffle.cli import plot
@@ -63,8 +76,7 @@ def run(args: argparse.Namespace) -> int:
             streaming, history = min(runs, key=lambda r: r[0])
             final = history[-1]
             est = final.estimates
-            names = [x for x in est.columns if f"{x}_low" in est.columns]
-            keys = [k for k in est.columns if k not in names and not k.endswith(("_low", "_high"))]
+            keys, names = estimate_columns(est)
             cols = [x for x in est.columns if not x.endswith(("_low", "_high"))]
             problem = tpch.compare(
                 con.sql(query).to_arrow_table(), est.select(cols).to_arrow(), ordered
