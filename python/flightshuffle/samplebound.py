@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     b = sub.add_parser(
         "online-bound",
-        help="how much of lineitem an online TPC-H Q1 must read for estimates within 5%",
+        help="how much of lineitem an online TPC-H Q1 must read for estimates within 5%%",
     )
     b.add_argument("--sf", type=float, default=1.0)
     b.add_argument("--data", help="TPC-H data directory (default data/tpch-sf<SF>)")
