@@ -321,11 +321,10 @@ impl Driver {
             .map(|(w, _, l)| (*w, l.clone()))
     }
 
-    /// Run `fut` while checking worker health every `health_interval`.
+    /// Run `fut` while checking worker health every `health_interval` (first after one).
     pub async fn watch<T>(&self, fut: impl Future<Output = Result<T>>) -> Result<T> {
         tokio::pin!(fut);
-        let mut tick = tokio::time::interval(self.cfg.health_interval);
-        tick.tick().await;
+        let mut tick = ticker(self.cfg.health_interval);
         loop {
             tokio::select! {
                 r = &mut fut => return r,
@@ -755,5 +754,31 @@ impl Driver {
             Ok(out) => Ok(out),
             Err(e) => Err(self.classify(e).await),
         }
+    }
+}
+
+/// An interval whose first tick is one `period` from now. `tokio::time::interval` ticks at
+/// once, but awaiting that tick takes up to a timer-wheel slot (~1 ms): every call under
+/// [`Driver::watch`] (each RPC to all workers) and every map side waited that long before
+/// starting (an online query's first estimate paid it four times).
+pub fn ticker(period: std::time::Duration) -> tokio::time::Interval {
+    let period = period.max(std::time::Duration::from_millis(1));
+    tokio::time::interval_at(tokio::time::Instant::now() + period, period)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    /// A health watch starts with nothing to wait for: the first tick is a period away (an
+    /// immediate first tick, awaited, held every watched call up to a timer slot).
+    #[tokio::test]
+    async fn a_ticker_first_ticks_one_period_from_now() {
+        let mut tick = super::ticker(Duration::from_secs(10));
+        let early = tokio::time::timeout(Duration::from_millis(50), tick.tick()).await;
+        assert!(early.is_err(), "no tick before one period");
+        let mut fast = super::ticker(Duration::from_millis(20));
+        let ticked = tokio::time::timeout(Duration::from_secs(5), fast.tick()).await;
+        assert!(ticked.is_ok(), "then it ticks");
     }
 }

@@ -1,7 +1,7 @@
 //! The map runner and the pipelined scheduler with real worker processes: a worker killed
 //! while a run's stages are half done is replaced, and the run goes on from where it was
 //! (only the missing maps run again), without starting over; the first wave of an online
-//! query's maps runs one map per worker.
+//! query's maps runs one map per worker, and the maps after its first round wait for its fold.
 
 use arrow::array::RecordBatch;
 use exchange::checksum::Checksum;
@@ -185,4 +185,39 @@ async fn the_first_wave_runs_one_map_per_worker() {
     assert_eq!(mapped.maps.len(), 8);
     assert_eq!(mapped.input, want, "every map's rows committed once");
     driver.drop_shuffle(spec.id).await.unwrap();
+}
+
+/// Online rounds by completion hold the maps after the first round until it is folded (its
+/// fold then reads from idle workers). The fold fails here (an unknown reducer), so no map
+/// after the first round's two may ever start; let go once the first round had committed,
+/// four more would (checked).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_maps_after_the_first_online_round_wait_for_its_fold() {
+    use exchange::strategy::streaming::{self, StreamingJob};
+    let cluster = LocalCluster::start(config(2, 1 << 30)).await.unwrap();
+    let driver = cluster.driver.clone();
+    let g = gated(&driver, 8).await;
+    driver.drop_shuffle(g.spec.id).await.unwrap();
+    g.permits.add_permits(8);
+    let job = StreamingJob {
+        spec: spec_k(3),
+        weights: vec![200; 8],
+        inputs: g.inputs,
+        rounds: 4,
+        by_completion: true,
+        reducer: "no-such-reducer".into(),
+        payload: vec![],
+    };
+    let (tx, mut rx) = tokio::sync::mpsc::channel(8);
+    streaming::run(&driver, job, StrategyOptions::default(), tx).await;
+    match rx.recv().await {
+        Some(Err(e)) => assert!(e.to_string().contains("unknown reducer"), "{e}"),
+        other => panic!("the first fold must fail, got {other:?}"),
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert_eq!(
+        g.started.load(Ordering::SeqCst),
+        2,
+        "only the first round's maps started"
+    );
 }

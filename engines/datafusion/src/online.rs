@@ -484,15 +484,18 @@ async fn run_once(
             })
             .collect::<Result<Vec<_>>>()?;
         let opts = ctx.strategy_options();
-        exchange::scheduler::run_pipelined(
-            &driver,
-            runs,
-            &dims,
-            || async { Ok(()) },
-            started,
-            opts,
-        )
-        .await?;
+        // The build sides, complete before the first split (none for a query over one table).
+        if !runs.is_empty() {
+            exchange::scheduler::run_pipelined(
+                &driver,
+                runs,
+                &dims,
+                || async { Ok(()) },
+                started,
+                opts,
+            )
+            .await?;
+        }
         let spec: ShuffleSpec = ctx.stage_run_plain(&plan.fact)?.spec;
         let job = StreamingJob {
             spec,

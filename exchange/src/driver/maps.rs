@@ -60,7 +60,7 @@ pub async fn run_maps_observed(
     let mut attempts: HashMap<u32, Vec<tokio::task::AbortHandle>> = HashMap::new();
     let mut done_maps = HashSet::new();
     let mut live_attempts: HashMap<u32, usize> = HashMap::new();
-    let mut tick = tokio::time::interval(std::time::Duration::from_millis(100));
+    let mut tick = crate::driver::ticker(std::time::Duration::from_millis(100));
     // In-place recovery: each map's input for another attempt, and its attempts lost so far.
     // A parity shuffle rebuilds the blocks a lost worker held from parity instead
     // ([`Driver::rebuild`]); its attempts that pushed to the lost worker run again.
@@ -70,8 +70,7 @@ pub async fn run_maps_observed(
     };
     let mut again: HashMap<u32, MapInput> = HashMap::new();
     let mut lost_attempts: HashMap<u32, usize> = HashMap::new();
-    let mut health = tokio::time::interval(driver.config().health_interval);
-    health.tick().await;
+    let mut health = crate::driver::ticker(driver.config().health_interval);
     // Map tasks still running when this returns (a map failed) are aborted.
     let mut guard = AbortOnDrop(Vec::new());
     let least_loaded = |load: &[usize], map: u32, not: Option<usize>| {

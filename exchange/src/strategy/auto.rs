@@ -80,17 +80,7 @@ pub async fn map_side(
     // unpacked (each R blocks) are the first wave only.
     let n = driver.num_workers();
     let (decided, choice) = tokio::sync::watch::channel(false);
-    let inputs = inputs
-        .enumerate()
-        .then(move |(i, input)| {
-            let mut choice = choice.clone();
-            async move {
-                if i >= n {
-                    let _ = choice.wait_for(|d| *d).await;
-                }
-                input
-            }
-        })
+    let inputs = super::held_after(inputs, n, choice)
         .inspect(move |_| {
             counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         })

@@ -234,3 +234,50 @@ impl Drop for AbortOnDrop {
         }
     }
 }
+
+/// `inputs` in order, those from the `first`-th on only once `gate` reads true (or its sender
+/// is gone). `auto` holds the maps after its first wave until it has chosen; online rounds by
+/// completion hold the maps after the first round until it is folded.
+pub(crate) fn held_after<S>(
+    inputs: S,
+    first: usize,
+    gate: tokio::sync::watch::Receiver<bool>,
+) -> impl futures::Stream<Item = S::Item>
+where
+    S: futures::Stream,
+{
+    use futures::StreamExt;
+    inputs.enumerate().then(move |(i, input)| {
+        let mut gate = gate.clone();
+        async move {
+            if i >= first {
+                // A closed gate (its sender dropped) lets every input through.
+                let _ = gate.wait_for(|open| *open).await;
+            }
+            input
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::held_after;
+    use futures::{FutureExt, StreamExt};
+
+    #[tokio::test]
+    async fn the_inputs_after_the_first_wait_for_the_gate() {
+        let (open, gate) = tokio::sync::watch::channel(false);
+        let mut held = Box::pin(held_after(futures::stream::iter(0..5u8), 2, gate));
+        for want in 0..2 {
+            assert_eq!(held.next().now_or_never(), Some(Some(want)));
+        }
+        assert!(held.next().now_or_never().is_none(), "the third waits");
+        open.send(true).unwrap();
+        assert_eq!(held.collect::<Vec<_>>().await, vec![2, 3, 4]);
+        // A gate whose sender is gone holds nothing back.
+        let (open, gate) = tokio::sync::watch::channel(false);
+        drop(open);
+        let all = held_after(futures::stream::iter(0..3u8), 1, gate);
+        assert_eq!(all.collect::<Vec<_>>().now_or_never(), Some(vec![0, 1, 2]));
+    }
+}

@@ -32,15 +32,20 @@ pub(super) async fn completion_rounds(
         total_maps,
     };
     let (tx, mut rx) = mpsc::unbounded_channel::<MapDone>();
-    // One map per worker until the first round has committed: it commits in the time of one
-    // map alone, not of `maps_per_worker` sharing the worker's cores.
     let opts = StrategyOptions {
         recover: false,
         watch: false,
-        first_wave_alone: true,
         ..opts
     };
-    let inputs = futures::stream::iter(job.inputs);
+    // The maps after the first round start once it is folded: it then commits in the time of
+    // one map per worker alone, and its fold reads the blocks from every worker while they are
+    // idle, not sharing their cores with the next maps.
+    let (folded_first, first_folded) = tokio::sync::watch::channel(false);
+    let inputs = Box::pin(crate::strategy::held_after(
+        futures::stream::iter(job.inputs),
+        sizes.first().copied().unwrap_or(0),
+        first_folded,
+    ));
     let maps = async {
         pull::run_maps_observed(driver, &fold.spec, inputs, 0, opts, |d| {
             let _ = tx.send(d.clone());
@@ -75,6 +80,7 @@ pub(super) async fn completion_rounds(
                 start,
             };
             let partial = fold_round(driver, &fold, &info, arrived).await?;
+            let _ = folded_first.send(true);
             out.send(Ok(partial))
                 .await
                 .map_err(|_| Error::Cancelled("streaming result receiver closed".into()))?;

@@ -9,8 +9,9 @@
 //! * rounds by completion (`by_completion`): every map is submitted at once (at most
 //!   `maps_per_worker` running per worker) and the maps are folded in commit order, so a slow
 //!   map holds back no other map, only the fold that waits for it. The first round is one map
-//!   per worker (at most a round's share): the first estimate comes as early as it can; the
-//!   maps after it are cut evenly into `rounds` more rounds.
+//!   per worker (at most a round's share), and the other maps start once it is folded: the
+//!   first estimate comes as early as it can; the maps after it are cut evenly into `rounds`
+//!   more rounds.
 //!
 //! Only the driver API is used: `run_maps` per round, one `fold` per partition per round.
 
