@@ -24,3 +24,27 @@ def test_every_subcommand_prints_its_help(capsys):
     assert {"tpch", "sql", "shuffle-bench", "online", "online-bound"} <= set(names)
     for name in names:
         assert "usage: flightshuffle " + name in help_of(capsys, [name, "--help"])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["tpch", "--sf", "0.01", "--queries", "99"],
+        ["tpch", "--sf", "-1"],
+        ["tpch", "--queries", "1,x"],
+        ["online-bench", "--sf", "0.01", "--queries", "0"],
+        ["online-bench", "--sf", "nan"],
+        ["online", "--sf", "0"],
+        ["online-bound", "--sf", "inf"],
+    ],
+)
+def test_bad_tpch_arguments_are_refused_before_any_data_is_made(
+    argv, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "queries 1 to 22" in err or "query numbers" in err or "scale factor" in err, err
+    assert not (tmp_path / "data").exists(), "nothing generated"

@@ -10,7 +10,7 @@ import statistics
 import sys
 import time
 
-from flightshuffle import STRATEGIES, Cluster, ShuffleError, parse_bytes, worker_command
+from flightshuffle import STRATEGIES, Cluster, ShuffleError, parse_bytes, tpch, worker_command
 from flightshuffle._native import shuffle_bench
 
 
@@ -245,8 +245,6 @@ def _sql(args: argparse.Namespace) -> int:
 
 
 def _tpch(args: argparse.Namespace) -> int:
-    from flightshuffle import tpch
-
     root = args.data or os.path.join("data", f"tpch-sf{args.sf:g}")
     t = time.monotonic()
     if not tpch.is_generated(root):
@@ -297,8 +295,6 @@ def _idle_rss_mib(c: Cluster, wait_s: float = 5.0) -> list[int]:
 
 def _tpch_on(args: argparse.Namespace, runtime: str, root: str, duck: object) -> dict | None:
     """Run the queries on one cluster of ``runtime``; the report (None: a bad --set)."""
-    from flightshuffle import tpch
-
     queries = args.queries or list(range(1, 23))
     rows = []
     tls = {"on": True, "off": False, "mutual": "mutual"}[args.tls]
@@ -477,7 +473,6 @@ def plot(history: list, keys: list[str], names: list[str], path: str, top: int) 
 
 
 def _online(args: argparse.Namespace) -> int:
-    from flightshuffle import tpch
 
     tables = _tables(args.table)
     if not tables:
@@ -686,12 +681,12 @@ def main(argv: list[str] | None = None) -> int:
     q.set_defaults(run=_sql)
 
     t = sub.add_parser("tpch", help="TPC-H on a local cluster: generate, run, check vs DuckDB")
-    t.add_argument("--sf", type=float, default=1.0)
+    t.add_argument("--sf", type=tpch.scale_factor, default=1.0)
     t.add_argument("--workers", type=int, default=2)
     t.add_argument("--data", help="data directory (default data/tpch-sf<SF>)")
     t.add_argument(
         "--queries",
-        type=lambda s: [int(x) for x in s.split(",")],
+        type=tpch.query_numbers,
         default=None,
         help="e.g. 1,3,18 (default all 22)",
     )
@@ -755,7 +750,9 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument(
         "--table", action="append", default=[], metavar="NAME=PATH", help="Parquet table"
     )
-    o.add_argument("--sf", type=float, default=1.0, help="TPC-H scale when no --table is given")
+    o.add_argument(
+        "--sf", type=tpch.scale_factor, default=1.0, help="TPC-H scale when no --table is given"
+    )
     o.add_argument("--data", help="TPC-H data directory (default data/tpch-sf<SF>)")
     o.add_argument("--workers", type=int, default=2)
     o.add_argument("--memory-budget", default="2GiB")

@@ -17,6 +17,8 @@ import os
 import time
 from typing import Any
 
+from flightshuffle import tpch
+
 
 def top_within(history: list, final: Any, keys: list[str], names: list[str], top: int, rel: float):
     """The first result in which each of the final's first ``top`` groups has every estimate
@@ -49,7 +51,7 @@ def first_within(history: list, top: int = 10, rel: float = 0.05):
 
 
 def run(args: argparse.Namespace) -> int:
-    from flightshuffle import Cluster, tpch
+    from flightshuffle import Cluster
     from flightshuffle.cli import plot
 
     root = tpch.ensure_data(args.sf, args.data or f"data/tpch-sf{args.sf:g}", progress=True)
@@ -59,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     with Cluster(workers=args.workers, memory_budget=args.memory_budget) as c:
         for name, path in tpch.table_paths(root).items():
             c.register_parquet(name, path)
-        for n in [int(q) for q in args.queries.split(",")]:
+        for n in args.queries:
             query, ordered = tpch.query(n, args.sf)
             # Warm both paths (first DataFusion session and Parquet reads on each worker).
             c.sql(query)
@@ -119,9 +121,9 @@ def add_parser(sub: Any) -> None:
         "online-bench",
         help="online aggregation of TPC-H queries vs the same queries as distributed SQL",
     )
-    b.add_argument("--sf", type=float, default=1.0)
+    b.add_argument("--sf", type=tpch.scale_factor, default=1.0)
     b.add_argument("--data", help="TPC-H data directory (default data/tpch-sf<SF>)")
-    b.add_argument("--queries", default="1,3,5,10")
+    b.add_argument("--queries", type=tpch.query_numbers, default=[1, 3, 5, 10])
     b.add_argument("--workers", type=int, default=2)
     b.add_argument("--memory-budget", default="4GiB")
     b.add_argument("--rounds", type=int, default=10)

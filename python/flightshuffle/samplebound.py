@@ -18,6 +18,8 @@ import json
 import sys
 from typing import Any
 
+from flightshuffle import tpch
+
 COLUMNS = ["l_returnflag", "l_linestatus", "l_quantity", "l_extendedprice", "l_discount"]
 COLUMNS += ["l_tax", "l_shipdate"]
 
@@ -60,8 +62,6 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
     import polars as pl
 
-    from flightshuffle import tpch
-
     root = tpch.ensure_data(args.sf, args.data or f"data/tpch-sf{args.sf:g}", progress=True)
     table = pl.read_parquet(tpch.table_paths(root)["lineitem"], columns=COLUMNS)
     n = table.height
@@ -103,7 +103,7 @@ def add_parser(sub: Any) -> None:
         "online-bound",
         help="how much of lineitem an online TPC-H Q1 must read for estimates within 5%%",
     )
-    b.add_argument("--sf", type=float, default=1.0)
+    b.add_argument("--sf", type=tpch.scale_factor, default=1.0)
     b.add_argument("--data", help="TPC-H data directory (default data/tpch-sf<SF>)")
     b.add_argument("--workers", type=int, default=2, help="splits read in the first round")
     # 196608: about the average first-round split at SF1 (24 row groups of up to 262144 rows).

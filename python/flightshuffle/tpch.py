@@ -3,6 +3,7 @@ and answer comparison (floats to 1e-6 relative; row order only where the query o
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 from decimal import Decimal
@@ -12,7 +13,15 @@ import pyarrow as pa
 
 from flightshuffle._native import TPCH_TABLES, tpch_generate, tpch_query
 
-__all__ = ["TABLES", "compare", "duckdb_connect", "ensure_data", "query"]
+__all__ = [
+    "TABLES",
+    "compare",
+    "duckdb_connect",
+    "ensure_data",
+    "query",
+    "query_numbers",
+    "scale_factor",
+]
 
 TABLES: list[str] = list(TPCH_TABLES)
 
@@ -20,6 +29,34 @@ TABLES: list[str] = list(TPCH_TABLES)
 def query(n: int, sf: float) -> tuple[str, bool]:
     """The SQL of query ``n`` at scale factor ``sf`` and whether its result order is fixed."""
     return tpch_query(n, sf)
+
+
+def query_numbers(text: str) -> list[int]:
+    """``--queries 1,3,18`` as numbers, each 1-22 (an argparse type: a bad list is refused
+    before any data is generated or a cluster started)."""
+    try:
+        numbers = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"takes comma-separated TPC-H query numbers such as 1,3,18, not {text!r}"
+        ) from None
+    bad = [n for n in numbers if not 1 <= n <= 22]
+    if bad or not numbers:
+        raise argparse.ArgumentTypeError(f"TPC-H has queries 1 to 22, not {bad or text!r}")
+    return numbers
+
+
+def scale_factor(text: str) -> float:
+    """``--sf`` as a positive number (an argparse type)."""
+    try:
+        sf = float(text)
+    except ValueError:
+        sf = math.nan
+    if not sf > 0 or math.isinf(sf):
+        raise argparse.ArgumentTypeError(
+            f"the scale factor must be a positive number, not {text!r}"
+        )
+    return sf
 
 
 def is_generated(root: str) -> bool:
