@@ -1,7 +1,7 @@
 //! The map runner and the pipelined scheduler with real worker processes: a worker killed
 //! while a run's stages are half done is replaced, and the run goes on from where it was
-//! (only the missing maps run again), without starting over; the first wave of an online
-//! query's maps runs one map per worker, and the maps after its first round wait for its fold.
+//! (only the missing maps run again), without starting over; a first wave runs one map per
+//! worker, and an online query's maps after its first round wait for its fold.
 
 use arrow::array::RecordBatch;
 use exchange::checksum::Checksum;
@@ -132,8 +132,9 @@ async fn a_worker_lost_mid_run_reruns_only_the_missing_maps() {
     }
 }
 
-/// `first_wave_alone`: each worker runs one map until one map per worker has committed (an
-/// online query's first round then commits in the time of one map alone), then
+/// `first_wave_alone`: each worker runs one map until one map per worker has committed
+/// (`auto`'s first wave, which its choice waits for, then commits in the time of one map
+/// alone), then
 /// `maps_per_worker` again. Map inputs here are driver streams that count when they are
 /// first read and wait for a permit: with 2 workers, 2 maps start, not 4; once the first 2
 /// commit, up to 4 run; every map commits once.
@@ -187,37 +188,62 @@ async fn the_first_wave_runs_one_map_per_worker() {
     driver.drop_shuffle(spec.id).await.unwrap();
 }
 
-/// Online rounds by completion hold the maps after the first round until it is folded (its
-/// fold then reads from idle workers). The fold fails here (an unknown reducer), so no map
-/// after the first round's two may ever start; let go once the first round had committed,
-/// four more would (checked).
+/// Online rounds by completion run a first wave of one map per worker and hold the other maps
+/// until the first round is folded (its fold then reads from idle workers). Where the fold
+/// fails (an unknown reducer), no map after the first wave may ever start: 2 of 8 with 2
+/// workers; 3 of 4 with 3 workers, where the first round is one map (4 maps in 4 rounds) yet
+/// every worker gets one. Let go once the first round had committed, 6 of 8 started
+/// (checked). Where the fold works, every map runs and the final is exact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_maps_after_the_first_online_round_wait_for_its_fold() {
+    assert_eq!(online_first_wave(2, 8, false).await, 2);
+    assert_eq!(online_first_wave(3, 4, false).await, 3);
+    assert_eq!(online_first_wave(2, 8, true).await, 8);
+}
+
+/// Run `maps` gated inputs (every permit given) as an online job of 4 rounds by completion on
+/// `workers` workers, folding with the checksum reducer (`works`: the final must be exact) or
+/// an unknown one (the first fold must fail); the maps that started.
+async fn online_first_wave(workers: usize, maps: usize, works: bool) -> usize {
     use exchange::strategy::streaming::{self, StreamingJob};
-    let cluster = LocalCluster::start(config(2, 1 << 30)).await.unwrap();
+    let cluster = LocalCluster::start(config(workers, 1 << 30)).await.unwrap();
     let driver = cluster.driver.clone();
-    let g = gated(&driver, 8).await;
+    let g = gated(&driver, maps).await;
     driver.drop_shuffle(g.spec.id).await.unwrap();
-    g.permits.add_permits(8);
+    g.permits.add_permits(maps);
+    let reducer = match works {
+        true => exchange::task::CHECKSUM_REDUCER,
+        false => "no-such-reducer",
+    };
     let job = StreamingJob {
         spec: spec_k(3),
-        weights: vec![200; 8],
+        weights: vec![200; maps],
         inputs: g.inputs,
         rounds: 4,
         by_completion: true,
-        reducer: "no-such-reducer".into(),
+        reducer: reducer.into(),
         payload: vec![],
     };
-    let (tx, mut rx) = tokio::sync::mpsc::channel(8);
+    let (tx, mut rx) = tokio::sync::mpsc::channel(16);
     streaming::run(&driver, job, StrategyOptions::default(), tx).await;
-    match rx.recv().await {
-        Some(Err(e)) => assert!(e.to_string().contains("unknown reducer"), "{e}"),
-        other => panic!("the first fold must fail, got {other:?}"),
+    let mut last = None;
+    while let Some(partial) = rx.recv().await {
+        match partial {
+            Ok(p) => last = Some(p),
+            Err(e) if !works => {
+                assert!(e.to_string().contains("unknown reducer"), "{e}");
+                return g.started.load(Ordering::SeqCst);
+            }
+            Err(e) => panic!("{e}"),
+        }
     }
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    assert_eq!(
-        g.started.load(Ordering::SeqCst),
-        2,
-        "only the first round's maps started"
-    );
+    assert!(works, "the first fold must fail");
+    let last = last.expect("a final partial");
+    let mut total = Checksum::default();
+    for part in &last.partitions {
+        total.add(checksum_rows(part));
+    }
+    assert!(last.is_final);
+    assert_eq!(total, g.want, "every map folded once");
+    g.started.load(Ordering::SeqCst)
 }

@@ -70,7 +70,7 @@ pub struct StrategyOptions {
     pub maps_per_worker: usize,
     /// Each worker runs one map at a time until one map per worker has committed: the first
     /// commits come as soon as a map alone takes, not at the pace of `maps_per_worker` maps
-    /// sharing the worker's cores (an online query's first round).
+    /// sharing the worker's cores (`auto`'s first wave, which its choice waits for).
     pub first_wave_alone: bool,
     /// Reduce tasks running at once on one worker.
     pub reduces_per_worker: usize,

@@ -1,5 +1,6 @@
-//! Rounds by completion (see the module doc of [`super`]): every map submitted at once, the
-//! maps folded in rounds as they commit.
+//! Rounds by completion (see the module doc of [`super`]): a first wave of one map per worker,
+//! then, once the first round is folded, every other map; the maps folded in rounds as they
+//! commit.
 
 use super::{fold_round, input_weights, FoldSpec, Partial, RoundInfo, StreamingJob};
 use crate::driver::{Driver, MapDone};
@@ -9,8 +10,8 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
 
-/// Rounds by completion (see the module doc). Every map runs once under the map runner,
-/// which submits them all; its commits reach the fold loop as they happen. A lost worker fails
+/// Rounds by completion (see the module doc). Every map runs once under the map runner; its
+/// commits reach the fold loop as they happen. A lost worker fails
 /// the job (its fold states and map outputs are not rebuilt on this path).
 pub(super) async fn completion_rounds(
     driver: &Arc<Driver>,
@@ -37,13 +38,15 @@ pub(super) async fn completion_rounds(
         watch: false,
         ..opts
     };
-    // The maps after the first round start once it is folded: it then commits in the time of
-    // one map per worker alone, and its fold reads the blocks from every worker while they are
-    // idle, not sharing their cores with the next maps.
+    // A first wave of one map per worker; the maps after it start once the first round (the
+    // first of them to commit, at most one per worker) is folded: it then commits in the time
+    // of one map alone, and its fold reads the blocks from every worker while they are idle,
+    // not sharing their cores with the next maps.
     let (folded_first, first_folded) = tokio::sync::watch::channel(false);
+    let first_wave = driver.num_workers().clamp(1, total_maps);
     let inputs = Box::pin(crate::strategy::held_after(
         futures::stream::iter(job.inputs),
-        sizes.first().copied().unwrap_or(0),
+        first_wave,
         first_folded,
     ));
     let maps = async {

@@ -6,12 +6,12 @@
 //! Two ways to cut rounds:
 //! * fixed rounds: the inputs are cut into `rounds` consecutive ranges; a round's maps all
 //!   finish before the next round's start (its fold runs meanwhile);
-//! * rounds by completion (`by_completion`): every map is submitted at once (at most
-//!   `maps_per_worker` running per worker) and the maps are folded in commit order, so a slow
-//!   map holds back no other map, only the fold that waits for it. The first round is one map
-//!   per worker (at most a round's share), and the other maps start once it is folded: the
-//!   first estimate comes as early as it can; the maps after it are cut evenly into `rounds`
-//!   more rounds.
+//! * rounds by completion (`by_completion`): a first wave of one map per worker runs alone;
+//!   the first round folds the first of them to commit (one per worker, at most a round's
+//!   share), and then every other map is submitted (at most `maps_per_worker` running per
+//!   worker). Maps are folded in commit order, so a slow map holds back no other map, only
+//!   the fold that waits for it: the first estimate comes as early as it can; the maps after
+//!   the first round are cut evenly into `rounds` more rounds.
 //!
 //! Only the driver API is used: `run_maps` per round, one `fold` per partition per round.
 
