@@ -759,8 +759,8 @@ impl Driver {
 
 /// An interval whose first tick is one `period` from now. `tokio::time::interval` ticks at
 /// once, but awaiting that tick takes up to a timer-wheel slot (~1 ms): every call under
-/// [`Driver::watch`] (each RPC to all workers) and every map side waited that long before
-/// starting (an online query's first estimate paid it four times).
+/// [`Driver::watch`] (each RPC to all workers) and every map side waited up to that long
+/// before starting, several times before an online query's first estimate.
 pub fn ticker(period: std::time::Duration) -> tokio::time::Interval {
     let period = period.max(std::time::Duration::from_millis(1));
     tokio::time::interval_at(tokio::time::Instant::now() + period, period)

@@ -134,10 +134,9 @@ async fn a_worker_lost_mid_run_reruns_only_the_missing_maps() {
 
 /// `first_wave_alone`: each worker runs one map until one map per worker has committed
 /// (`auto`'s first wave, which its choice waits for, then commits in the time of one map
-/// alone), then
-/// `maps_per_worker` again. Map inputs here are driver streams that count when they are
-/// first read and wait for a permit: with 2 workers, 2 maps start, not 4; once the first 2
-/// commit, up to 4 run; every map commits once.
+/// alone), then `maps_per_worker` again. Map inputs here are driver streams that count when
+/// they are first read and wait for a permit: with 2 workers, 2 maps start, not 4; once the
+/// first 2 commit, up to 4 run; every map commits once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_first_wave_runs_one_map_per_worker() {
     use exchange::strategy::pull;

@@ -473,7 +473,6 @@ def plot(history: list, keys: list[str], names: list[str], path: str, top: int) 
 
 
 def _online(args: argparse.Namespace) -> int:
-
     tables = _tables(args.table)
     if not tables:
         data = tpch.ensure_data(args.sf, args.data or f"data/tpch-sf{args.sf:g}", progress=True)

@@ -237,7 +237,7 @@ impl Drop for AbortOnDrop {
 
 /// `inputs` in order, those from the `first`-th on only once `gate` reads true (or its sender
 /// is gone). `auto` holds the maps after its first wave until it has chosen; online rounds by
-/// completion hold the maps after the first round until it is folded.
+/// completion hold the maps after their first wave until the first round is folded.
 pub(crate) fn held_after<S>(
     inputs: S,
     first: usize,

@@ -11,8 +11,8 @@ use std::time::Instant;
 use tokio::sync::mpsc;
 
 /// Rounds by completion (see the module doc). Every map runs once under the map runner; its
-/// commits reach the fold loop as they happen. A lost worker fails
-/// the job (its fold states and map outputs are not rebuilt on this path).
+/// commits reach the fold loop as they happen. A lost worker fails the job (its fold states
+/// and map outputs are not rebuilt on this path).
 pub(super) async fn completion_rounds(
     driver: &Arc<Driver>,
     job: StreamingJob,
