@@ -390,6 +390,14 @@ impl Driver {
             .cloned()
     }
 
+    /// Use `calibration` (measured earlier, e.g. on a machine of the same kind) instead of
+    /// measuring on first use. Refused once the cluster has one.
+    pub fn use_calibration(&self, calibration: proto::Calibration) -> Result<()> {
+        self.calibration.set(calibration).map_err(|_| {
+            Error::invalid("the cluster is calibrated already: a calibration is set only once")
+        })
+    }
+
     pub fn placement(&self, shuffle: ShuffleId) -> Placement {
         lock(&self.placements)
             .get(&shuffle)

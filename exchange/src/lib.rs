@@ -16,6 +16,7 @@ pub mod compute;
 pub mod cost;
 pub mod driver;
 pub mod error;
+pub mod forward;
 pub mod gen;
 pub mod job;
 pub mod kept;

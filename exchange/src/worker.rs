@@ -273,7 +273,8 @@ impl WorkerState {
 
     /// Merge task (merged strategy): merge the committed blocks of `m.maps` held here into few
     /// large blocks per partition, pending as attempt `m.attempt` of group `m.group` until the
-    /// driver commits it. Aborted (its blocks removed) if the caller goes away first.
+    /// driver commits it. Aborted (its blocks removed) if the caller goes away first. With
+    /// push placement, a forward instead ([`crate::forward`]).
     pub async fn merge(self: &Arc<Self>, m: proto::MergeTask) -> Result<proto::TaskResult> {
         let shuffle = ShuffleId(m.shuffle_id);
         if m.group < crate::store::MERGE_GROUP_BASE || m.maps.is_empty() {
@@ -285,20 +286,25 @@ impl WorkerState {
             )));
         }
         let info = self.store.shuffle_info(shuffle)?;
-        let ids = self.store.committed_blocks_of(shuffle, &m.maps)?;
         let mut guard = AttemptGuard {
             state: self.clone(),
             key: (shuffle, m.group, m.attempt),
             armed: true,
         };
         let (store, cfg) = (self.store.clone(), self.map_cfg);
-        let grant = self.admission.admit(info.rank(), cfg.task_grant()).await;
-        let out = tokio::task::spawn_blocking(move || {
-            let _grant = grant;
-            crate::task::run_merge(&store, &info, ids, m.group, m.attempt, cfg)
-        })
-        .await
-        .map_err(|e| Error::Cluster(format!("merge task failed to run: {e}")))??;
+        let out = if m.push_to.is_empty() {
+            let ids = self.store.committed_blocks_of(shuffle, &m.maps)?;
+            let grant = self.admission.admit(info.rank(), cfg.task_grant()).await;
+            tokio::task::spawn_blocking(move || {
+                let _grant = grant;
+                crate::task::run_merge(&store, &info, ids, m.group, m.attempt, cfg)
+            })
+            .await
+            .map_err(|e| Error::Cluster(format!("merge task failed to run: {e}")))??
+        } else {
+            // A forward holds one block at a time: no grant beyond the store's budget.
+            crate::forward::run(&store, self.reader.clone(), &m).await?
+        };
         guard.armed = false;
         Ok(proto::TaskResult {
             blocks: out.blocks.iter().map(Into::into).collect(),
@@ -307,7 +313,7 @@ impl WorkerState {
             input_bytes: out.input_bytes,
             seconds: out.seconds,
             spilled_bytes: out.spilled_bytes,
-            pushed: vec![],
+            pushed: out.pushed,
         })
     }
 

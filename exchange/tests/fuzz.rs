@@ -176,6 +176,21 @@ async fn a_worker_survives_fuzzed_actions_tickets_and_puts() {
                 group: 1 << 31,
                 attempt: 0,
                 maps: vec![0],
+                ..Default::default()
+            }
+            .encode_to_vec(),
+        ),
+        (
+            // A forward: the map's blocks to holders (here a placement of the wrong length).
+            actions::MERGE,
+            proto::MergeTask {
+                shuffle_id: 77,
+                group: (1 << 31) + 1,
+                attempt: 0,
+                maps: vec![0],
+                push_peers: vec![w.addr.clone()],
+                push_to: vec![0; 3],
+                worker_index: 0,
             }
             .encode_to_vec(),
         ),

@@ -257,3 +257,169 @@ async fn auto_starts_the_maps_after_its_first_wave_once_it_has_chosen() {
     );
     driver.drop_shuffle(spec.id).await.unwrap();
 }
+
+/// Read every partition of `spec` (the driver's readers, as placed) into one checksum.
+async fn read_all(
+    driver: &std::sync::Arc<exchange::driver::Driver>,
+    spec: &ShuffleSpec,
+) -> Checksum {
+    use futures::StreamExt;
+    let mut out = Checksum::default();
+    for p in 0..spec.partitions {
+        let mut s = driver.read_partition(spec.id, p, true).await.unwrap();
+        while let Some(b) = s.next().await {
+            out.add(Checksum::of_batch(&b.unwrap()).unwrap());
+        }
+    }
+    out
+}
+
+/// A forward ([`exchange::forward`]) moves maps that ran in place to the holders a placement
+/// names: every block is then on its holder (push: the owner; two-level: the owner's grid
+/// column), readers that read the holders only get every row once, and the maps' own blocks
+/// are retired. A forward after the seal is refused and leaves the maps readable in place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_forward_moves_maps_run_in_place_to_their_holders() {
+    use exchange::forward::FORWARD_GROUP_BASE;
+    use exchange::strategy::Placement;
+    let cluster = LocalCluster::start(config(3, 1 << 30)).await.unwrap();
+    let driver = cluster.driver.clone();
+    for placement in [Placement::Owner, Placement::Grid] {
+        let spec = ShuffleSpec {
+            partitions: 7,
+            ..lineitem_spec(true)
+        };
+        driver.create_shuffle(&spec).await.unwrap();
+        let inputs = (0..6u64).map(|m| MapInput::Source(lineitem_slice(m * 2_000, 2_000, 500, 0)));
+        let opts = StrategyOptions::named("pull").unwrap();
+        let mapped = pull::run_maps(&driver, &spec, futures::stream::iter(inputs), 0, opts)
+            .await
+            .unwrap();
+        let before = driver.blocks_of(spec.id).len();
+        for (i, m) in mapped.maps.iter().enumerate() {
+            let g = FORWARD_GROUP_BASE + i as u32;
+            let done = driver
+                .forward(spec.id, g, m.worker, vec![m.map], placement)
+                .await
+                .unwrap();
+            assert_eq!(
+                done.input.rows, 2_000,
+                "{placement:?}: every row of the map went"
+            );
+        }
+        driver.place(spec.id, placement);
+        driver.seal(spec.id).await.unwrap();
+        let blocks = driver.blocks_of(spec.id);
+        assert_eq!(blocks.len(), before, "{placement:?}: forwarded unchanged");
+        for b in &blocks {
+            let p = b.meta.id.partition;
+            assert!(
+                b.meta.id.map >= FORWARD_GROUP_BASE,
+                "{placement:?}: {b:?} retired"
+            );
+            assert!(
+                placement.readers(p, 3).contains(&b.worker),
+                "{placement:?}: {b:?}"
+            );
+        }
+        assert_eq!(
+            read_all(&driver, &spec).await,
+            mapped.input,
+            "{placement:?}"
+        );
+        // Sealed: refused, and nothing changes.
+        let late = driver
+            .forward(spec.id, FORWARD_GROUP_BASE + 99, 0, vec![0], placement)
+            .await;
+        assert!(
+            matches!(late, Err(ref e) if !matches!(e, exchange::error::Error::PartialCommit { .. })),
+            "{late:?}"
+        );
+        assert_eq!(
+            read_all(&driver, &spec).await,
+            mapped.input,
+            "{placement:?}"
+        );
+        driver.drop_shuffle(spec.id).await.unwrap();
+    }
+    // Refused before it moves anything (the map is not held there): the map stays readable
+    // where it ran, by readers of every worker.
+    let spec = ShuffleSpec {
+        partitions: 7,
+        ..lineitem_spec(true)
+    };
+    driver.create_shuffle(&spec).await.unwrap();
+    let inputs = (0..3u64).map(|m| MapInput::Source(lineitem_slice(m * 2_000, 2_000, 500, 0)));
+    let opts = StrategyOptions::named("pull").unwrap();
+    let mapped = pull::run_maps(&driver, &spec, futures::stream::iter(inputs), 0, opts)
+        .await
+        .unwrap();
+    let m = &mapped.maps[0];
+    let elsewhere = (m.worker + 1) % 3;
+    let wrong = driver
+        .forward(
+            spec.id,
+            FORWARD_GROUP_BASE,
+            elsewhere,
+            vec![m.map],
+            Placement::Owner,
+        )
+        .await;
+    assert!(wrong.is_err(), "{wrong:?}");
+    driver.seal(spec.id).await.unwrap();
+    assert_eq!(read_all(&driver, &spec).await, mapped.input);
+    driver.drop_shuffle(spec.id).await.unwrap();
+}
+
+/// `auto` picking push after its first wave ran in place forwards that wave to the owners:
+/// every block ends on its partition's owner, readers read the owners only, and the output
+/// is exact. (The calibration makes the network slow, so push, whose transfer overlaps the map
+/// side, wins for certain.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn auto_forwards_its_first_wave_when_it_picks_push() {
+    use exchange::strategy::{map_side, Placement};
+    let cluster = LocalCluster::start(config(3, 1 << 30)).await.unwrap();
+    let driver = cluster.driver.clone();
+    driver
+        .use_calibration(exchange::proto::Calibration {
+            partition_bytes_per_s: 1e9,
+            encode_bytes_per_s: 1e9,
+            decode_bytes_per_s: 1e9,
+            block_overhead_s: 50e-6,
+            disk_write_bytes_per_s: 1e9,
+            disk_read_bytes_per_s: 1e9,
+            request_s: 100e-6,
+            network_bytes_per_s: 1e6,
+            parallelism: 2,
+            remote_block_s: 100e-6,
+            merge_bytes_per_s: 1e9,
+        })
+        .unwrap();
+    assert!(
+        driver.use_calibration(Default::default()).is_err(),
+        "set once"
+    );
+    let spec = ShuffleSpec {
+        partitions: 7,
+        ..lineitem_spec(true)
+    };
+    driver.create_shuffle(&spec).await.unwrap();
+    let inputs = (0..12u64).map(|m| MapInput::Source(lineitem_slice(m * 2_000, 2_000, 500, 0)));
+    let opts = StrategyOptions::named("auto").unwrap();
+    let mapped = map_side(&driver, &spec, futures::stream::iter(inputs), opts)
+        .await
+        .unwrap();
+    let choice = driver.choice(spec.id).unwrap_or_default();
+    assert!(
+        choice.starts_with("auto: push")
+            && choice.contains("the first wave's 3 maps forwarded to their holders"),
+        "{choice}"
+    );
+    assert_eq!(driver.placement(spec.id), Placement::Owner);
+    for b in driver.blocks_of(spec.id) {
+        assert_eq!(b.worker, Placement::owner(b.meta.id.partition, 3), "{b:?}");
+    }
+    assert_eq!(read_all(&driver, &spec).await, mapped.input);
+    assert_eq!(mapped.input.rows, 24_000);
+    driver.drop_shuffle(spec.id).await.unwrap();
+}

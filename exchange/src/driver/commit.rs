@@ -1,6 +1,6 @@
 //! The driver's side of committing: merge groups (merged strategy and the holders of push
-//! and two-level shuffles), commits of one attempt on every worker holding its blocks, and
-//! cancels; plus recording the committed blocks.
+//! and two-level shuffles) and forwards (`auto`), commits of one attempt on every worker
+//! holding its blocks, and cancels; plus recording the committed blocks.
 
 use super::{lock, BlockRef, Driver, Lineage, MapDone};
 use crate::block::ShuffleId;
@@ -31,6 +31,7 @@ impl Driver {
             group,
             attempt,
             maps: maps.clone(),
+            ..Default::default()
         };
         let result = match client.merge(&task).await {
             Ok(r) => r,
@@ -50,6 +51,103 @@ impl Driver {
         }
         let blocks = self.record_blocks(shuffle, worker, &result, &maps)?;
         lock(&self.lineage).insert((shuffle, group), (worker, generation, Lineage::Merge(maps)));
+        Ok(MapDone {
+            map: group,
+            attempt,
+            worker,
+            blocks,
+            input: Checksum {
+                rows: result.input_rows,
+                sum: 0,
+            },
+            input_bytes: result.input_bytes,
+            spilled_bytes: result.spilled_bytes,
+            committed_at: std::time::Instant::now(),
+        })
+    }
+
+    /// Forward the committed outputs of `maps` held by `worker` unchanged to the holders
+    /// `placement` names for its maps ([`crate::forward`]), as a new attempt of group `group`,
+    /// and commit it: first on `worker`, which retires the maps (refused once a reader has
+    /// started there: then the group is aborted everywhere and the maps stay), then on the
+    /// other holders. A holder refusing after that is [`Error::PartialCommit`]: the maps'
+    /// rows of its partitions would be lost.
+    pub async fn forward(
+        &self,
+        shuffle: ShuffleId,
+        group: u32,
+        worker: usize,
+        maps: Vec<u32>,
+        placement: crate::strategy::Placement,
+    ) -> Result<MapDone> {
+        let client = self.worker(worker)?;
+        let n = self.num_workers();
+        let partitions = lock(&self.partitions)
+            .get(&shuffle)
+            .copied()
+            .ok_or(Error::UnknownShuffle(shuffle))?;
+        let attempt = self.next_attempt(shuffle, group);
+        let task = proto::MergeTask {
+            shuffle_id: shuffle.0,
+            group,
+            attempt,
+            maps: maps.clone(),
+            push_peers: self.addresses(),
+            push_to: (0..partitions)
+                .map(|p| placement.holder(worker, p, n) as u32)
+                .collect(),
+            worker_index: worker as u32,
+        };
+        let cancel = proto::CommitTask {
+            shuffle_id: shuffle.0,
+            map_id: group,
+            attempt,
+            blocks: 0,
+            merged_maps: vec![],
+        };
+        let everywhere: Vec<usize> = (0..n).collect();
+        let result = match client.merge(&task).await {
+            Ok(r) => r,
+            Err(e) => {
+                self.cancel_on(&everywhere, &cancel).await;
+                return Err(self.classify(e).await);
+            }
+        };
+        let mut holders = Vec::new();
+        for p in &result.pushed {
+            if p.worker as usize >= n || p.worker as usize == worker {
+                self.cancel_on(&everywhere, &cancel).await;
+                return Err(Error::Cluster(format!(
+                    "forward of group {group} reported blocks pushed to worker {} (cluster of {n})",
+                    p.worker
+                )));
+            }
+            holders.push((p.worker as usize, p.blocks.len() as u32));
+        }
+        let here = proto::CommitTask {
+            blocks: result.blocks.len() as u32,
+            merged_maps: maps.clone(),
+            ..cancel.clone()
+        };
+        if let Err(e) = client.commit(&here).await {
+            self.cancel_on(&everywhere, &cancel).await;
+            return Err(self.classify(e).await);
+        }
+        if let Err(e) = self.commit_on_holders(&holders, &cancel).await {
+            return Err(Error::PartialCommit {
+                map: group,
+                attempt,
+                reason: format!("forwarded, then not committed on a holder: {e}"),
+            });
+        }
+        let mut blocks = self.record_blocks(shuffle, worker, &result, &maps)?;
+        for p in &result.pushed {
+            let pushed = proto::TaskResult {
+                blocks: p.blocks.clone(),
+                ..Default::default()
+            };
+            blocks.extend(self.record_blocks(shuffle, p.worker as usize, &pushed, &[])?);
+        }
         Ok(MapDone {
             map: group,
             attempt,

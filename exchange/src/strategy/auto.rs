@@ -5,18 +5,20 @@
 //! R and N. The model predicts each strategy's time for the exchange from the calibration
 //! ([`crate::driver::Driver::calibration`]) and the cheapest wins: `pull` lets the rest run as
 //! they are; `merged` merges on each worker, the first wave included; `push` and `two-level`
-//! send the blocks of the maps still to run to their holders (the first wave's stay where they
-//! are, so readers keep reading every worker) and merge there. The first wave runs one map per
-//! worker and the next maps start once the choice is made, so only the first wave's maps
-//! write unpacked blocks in place. The pick and the predicted
-//! times are noted on the driver and shown by `EXPLAIN ANALYZE`.
+//! send the blocks of the maps still to run to their holders and merge there, and forward the
+//! first wave's blocks, unchanged, to the same holders ([`crate::forward`]), so readers read
+//! the holders only, as under push or two-level run fixed (if a map cannot be forwarded, it
+//! stays and readers read every worker). The first wave runs one map per worker and the next
+//! maps start once the choice is made, so only the first wave's maps write unpacked blocks in
+//! place. The pick, the predicted times and the forwards are noted on the driver and shown by
+//! `EXPLAIN ANALYZE`.
 //!
 //! The model itself is [`crate::cost`].
 
 use super::{merged, pull, Placement, Strategy, StrategyOptions};
 use crate::cost::{ranking, Shape};
 use crate::driver::{Driver, MapDone, MapInput, ShuffleSpec};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use futures::{Stream, StreamExt};
 use std::sync::Arc;
 use tokio::sync::mpsc;
@@ -58,6 +60,49 @@ fn shape_of(
         maps_in_place: in_place,
         pack,
     }
+}
+
+/// Forward the first wave's maps, run in place, to the holders `placement` names, one forward
+/// per map, all at once ([`Driver::forward`]); a map that could not go (a reader started
+/// there) is sent on `left` and stays where it ran. Once every one went, readers read the
+/// holders only. Returns what happened, for `EXPLAIN ANALYZE`.
+async fn forward_wave(
+    driver: &Arc<Driver>,
+    spec: &ShuffleSpec,
+    wave: Vec<MapDone>,
+    placement: Placement,
+    left: &mpsc::UnboundedSender<MapDone>,
+) -> Result<String> {
+    let total = wave.len();
+    let calls = wave.into_iter().enumerate().map(|(i, d)| async move {
+        let group = crate::forward::FORWARD_GROUP_BASE + i as u32;
+        let r = driver
+            .forward(spec.id, group, d.worker, vec![d.map], placement)
+            .await;
+        (d, r)
+    });
+    let mut stayed = 0;
+    for (d, r) in futures::future::join_all(calls).await {
+        match r {
+            Ok(_) => {}
+            // The maps' rows are gone with a worker, or half forwarded: the shuffle fails.
+            Err(e @ (Error::PartialCommit { .. } | Error::WorkerLost { .. })) => return Err(e),
+            Err(e) => {
+                tracing::warn!(shuffle = %spec.id, map = d.map, error = %e, "map not forwarded");
+                stayed += 1;
+                let _ = left.send(d);
+            }
+        }
+    }
+    if stayed == 0 {
+        driver.place(spec.id, placement);
+        return Ok(format!(
+            "the first wave's {total} maps forwarded to their holders"
+        ));
+    }
+    Ok(format!(
+        "{stayed} of the first wave's {total} maps stayed where they ran: readers read every worker"
+    ))
 }
 
 /// The map side of an `auto` exchange: the first wave as pull, then the predicted best.
@@ -141,29 +186,44 @@ pub async fn map_side(
             predicted.join(", ")
         );
         tracing::info!(shuffle = %spec.id, %note, "strategy chosen");
-        driver.note_choice(spec.id, note);
-        if pick != Strategy::Pull {
-            if opts.pack {
-                driver.pack_maps(spec.id);
-            }
-            match pick {
-                Strategy::Push => driver.place_maps(spec.id, Placement::Owner),
-                Strategy::TwoLevel => driver.place_maps(spec.id, Placement::Grid),
-                _ => {}
-            }
+        driver.note_choice(spec.id, note.clone());
+        let placement = match pick {
+            Strategy::Push => Some(Placement::Owner),
+            Strategy::TwoLevel => Some(Placement::Grid),
+            _ => None,
+        };
+        if pick != Strategy::Pull && opts.pack {
+            driver.pack_maps(spec.id);
+        }
+        if let Some(p) = placement {
+            driver.place_maps(spec.id, p);
         }
         let _ = decided.send(true);
-        match pick {
-            Strategy::Pull => {
-                while rx.recv().await.is_some() {}
-                Ok(Vec::new())
-            }
-            _ => {
-                let rest = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
-                let commits = futures::stream::iter(wave).chain(rest);
-                merged::merge(driver, spec, commits, opts).await
-            }
+        if pick == Strategy::Pull {
+            while rx.recv().await.is_some() {}
+            return Ok(Vec::new());
         }
+        // The first wave's maps are merged where they ran, or forwarded to the holders
+        // beside the maps that follow (those that could not be stay and are merged there).
+        let (left, stayed) = mpsc::unbounded_channel::<MapDone>();
+        let forward = async move {
+            match placement {
+                None => wave.into_iter().for_each(|d| {
+                    let _ = left.send(d);
+                }),
+                Some(p) => {
+                    let went = forward_wave(driver, spec, wave, p, &left).await?;
+                    driver.note_choice(spec.id, format!("{note}; {went}"));
+                }
+            }
+            Ok(())
+        };
+        let rest = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
+        let stayed = tokio_stream::wrappers::UnboundedReceiverStream::new(stayed);
+        let commits = futures::stream::select(stayed, rest);
+        let ((), merges) =
+            futures::future::try_join(forward, merged::merge(driver, spec, commits, opts)).await?;
+        Ok(merges)
     };
     let (mut mapped, merges) = futures::future::try_join(maps, decide).await?;
     mapped.merges = merges;
