@@ -5,12 +5,13 @@
 //! the map side and decoding on the reduce side per byte, a per-block cost for every block a
 //! reducer reads, a request latency per reducer request, the transport for the bytes that
 //! cross workers, and disk for the bytes that spill. Merging strategies add a merge of every
-//! byte at the calibrated merge rate (and, when spilling, write the merged bytes again) but read ~N blocks
-//! per partition instead of M; push overlaps half its transfer with the map side; two-level
-//! moves a byte up to twice (within its row as a push, half of it overlapping the map side,
-//! then within its column: 1 - 1/√N of the bytes each time) but makes ~√N requests per map
-//! and per reducer. Under `auto` the maps run before the choice stay where they ran: their
-//! bytes cross when read, and readers read every worker.
+//! byte at the calibrated merge rate (and, when spilling, write the merged bytes again) but
+//! read ~N blocks per partition instead of M; push overlaps half its transfer with the map
+//! side; two-level moves a byte up to twice (within its row as a push, half of it overlapping
+//! the map side, then within its column: 1 - 1/√N of the bytes each time) but makes ~√N
+//! requests per map and per reducer. Under `auto` the maps run before the choice are merged
+//! where they ran (merged) or forwarded to the holders and merged there (push, two-level):
+//! their blocks are read back once more.
 
 use crate::proto::Calibration;
 use crate::strategy::Strategy;
@@ -31,8 +32,8 @@ pub struct Shape {
     pub spill_fraction: f64,
     /// Blocks one map writes (at most R; 0: assume R).
     pub blocks_per_map: f64,
-    /// Maps already run in place when the choice is made: under `auto` they stay where they
-    /// are, so only the others push, and readers keep reading every worker.
+    /// Maps already run in place when the choice is made: under `auto` push and two-level
+    /// forward their blocks to the holders ([`crate::forward`]), which merge them.
     pub maps_in_place: usize,
     /// Maps of merging strategies write packed blocks ([`crate::packed`]): one per holder
     /// instead of one per partition (the maps run in place before the choice excepted).
@@ -62,7 +63,7 @@ pub fn predict(c: &Calibration, shape: &Shape, strategy: Strategy) -> f64 {
         }
     };
     // Blocks of the maps run in place before the choice: under push and two-level `auto`
-    // forwards them, unchanged and unmerged, to the holders.
+    // forwards them, unchanged, to the holders, which merge them with the pushed ones.
     let forwarded = in_place * per_map;
     let b = shape.bytes.max(0.0);
     let spilled = b * shape.spill_fraction.clamp(0.0, 1.0);
@@ -104,15 +105,16 @@ pub fn predict(c: &Calibration, shape: &Shape, strategy: Strategy) -> f64 {
         Strategy::Merged => merge(blocks_to(1.0)) + merged_reads,
         // Blocks cross once, as pushes (half the transfer overlaps the map side); a reducer
         // reads its own store. The maps run in place before the choice are forwarded to the
-        // same holders as they would have pushed to: their bytes cross as pushes' do, their
-        // blocks are read back, cross and are read by the reducer unmerged.
+        // same holders as they would have pushed to: their blocks are read back, cross as
+        // pushed ones do and are merged there with them.
         Strategy::Push => {
-            let blocks = blocks_to(n) - forwarded;
-            let push = blocks * remote * remote_block + (m - in_place) * (n - 1.0) * c.request_s;
-            let forward = forwarded * (remote * remote_block + 2.0 * local_block)
+            let blocks = blocks_to(n);
+            let pushes = (blocks - forwarded) * remote * remote_block
+                + (m - in_place) * (n - 1.0) * c.request_s;
+            let forwards = forwarded * (remote * remote_block + local_block)
                 + in_place * (n - 1.0) * c.request_s;
             let reduce = reads(1.0) * local_block + r * c.request_s + OVERLAP * transfer;
-            merge(blocks) + push + forward + reduce
+            merge(blocks) + pushes + forwards + reduce
         }
         // Pushes within a row, reads within a column: a byte crosses to another worker of
         // its row with probability 1 - 1/cols (a push, overlapping the map side as push's
@@ -120,16 +122,15 @@ pub fn predict(c: &Calibration, shape: &Shape, strategy: Strategy) -> f64 {
         // in place are forwarded within their row as their pushes would have gone.
         Strategy::TwoLevel => {
             let rows = (n / cols).ceil();
-            let blocks = blocks_to(cols) - forwarded;
-            let push =
-                blocks * (1.0 - 1.0 / cols) * remote_block + (m - in_place) * cols * c.request_s;
-            let forward = forwarded
-                * ((2.0 - 1.0 / cols - 1.0 / rows) * remote_block + 2.0 * local_block)
+            let blocks = blocks_to(cols);
+            let pushes = (blocks - forwarded) * (1.0 - 1.0 / cols) * remote_block
+                + (m - in_place) * cols * c.request_s;
+            let forwards = forwarded * ((1.0 - 1.0 / cols) * remote_block + local_block)
                 + in_place * cols * c.request_s;
             let hops = OVERLAP * (1.0 - 1.0 / cols) + (1.0 - 1.0 / rows);
             let grid = b * hops / rate(c.network_bytes_per_s);
             let reduce = reads(rows) * remote_block + r * rows * c.request_s + grid;
-            merge(blocks) + push + forward + reduce
+            merge(blocks) + pushes + forwards + reduce
         }
     };
     (common + specific) / p
@@ -242,11 +243,10 @@ mod tests {
     }
 
     #[test]
-    fn maps_run_in_place_are_forwarded_at_the_cost_of_their_blocks() {
+    fn maps_run_in_place_are_forwarded_at_the_cost_of_reading_their_blocks_back() {
         // Under auto, 4 of 64 maps ran in place: push and two-level forward them to the
         // holders, so every byte crosses as under the strategy run fixed (the bytes of the
-        // forwards as pushes') and readers read the holders only; the forwards add the
-        // crossing of their unmerged blocks, and merging has fewer to merge.
+        // forwards as pushes') and readers read the holders only.
         let fixed = shape(16, 64);
         let late = Shape {
             maps_in_place: 4,
@@ -256,22 +256,13 @@ mod tests {
             let (a, b) = (crossings(&late, strategy), crossings(&fixed, strategy));
             assert!(close(a, b), "{strategy}: {a} against {b}");
         }
+        // The forwards cross and are merged as pushed blocks would be, and are read back
+        // first: 64 blocks once more (60 us each, on 2 cores).
         let c = machine();
-        let extra = |strategy| predict(&c, &late, strategy) - predict(&c, &fixed, strategy);
-        // Pushed and merged, a block crosses and is written and read where it is merged; a
-        // forwarded one is read back, crosses and is read unmerged: the same under push.
-        assert!(
-            extra(Strategy::Push).abs() < 1e-9,
-            "{}",
-            extra(Strategy::Push)
-        );
-        // Under two-level the reducer reads it across its column, unmerged: 64 blocks once
-        // more with probability 1/2 (150 us each, on 2 cores).
-        let expected = 64.0 * 0.5 * 150e-6 / 2.0;
-        let two_level = extra(Strategy::TwoLevel);
-        assert!(
-            (two_level - expected).abs() < 1e-9,
-            "{two_level} against {expected}"
-        );
+        let expected = 64.0 * 60e-6 / 2.0;
+        for strategy in [Strategy::Push, Strategy::TwoLevel] {
+            let extra = predict(&c, &late, strategy) - predict(&c, &fixed, strategy);
+            assert!((extra - expected).abs() < 1e-9, "{strategy}: {extra}");
+        }
     }
 }

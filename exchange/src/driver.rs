@@ -550,7 +550,7 @@ impl Driver {
                     }
                     commits.push((p.worker as usize, p.blocks.len() as u32));
                 }
-                me.commit_on_holders(&commits, &cancel).await?;
+                me.commit_on_holders(&commits, &cancel, false).await?;
                 // The committed attempt's lineage (a speculative copy that lost leaves none).
                 lock(&me.lineage).insert((shuffle, map), (worker, generation, lineage));
                 let mut blocks = me.record_blocks(shuffle, worker, &result, &[])?;

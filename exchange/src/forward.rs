@@ -8,7 +8,9 @@
 //! unchanged, sent to the holder of their partition with the pushes of a map task
 //! ([`crate::push::Pusher`]); those of this worker's own partitions go back into its store.
 //! The group is pending everywhere until the driver commits it: first here, retiring the maps
-//! in the same step (refused once a reader has started here), then on the other holders.
+//! in the same step (refused once a reader has started here), then on the other holders,
+//! where it is merged with the maps pushed there like one of them (its group id is a
+//! [`FORWARD_GROUP_BASE`] one, which a merge takes; other merge groups are not merged again).
 
 use crate::block::{BlockId, BlockMeta, ShuffleId};
 use crate::error::{Error, Result};
@@ -18,9 +20,7 @@ use crate::task::MapOutput;
 use crate::transport::peers::PeerReader;
 use std::sync::Arc;
 
-/// Group ids of forwards: above those of merges, which count up from
-/// [`crate::store::MERGE_GROUP_BASE`].
-pub const FORWARD_GROUP_BASE: u32 = crate::store::MERGE_GROUP_BASE + (1 << 30);
+pub use crate::store::FORWARD_GROUP_BASE;
 
 /// Forward the committed blocks of `m.maps` held in `store` as attempt `m.attempt` of group
 /// `m.group` to the holders `m.push_to` names.

@@ -302,7 +302,8 @@ impl WorkerState {
             .await
             .map_err(|e| Error::Cluster(format!("merge task failed to run: {e}")))??
         } else {
-            // A forward holds one block at a time: no grant beyond the store's budget.
+            // A forward holds a few blocks at a time (those queued for each holder): no
+            // grant beyond the store's budget.
             crate::forward::run(&store, self.reader.clone(), &m).await?
         };
         guard.armed = false;

@@ -327,23 +327,10 @@ async fn a_forward_moves_maps_run_in_place_to_their_holders() {
             mapped.input,
             "{placement:?}"
         );
-        // Sealed: refused, and nothing changes.
-        let late = driver
-            .forward(spec.id, FORWARD_GROUP_BASE + 99, 0, vec![0], placement)
-            .await;
-        assert!(
-            matches!(late, Err(ref e) if !matches!(e, exchange::error::Error::PartialCommit { .. })),
-            "{late:?}"
-        );
-        assert_eq!(
-            read_all(&driver, &spec).await,
-            mapped.input,
-            "{placement:?}"
-        );
         driver.drop_shuffle(spec.id).await.unwrap();
     }
-    // Refused before it moves anything (the map is not held there): the map stays readable
-    // where it ran, by readers of every worker.
+    // Refused before anything moves (the map is not held there; the shuffle is sealed): the
+    // maps stay readable where they ran, by readers of every worker.
     let spec = ShuffleSpec {
         partitions: 7,
         ..lineitem_spec(true)
@@ -367,59 +354,122 @@ async fn a_forward_moves_maps_run_in_place_to_their_holders() {
         .await;
     assert!(wrong.is_err(), "{wrong:?}");
     driver.seal(spec.id).await.unwrap();
+    let late = driver
+        .forward(
+            spec.id,
+            FORWARD_GROUP_BASE + 1,
+            m.worker,
+            vec![m.map],
+            Placement::Owner,
+        )
+        .await;
+    assert!(
+        matches!(late, Err(ref e) if !matches!(e, exchange::error::Error::PartialCommit { .. })),
+        "{late:?}"
+    );
     assert_eq!(read_all(&driver, &spec).await, mapped.input);
+    assert!(driver.blocks_of(spec.id).iter().all(|b| b.meta.id.map < 3));
     driver.drop_shuffle(spec.id).await.unwrap();
 }
 
-/// `auto` picking push after its first wave ran in place forwards that wave to the owners:
-/// every block ends on its partition's owner, readers read the owners only, and the output
-/// is exact. (The calibration makes the network slow, so push, whose transfer overlaps the map
-/// side, wins for certain.)
+/// A calibration under which push wins for certain: a slow network, whose transfer push
+/// overlaps with the map side.
+fn push_wins() -> exchange::proto::Calibration {
+    exchange::proto::Calibration {
+        partition_bytes_per_s: 1e9,
+        encode_bytes_per_s: 1e9,
+        decode_bytes_per_s: 1e9,
+        block_overhead_s: 50e-6,
+        disk_write_bytes_per_s: 1e9,
+        disk_read_bytes_per_s: 1e9,
+        request_s: 100e-6,
+        network_bytes_per_s: 1e6,
+        parallelism: 2,
+        remote_block_s: 100e-6,
+        merge_bytes_per_s: 1e9,
+    }
+}
+
+/// `auto` picking push after its first wave ran in place forwards that wave to the owners,
+/// which merge it with the maps pushed there: every block ends on its partition's owner,
+/// readers read the owners only, and the output is exact. Where readers stream during the map side (a pipelined consumer) it cannot (the
+/// workers refuse once a reader started there): the wave stays where it ran, readers keep
+/// reading every worker, and every row still arrives once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn auto_forwards_its_first_wave_when_it_picks_push() {
+async fn auto_picking_push_forwards_its_first_wave_unless_readers_stream() {
     use exchange::strategy::{map_side, Placement};
+    use futures::StreamExt;
     let cluster = LocalCluster::start(config(3, 1 << 30)).await.unwrap();
     let driver = cluster.driver.clone();
-    driver
-        .use_calibration(exchange::proto::Calibration {
-            partition_bytes_per_s: 1e9,
-            encode_bytes_per_s: 1e9,
-            decode_bytes_per_s: 1e9,
-            block_overhead_s: 50e-6,
-            disk_write_bytes_per_s: 1e9,
-            disk_read_bytes_per_s: 1e9,
-            request_s: 100e-6,
-            network_bytes_per_s: 1e6,
-            parallelism: 2,
-            remote_block_s: 100e-6,
-            merge_bytes_per_s: 1e9,
-        })
-        .unwrap();
-    assert!(
-        driver.use_calibration(Default::default()).is_err(),
-        "set once"
-    );
-    let spec = ShuffleSpec {
-        partitions: 7,
-        ..lineitem_spec(true)
-    };
-    driver.create_shuffle(&spec).await.unwrap();
-    let inputs = (0..12u64).map(|m| MapInput::Source(lineitem_slice(m * 2_000, 2_000, 500, 0)));
-    let opts = StrategyOptions::named("auto").unwrap();
-    let mapped = map_side(&driver, &spec, futures::stream::iter(inputs), opts)
-        .await
-        .unwrap();
-    let choice = driver.choice(spec.id).unwrap_or_default();
-    assert!(
-        choice.starts_with("auto: push")
-            && choice.contains("the first wave's 3 maps forwarded to their holders"),
-        "{choice}"
-    );
-    assert_eq!(driver.placement(spec.id), Placement::Owner);
-    for b in driver.blocks_of(spec.id) {
-        assert_eq!(b.worker, Placement::owner(b.meta.id.partition, 3), "{b:?}");
+    driver.use_calibration(push_wins()).unwrap();
+    assert!(driver.use_calibration(push_wins()).is_err(), "set once");
+    for streaming in [false, true] {
+        let spec = ShuffleSpec {
+            partitions: 7,
+            ..lineitem_spec(true)
+        };
+        driver.create_shuffle(&spec).await.unwrap();
+        let readers: Vec<_> = (0..spec.partitions)
+            .filter(|_| streaming)
+            .map(|p| {
+                let (driver, id) = (driver.clone(), spec.id);
+                tokio::spawn(async move {
+                    let mut out = Checksum::default();
+                    let mut s = driver.read_partition(id, p, true).await.unwrap();
+                    while let Some(b) = s.next().await {
+                        out.add(Checksum::of_batch(&b.unwrap()).unwrap());
+                    }
+                    out
+                })
+            })
+            .collect();
+        if streaming {
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        }
+        let inputs = (0..12u64).map(|m| MapInput::Source(lineitem_slice(m * 2_000, 2_000, 500, 0)));
+        let opts = StrategyOptions::named("auto").unwrap();
+        let mapped = map_side(&driver, &spec, futures::stream::iter(inputs), opts)
+            .await
+            .unwrap();
+        let choice = driver.choice(spec.id).unwrap_or_default();
+        let (note, placement) = match streaming {
+            false => (
+                "the first wave's 3 maps forwarded to their holders",
+                Placement::Owner,
+            ),
+            true => (
+                "3 of the first wave's 3 maps stayed where they ran",
+                Placement::Local,
+            ),
+        };
+        assert!(
+            choice.starts_with("auto: push") && choice.contains(note),
+            "{choice}"
+        );
+        assert_eq!(driver.placement(spec.id), placement);
+        let mut out = Checksum::default();
+        if streaming {
+            for r in readers {
+                out.add(r.await.unwrap());
+            }
+        } else {
+            for b in driver.blocks_of(spec.id) {
+                assert_eq!(b.worker, Placement::owner(b.meta.id.partition, 3), "{b:?}");
+            }
+            // The holders merged the forwards with the maps pushed there.
+            let forward = exchange::forward::FORWARD_GROUP_BASE;
+            assert!(
+                mapped
+                    .merges
+                    .iter()
+                    .any(|(_, maps)| maps.iter().any(|&m| m >= forward)),
+                "{:?}",
+                mapped.merges
+            );
+            out = read_all(&driver, &spec).await;
+        }
+        assert_eq!(out, mapped.input, "streaming readers: {streaming}");
+        assert_eq!(out.rows, 24_000);
+        driver.drop_shuffle(spec.id).await.unwrap();
     }
-    assert_eq!(read_all(&driver, &spec).await, mapped.input);
-    assert_eq!(mapped.input.rows, 24_000);
-    driver.drop_shuffle(spec.id).await.unwrap();
 }

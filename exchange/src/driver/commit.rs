@@ -51,27 +51,20 @@ impl Driver {
         }
         let blocks = self.record_blocks(shuffle, worker, &result, &maps)?;
         lock(&self.lineage).insert((shuffle, group), (worker, generation, Lineage::Merge(maps)));
-        Ok(MapDone {
-            map: group,
-            attempt,
-            worker,
-            blocks,
-            input: Checksum {
-                rows: result.input_rows,
-                sum: 0,
-            },
-            input_bytes: result.input_bytes,
-            spilled_bytes: result.spilled_bytes,
-            committed_at: std::time::Instant::now(),
-        })
+        Ok(group_done(group, attempt, worker, blocks, &result))
     }
 
     /// Forward the committed outputs of `maps` held by `worker` unchanged to the holders
     /// `placement` names for its maps ([`crate::forward`]), as a new attempt of group `group`,
-    /// and commit it: first on `worker`, which retires the maps (refused once a reader has
-    /// started there: then the group is aborted everywhere and the maps stay), then on the
-    /// other holders. A holder refusing after that is [`Error::PartialCommit`]: the maps'
-    /// rows of its partitions would be lost.
+    /// and commit it: first on `worker`, which retires the maps there, then on the other
+    /// holders. Until the first commit took effect any failure aborts the group everywhere and
+    /// the maps stay where they are (a refusal: a reader started there, the shuffle is sealed,
+    /// the maps are not held there). A commit whose reply is lost is repeated (a no-op where
+    /// it took effect); if it still fails, or a holder refuses after it, rows may be half
+    /// moved: [`Error::PartialCommit`] (or [`Error::WorkerLost`] when the worker is gone).
+    ///
+    /// No lineage is recorded: a shuffle whose maps are placed on holders is not repaired in
+    /// place ([`Driver::places_locally`]).
     pub async fn forward(
         &self,
         shuffle: ShuffleId,
@@ -113,54 +106,92 @@ impl Driver {
                 return Err(self.classify(e).await);
             }
         };
+        // What the worker reported is checked before anything commits.
         let mut holders = Vec::new();
+        let mut problem = None;
         for p in &result.pushed {
             if p.worker as usize >= n || p.worker as usize == worker {
-                self.cancel_on(&everywhere, &cancel).await;
-                return Err(Error::Cluster(format!(
-                    "forward of group {group} reported blocks pushed to worker {} (cluster of {n})",
+                problem = Some(format!(
+                    "it reported blocks pushed to worker {}, which is not another worker of \
+                     the {n} (it ran on {worker})",
                     p.worker
-                )));
+                ));
             }
             holders.push((p.worker as usize, p.blocks.len() as u32));
+        }
+        let metas = result
+            .blocks
+            .iter()
+            .chain(result.pushed.iter().flat_map(|p| &p.blocks));
+        if let Some(Err(e)) = metas
+            .map(crate::block::BlockMeta::try_from)
+            .find(|m| m.is_err())
+        {
+            problem = Some(format!("it reported malformed blocks: {e}"));
+        }
+        if let Some(problem) = problem {
+            self.cancel_on(&everywhere, &cancel).await;
+            return Err(Error::Cluster(format!(
+                "forward of group {group}: {problem}"
+            )));
         }
         let here = proto::CommitTask {
             blocks: result.blocks.len() as u32,
             merged_maps: maps.clone(),
             ..cancel.clone()
         };
-        if let Err(e) = client.commit(&here).await {
-            self.cancel_on(&everywhere, &cancel).await;
-            return Err(self.classify(e).await);
+        let mut tries = 0;
+        while let Err(e) = client.commit(&here).await {
+            // Refused: it did not take effect (a repeat of one that did is a no-op).
+            let refused = matches!(
+                e,
+                Error::Remote {
+                    code: tonic::Code::FailedPrecondition
+                        | tonic::Code::InvalidArgument
+                        | tonic::Code::NotFound,
+                    ..
+                }
+            );
+            tries += 1;
+            if refused {
+                self.cancel_on(&everywhere, &cancel).await;
+                return Err(self.classify(e).await);
+            }
+            if tries == 3 {
+                return Err(match self.classify(e).await {
+                    lost @ Error::WorkerLost { .. } => lost,
+                    e => Error::PartialCommit {
+                        map: group,
+                        attempt,
+                        reason: format!("forwarded; its commit where it ran is unknown: {e}"),
+                    },
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(100 * tries)).await;
         }
-        if let Err(e) = self.commit_on_holders(&holders, &cancel).await {
-            return Err(Error::PartialCommit {
-                map: group,
-                attempt,
-                reason: format!("forwarded, then not committed on a holder: {e}"),
-            });
-        }
-        let mut blocks = self.record_blocks(shuffle, worker, &result, &maps)?;
+        let half = |e: Error| Error::PartialCommit {
+            map: group,
+            attempt,
+            reason: format!("forwarded, then not committed on a holder: {e}"),
+        };
+        self.commit_on_holders(&holders, &cancel, true)
+            .await
+            .map_err(half)?;
+        let mut blocks = self
+            .record_blocks(shuffle, worker, &result, &maps)
+            .map_err(half)?;
         for p in &result.pushed {
             let pushed = proto::TaskResult {
                 blocks: p.blocks.clone(),
                 ..Default::default()
             };
-            blocks.extend(self.record_blocks(shuffle, p.worker as usize, &pushed, &[])?);
+            let at = p.worker as usize;
+            blocks.extend(
+                self.record_blocks(shuffle, at, &pushed, &[])
+                    .map_err(half)?,
+            );
         }
-        Ok(MapDone {
-            map: group,
-            attempt,
-            worker,
-            blocks,
-            input: Checksum {
-                rows: result.input_rows,
-                sum: 0,
-            },
-            input_bytes: result.input_bytes,
-            spilled_bytes: result.spilled_bytes,
-            committed_at: std::time::Instant::now(),
-        })
+        Ok(group_done(group, attempt, worker, blocks, &result))
     }
 
     /// Record the blocks a committed attempt on `worker` reported, replacing the refs of the
@@ -193,17 +224,19 @@ impl Driver {
 
     /// Commit one claimed attempt on each `(worker, blocks)` holder. Committing the same
     /// attempt again is a no-op on a worker, so failed commits are retried. If no holder
-    /// committed, the claim is released (another attempt may still commit); once one has,
-    /// the claim stays and a holder that still refuses fails the shuffle
-    /// ([`Error::PartialCommit`]): another attempt committing elsewhere could duplicate rows.
+    /// committed (and none `committed_elsewhere`, as a forward's origin has), the claim is
+    /// released (another attempt may still commit); once one has, the claim stays and a
+    /// holder that still refuses fails the shuffle ([`Error::PartialCommit`]): another
+    /// attempt committing elsewhere could duplicate rows.
     pub(super) async fn commit_on_holders(
         &self,
         holders: &[(usize, u32)],
         attempt: &proto::CommitTask,
+        committed_elsewhere: bool,
     ) -> Result<()> {
         let key = (ShuffleId(attempt.shuffle_id), attempt.map_id);
         let mut left: Vec<(usize, u32)> = holders.to_vec();
-        let mut committed_any = false;
+        let mut committed_any = committed_elsewhere;
         let mut last = None;
         for round in 0..3 {
             if round > 0 {
@@ -263,5 +296,28 @@ impl Driver {
             .filter_map(|&w| self.worker(w).ok())
             .map(|c| async move { c.cancel(cancel).await });
         futures::future::join_all(calls).await;
+    }
+}
+
+/// A committed merge group (or forward) as the map side reports it.
+fn group_done(
+    group: u32,
+    attempt: u32,
+    worker: usize,
+    blocks: Vec<BlockRef>,
+    result: &proto::TaskResult,
+) -> MapDone {
+    MapDone {
+        map: group,
+        attempt,
+        worker,
+        blocks,
+        input: Checksum {
+            rows: result.input_rows,
+            sum: 0,
+        },
+        input_bytes: result.input_bytes,
+        spilled_bytes: result.spilled_bytes,
+        committed_at: std::time::Instant::now(),
     }
 }

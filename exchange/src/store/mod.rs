@@ -134,6 +134,11 @@ pub struct BlockStore {
 /// Map ids from here on name merge groups (merged strategy), not map tasks.
 pub const MERGE_GROUP_BASE: u32 = 1 << 31;
 
+/// Merge group ids from here on name forwards ([`crate::forward`]): maps moved unmerged to
+/// their holders, which merge them again like the maps there. Merges count up from
+/// [`MERGE_GROUP_BASE`] below it.
+pub const FORWARD_GROUP_BASE: u32 = MERGE_GROUP_BASE + (1 << 30);
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while holding the lock cannot leave the maps half-updated in a way later
     // readers could misread (entries are inserted whole), so recover the guard.
@@ -448,6 +453,7 @@ impl BlockStore {
     /// and retire the blocks of `maps` in the same step: readers see either the maps' blocks
     /// or the group's, never both. Refused once the shuffle is sealed or a reader has started
     /// (then nothing changes; the caller aborts the group's attempt and the maps stay).
+    /// Committing the committed attempt again is a no-op (a caller whose reply was lost).
     pub fn commit_merge(
         &self,
         shuffle: ShuffleId,
@@ -465,6 +471,15 @@ impl BlockStore {
                 "merge group {group} is not a merge group id (>= {MERGE_GROUP_BASE})"
             )));
         }
+        // Committing the committed attempt again is a no-op, before any check that would
+        // refuse it now (its maps are merged; readers may have started since).
+        if sh
+            .committed
+            .get(&group)
+            .is_some_and(|(won, _)| *won == attempt)
+        {
+            return commit_locked(sh, group, attempt, expected);
+        }
         if sh.reads_started {
             return Err(Error::Precondition(format!(
                 "shuffle {shuffle}: readers have started, merge group {group} is refused"
@@ -472,7 +487,7 @@ impl BlockStore {
         }
         let mut seen = std::collections::HashSet::new();
         for m in maps {
-            if *m >= MERGE_GROUP_BASE
+            if (MERGE_GROUP_BASE..FORWARD_GROUP_BASE).contains(m)
                 || !seen.insert(*m)
                 || sh.merged_into.contains_key(m)
                 || !sh.committed.contains_key(m)

@@ -509,6 +509,17 @@ fn a_merge_group_replaces_its_maps_for_readers() {
     let mut maps: Vec<u32> = visible(&s, 1, 2).iter().map(|b| b.map).collect();
     maps.sort();
     assert_eq!(maps, vec![2, 2, g, g]);
+    // A repeat of the commit (its reply lost) is a no-op, even once a reader has started;
+    // another attempt of the group is refused.
+    let _ = visible(&s, 1, 2);
+    let again = s
+        .commit_merge(ShuffleId(1), g, 0, Some(2), &[0, 1])
+        .unwrap();
+    assert_eq!(again.len(), 2);
+    assert!(s.commit_merge(ShuffleId(1), g, 1, None, &[2]).is_err());
+    let mut maps: Vec<u32> = visible(&s, 1, 2).iter().map(|b| b.map).collect();
+    maps.sort();
+    assert_eq!(maps, vec![2, 2, g, g]);
     assert!(s
         .put(aid(1, 0, 0, 1, 0), 1, Bytes::from_static(b"late"))
         .is_err());
@@ -519,6 +530,37 @@ fn a_merge_group_replaces_its_maps_for_readers() {
     );
     let err = s.map_output(ShuffleId(1), 1).err().unwrap();
     assert!(err.to_string().contains("merged into group"), "{err}");
+}
+
+/// A forward ([`crate::forward`]) is merged again on a holder like a map; other merge groups
+/// are not.
+#[test]
+fn a_merge_takes_a_forward_but_no_other_merge_group() {
+    let (_dir, s) = store(1 << 20, 1 << 20);
+    s.create_shuffle(info(1, 1)).unwrap();
+    let f = FORWARD_GROUP_BASE;
+    for m in [0, f] {
+        s.put(aid(1, m, 0, 0, 0), 1, Bytes::from(vec![1u8; 10]))
+            .unwrap();
+        s.commit(ShuffleId(1), m, 0, Some(1)).unwrap();
+    }
+    let g = MERGE_GROUP_BASE;
+    s.put(aid(1, g, 0, 0, 0), 2, Bytes::from(vec![2u8; 20]))
+        .unwrap();
+    s.commit_merge(ShuffleId(1), g, 0, Some(1), &[0, f])
+        .unwrap();
+    let g2 = MERGE_GROUP_BASE + 1;
+    s.put(aid(1, g2, 0, 0, 0), 2, Bytes::from(vec![2u8; 20]))
+        .unwrap();
+    let err = s
+        .commit_merge(ShuffleId(1), g2, 0, Some(1), &[g])
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("no committed, unmerged output"),
+        "{err}"
+    );
+    let maps: Vec<u32> = visible(&s, 1, 1).iter().map(|b| b.map).collect();
+    assert_eq!(maps, vec![g]);
 }
 
 /// Once a reader has listed a partition, or the shuffle is sealed, a merge is refused and

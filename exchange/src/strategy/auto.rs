@@ -6,12 +6,12 @@
 //! ([`crate::driver::Driver::calibration`]) and the cheapest wins: `pull` lets the rest run as
 //! they are; `merged` merges on each worker, the first wave included; `push` and `two-level`
 //! send the blocks of the maps still to run to their holders and merge there, and forward the
-//! first wave's blocks, unchanged, to the same holders ([`crate::forward`]), so readers read
-//! the holders only, as under push or two-level run fixed (if a map cannot be forwarded, it
-//! stays and readers read every worker). The first wave runs one map per worker and the next
-//! maps start once the choice is made, so only the first wave's maps write unpacked blocks in
-//! place. The pick, the predicted times and the forwards are noted on the driver and shown by
-//! `EXPLAIN ANALYZE`.
+//! first wave's blocks, unchanged, to the same holders ([`crate::forward`]), where they are
+//! merged with the rest, so readers read the holders only, as under push or two-level run
+//! fixed (if a map cannot be forwarded, it stays and readers read every worker). The first
+//! wave runs one map per worker and the next maps start once the choice is made, so only the
+//! first wave's maps write unpacked blocks in place. The pick, the predicted times and the
+//! forwards are noted on the driver and shown by `EXPLAIN ANALYZE`.
 //!
 //! The model itself is [`crate::cost`].
 
@@ -63,15 +63,17 @@ fn shape_of(
 }
 
 /// Forward the first wave's maps, run in place, to the holders `placement` names, one forward
-/// per map, all at once ([`Driver::forward`]); a map that could not go (a reader started
-/// there) is sent on `left` and stays where it ran. Once every one went, readers read the
-/// holders only. Returns what happened, for `EXPLAIN ANALYZE`.
+/// per map, all at once ([`Driver::forward`]), and send each forward on `to_merge` (merged
+/// on the holders with the maps pushed there). A map that could not go (refused because a
+/// reader started there, or any failure before its rows moved) is sent on `to_merge` itself
+/// and stays where it ran; a lost worker or rows half moved fail the shuffle. Once every one
+/// went, readers read the holders only. Returns what happened, for `EXPLAIN ANALYZE`.
 async fn forward_wave(
     driver: &Arc<Driver>,
     spec: &ShuffleSpec,
     wave: Vec<MapDone>,
     placement: Placement,
-    left: &mpsc::UnboundedSender<MapDone>,
+    to_merge: &mpsc::UnboundedSender<MapDone>,
 ) -> Result<String> {
     let total = wave.len();
     let calls = wave.into_iter().enumerate().map(|(i, d)| async move {
@@ -84,13 +86,15 @@ async fn forward_wave(
     let mut stayed = 0;
     for (d, r) in futures::future::join_all(calls).await {
         match r {
-            Ok(_) => {}
+            Ok(forwarded) => {
+                let _ = to_merge.send(forwarded);
+            }
             // The maps' rows are gone with a worker, or half forwarded: the shuffle fails.
             Err(e @ (Error::PartialCommit { .. } | Error::WorkerLost { .. })) => return Err(e),
             Err(e) => {
                 tracing::warn!(shuffle = %spec.id, map = d.map, error = %e, "map not forwarded");
                 stayed += 1;
-                let _ = left.send(d);
+                let _ = to_merge.send(d);
             }
         }
     }
@@ -204,23 +208,24 @@ pub async fn map_side(
             return Ok(Vec::new());
         }
         // The first wave's maps are merged where they ran, or forwarded to the holders
-        // beside the maps that follow (those that could not be stay and are merged there).
-        let (left, stayed) = mpsc::unbounded_channel::<MapDone>();
+        // beside the maps that follow and merged there (those that could not go stay and
+        // are merged where they ran).
+        let (to_merge, wave_done) = mpsc::unbounded_channel::<MapDone>();
         let forward = async move {
             match placement {
                 None => wave.into_iter().for_each(|d| {
-                    let _ = left.send(d);
+                    let _ = to_merge.send(d);
                 }),
                 Some(p) => {
-                    let went = forward_wave(driver, spec, wave, p, &left).await?;
+                    let went = forward_wave(driver, spec, wave, p, &to_merge).await?;
                     driver.note_choice(spec.id, format!("{note}; {went}"));
                 }
             }
             Ok(())
         };
         let rest = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
-        let stayed = tokio_stream::wrappers::UnboundedReceiverStream::new(stayed);
-        let commits = futures::stream::select(stayed, rest);
+        let wave_done = tokio_stream::wrappers::UnboundedReceiverStream::new(wave_done);
+        let commits = futures::stream::select(wave_done, rest);
         let ((), merges) =
             futures::future::try_join(forward, merged::merge(driver, spec, commits, opts)).await?;
         Ok(merges)
