@@ -132,6 +132,7 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
     let stats = driver.stats().await?;
     let choice = driver.choice(spec.id);
     let parity_bytes = driver.parity_bytes(spec.id);
+    let blocks = driver.live_blocks(spec.id);
     driver.drop_shuffle(spec.id).await?;
     cluster.stop();
     if output != mapped.input || output.rows != cfg.rows {
@@ -150,7 +151,6 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
         + step("ipc_encode_decode");
     let bound = one_thread * cfg.rows as f64 / sample_rows / cores;
     let gbps = bytes as f64 / seconds / 1e9;
-    let blocks = mapped.live_blocks();
     let map_blocks: usize = mapped.maps.iter().map(|m| m.blocks.len()).sum();
     Ok(json!({
         "rows": cfg.rows,

@@ -74,7 +74,7 @@ pub type Partition = Result<(u32, Vec<RecordBatch>)>;
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct MapSummary {
     pub maps: usize,
-    /// Blocks readers read (after merges, with the merged strategy).
+    /// Blocks readers read (after merges and forwards; parity excluded).
     pub blocks: usize,
     /// Merge groups committed (merged strategy).
     pub merges: usize,
@@ -87,10 +87,10 @@ pub struct MapSummary {
 }
 
 impl MapSummary {
-    fn of(mapped: &Mapped, choice: Option<String>) -> Self {
+    fn of(mapped: &Mapped, blocks: usize, choice: Option<String>) -> Self {
         MapSummary {
             maps: mapped.maps.len(),
-            blocks: mapped.live_blocks(),
+            blocks,
             merges: mapped.merges.len(),
             rows: mapped.input.rows,
             checksum: format!("{:#018x}", mapped.input.sum),
@@ -461,7 +461,8 @@ async fn run(
             Err(e) => return fail(e).await,
         };
         if first == 0 {
-            let summary = MapSummary::of(&mapped, driver.choice(spec.id));
+            let summary =
+                MapSummary::of(&mapped, driver.live_blocks(spec.id), driver.choice(spec.id));
             let _ = mapped_tx.send(Some(Ok(summary)));
         }
         // Partitions already handed to the caller are not read again (a rerun makes the

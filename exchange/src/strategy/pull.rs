@@ -45,27 +45,6 @@ impl Mapped {
         }
         bytes
     }
-
-    /// The blocks readers see now: those of maps not merged on the worker holding them, plus
-    /// the merge groups'.
-    pub fn live_blocks(&self) -> usize {
-        let merged: std::collections::HashSet<(usize, u32)> = self
-            .merges
-            .iter()
-            .flat_map(|(g, maps)| maps.iter().map(move |&m| (g.worker, m)))
-            .collect();
-        let maps: usize = self
-            .maps
-            .iter()
-            .flat_map(|m| &m.blocks)
-            .filter(|b| !merged.contains(&(b.worker, b.meta.id.map)))
-            .count();
-        maps + self
-            .merges
-            .iter()
-            .map(|(g, _)| g.blocks.len())
-            .sum::<usize>()
-    }
 }
 
 /// Run map tasks for every input (spread over the least-loaded workers, at most
