@@ -8,9 +8,10 @@
 //! unchanged, sent to the holder of their partition with the pushes of a map task
 //! ([`crate::push::Pusher`]); those of this worker's own partitions go back into its store.
 //! The group is pending everywhere until the driver commits it: first here, retiring the maps
-//! in the same step (refused once a reader has started here), then on the other holders,
-//! where it is merged with the maps pushed there like one of them (its group id is a
-//! [`FORWARD_GROUP_BASE`] one, which a merge takes; other merge groups are not merged again).
+//! in the same step (refused once a reader has started here), then on the other holders.
+//! Each holder, this worker included, then merges it with the maps pushed there like one of
+//! them (its group id is a [`FORWARD_GROUP_BASE`] one, which a merge takes; other merge
+//! groups are not merged again).
 
 use crate::block::{BlockId, BlockMeta, ShuffleId};
 use crate::error::{Error, Result};

@@ -76,7 +76,7 @@ pub struct MapSummary {
     pub maps: usize,
     /// Blocks readers read (after merges and forwards; parity excluded).
     pub blocks: usize,
-    /// Merge groups committed (merged strategy).
+    /// Merge groups committed (merging strategies).
     pub merges: usize,
     pub rows: u64,
     /// The input's content checksum, as hex.

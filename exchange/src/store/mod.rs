@@ -131,13 +131,18 @@ pub struct BlockStore {
     admission: Option<Arc<crate::admission::Admission>>,
 }
 
-/// Map ids from here on name merge groups (merged strategy), not map tasks.
+/// Map ids from here on name merge groups (merging strategies), not map tasks.
 pub const MERGE_GROUP_BASE: u32 = 1 << 31;
 
 /// Merge group ids from here on name forwards ([`crate::forward`]): maps moved unmerged to
 /// their holders, which merge them again like the maps there. Merges count up from
 /// [`MERGE_GROUP_BASE`] below it.
 pub const FORWARD_GROUP_BASE: u32 = MERGE_GROUP_BASE + (1 << 30);
+
+/// A merge group's id, not a map's or a forward's: not merged again.
+fn is_merge_group(id: u32) -> bool {
+    (MERGE_GROUP_BASE..FORWARD_GROUP_BASE).contains(&id)
+}
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while holding the lock cannot leave the maps half-updated in a way later
@@ -421,10 +426,15 @@ fn commit_locked(
 
 impl BlockStore {
     /// The committed blocks of `maps` held here, for a merge task (every map must have
-    /// committed here and not been merged already).
+    /// committed here and not been merged already; maps and forwards, no merge group).
     pub fn committed_blocks_of(&self, shuffle: ShuffleId, maps: &[u32]) -> Result<Vec<BlockId>> {
         let st = lock(&self.state);
         let sh = st.get(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
+        if let Some(g) = maps.iter().find(|m| is_merge_group(**m)) {
+            return Err(Error::invalid(format!(
+                "merge group {g} cannot be merged again (only maps and forwards)"
+            )));
+        }
         if sh.reads_started || sh.sealed {
             // The merge could not commit: refuse before doing its work.
             return Err(Error::Precondition(format!(
@@ -471,13 +481,14 @@ impl BlockStore {
                 "merge group {group} is not a merge group id (>= {MERGE_GROUP_BASE})"
             )));
         }
-        // Committing the committed attempt again is a no-op, before any check that would
-        // refuse it now (its maps are merged; readers may have started since).
-        if sh
+        // Committing the committed attempt again, of the same maps, is a no-op, before any
+        // check that would refuse it now (its maps are merged; readers may have started).
+        let repeat = sh
             .committed
             .get(&group)
             .is_some_and(|(won, _)| *won == attempt)
-        {
+            && maps.iter().all(|m| sh.merged_into.get(m) == Some(&group));
+        if repeat {
             return commit_locked(sh, group, attempt, expected);
         }
         if sh.reads_started {
@@ -487,7 +498,7 @@ impl BlockStore {
         }
         let mut seen = std::collections::HashSet::new();
         for m in maps {
-            if (MERGE_GROUP_BASE..FORWARD_GROUP_BASE).contains(m)
+            if is_merge_group(*m)
                 || !seen.insert(*m)
                 || sh.merged_into.contains_key(m)
                 || !sh.committed.contains_key(m)

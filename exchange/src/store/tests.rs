@@ -517,6 +517,10 @@ fn a_merge_group_replaces_its_maps_for_readers() {
         .unwrap();
     assert_eq!(again.len(), 2);
     assert!(s.commit_merge(ShuffleId(1), g, 1, None, &[2]).is_err());
+    assert!(
+        s.commit_merge(ShuffleId(1), g, 0, Some(2), &[2]).is_err(),
+        "the same attempt of other maps is no repeat"
+    );
     let mut maps: Vec<u32> = visible(&s, 1, 2).iter().map(|b| b.map).collect();
     maps.sort();
     assert_eq!(maps, vec![2, 2, g, g]);
@@ -559,6 +563,8 @@ fn a_merge_takes_a_forward_but_no_other_merge_group() {
         err.to_string().contains("no committed, unmerged output"),
         "{err}"
     );
+    let err = s.committed_blocks_of(ShuffleId(1), &[g]).unwrap_err();
+    assert!(err.to_string().contains("cannot be merged again"), "{err}");
     let maps: Vec<u32> = visible(&s, 1, 1).iter().map(|b| b.map).collect();
     assert_eq!(maps, vec![g]);
 }

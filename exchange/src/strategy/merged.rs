@@ -81,8 +81,9 @@ fn fan_in(waiting: &[Waiting]) -> Option<usize> {
     })
 }
 
-/// Merge committed map outputs on their workers while `commits` delivers them; once it closes
-/// (all maps done), merge what is left within `opts.merge_timeout`.
+/// Merge committed map outputs (and forwards, [`crate::forward`]) on the workers holding them
+/// while `commits` delivers them; once it closes (all maps done), merge what is left within
+/// `opts.merge_timeout`.
 pub(super) async fn merge(
     driver: &Arc<Driver>,
     spec: &ShuffleSpec,
@@ -136,8 +137,8 @@ pub(super) async fn merge(
         };
         tokio::select! {
             done = commits.next(), if !maps_done => match done {
-                // A map's blocks wait on each worker holding some (where it ran, or where
-                // it pushed them).
+                // A map's blocks wait on each worker holding some (where it ran, where it
+                // pushed them, or where it was forwarded).
                 Some(d) => {
                     let mut held: std::collections::BTreeMap<usize, (u64, u64)> = Default::default();
                     for b in &d.blocks {

@@ -18,8 +18,9 @@ pub struct Mapped {
     pub input_bytes: u64,
     /// When the first map output was committed.
     pub first_commit: Option<std::time::Instant>,
-    /// Merge groups committed by the merged strategy, each with the maps whose blocks it
-    /// replaced (empty for other strategies).
+    /// Merge groups committed by the merging strategies (merged, push, two-level, `auto`
+    /// picking one), each with the maps (or forwards) whose blocks it replaced on its worker;
+    /// empty for pull.
     pub merges: Vec<(MapDone, Vec<u32>)>,
 }
 
