@@ -58,6 +58,27 @@ fn warm_allocator() {
     drop(std::hint::black_box(vec![1u8; 16 << 20]));
 }
 
+/// A worker's side of [`proto::CalibrateTask`]: measure its rates ([`measure`]) within its
+/// memory budget like any task (the lowest order: an `auto` exchange waits on it); without
+/// `measure`, nothing.
+pub async fn on_worker(
+    admission: &Arc<crate::admission::Admission>,
+    spill_dir: std::path::PathBuf,
+    m: proto::CalibrateTask,
+) -> Result<proto::Calibration> {
+    if !m.measure {
+        return Ok(proto::Calibration::default());
+    }
+    let disk_bytes = m.disk_bytes.min(256 << 20);
+    let grant = admission.admit(0, CALIBRATION_GRANT).await;
+    tokio::task::spawn_blocking(move || {
+        let _grant = grant;
+        measure(&spill_dir, disk_bytes)
+    })
+    .await
+    .map_err(|e| Error::Cluster(format!("calibration failed to run: {e}")))?
+}
+
 /// Measure this worker's rates; `disk_bytes` are written to and read from `spill_dir`.
 pub fn measure(spill_dir: &Path, disk_bytes: u64) -> Result<proto::Calibration> {
     warm_allocator();

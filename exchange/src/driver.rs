@@ -315,16 +315,6 @@ impl Driver {
             .unwrap_or_default()
     }
 
-    /// The blocks of `shuffle` readers see now (parity excluded): the committed maps' not
-    /// merged or forwarded since, and the merge groups' and forwards'.
-    pub fn live_blocks(&self, shuffle: ShuffleId) -> usize {
-        lock(&self.blocks).get(&shuffle).map_or(0, |refs| {
-            refs.iter()
-                .filter(|b| b.meta.id.partition != crate::parity::PARITY)
-                .count()
-        })
-    }
-
     pub fn lineage(&self, shuffle: ShuffleId, map: u32) -> Option<(usize, Lineage)> {
         lock(&self.lineage)
             .get(&(shuffle, map))

@@ -321,22 +321,8 @@ impl WorkerState {
     /// Calibration for the `auto` strategy: measure this worker's rates
     /// ([`crate::calibrate`]); without `measure`, nothing.
     pub async fn calibrate(&self, m: proto::CalibrateTask) -> Result<proto::Calibration> {
-        if !m.measure {
-            return Ok(proto::Calibration::default());
-        }
         let dir = self.store.config().spill_dir.clone();
-        let disk_bytes = m.disk_bytes.min(256 << 20);
-        // Within the budget like any task (the lowest order: an `auto` exchange waits on it).
-        let grant = self
-            .admission
-            .admit(0, crate::calibrate::CALIBRATION_GRANT)
-            .await;
-        tokio::task::spawn_blocking(move || {
-            let _grant = grant;
-            crate::calibrate::measure(&dir, disk_bytes)
-        })
-        .await
-        .map_err(|e| Error::Cluster(format!("calibration failed to run: {e}")))?
+        crate::calibrate::on_worker(&self.admission, dir, m).await
     }
 
     /// Fold task (streaming strategy): read the listed blocks of one partition from their

@@ -194,6 +194,16 @@ impl Driver {
         Ok(group_done(group, attempt, worker, blocks, &result))
     }
 
+    /// The blocks of `shuffle` readers see now (parity excluded): the committed maps' not
+    /// merged or forwarded since, and the merge groups' and forwards'.
+    pub fn live_blocks(&self, shuffle: ShuffleId) -> usize {
+        lock(&self.blocks).get(&shuffle).map_or(0, |refs| {
+            refs.iter()
+                .filter(|b| b.meta.id.partition != crate::parity::PARITY)
+                .count()
+        })
+    }
+
     /// Record the blocks a committed attempt on `worker` reported, replacing the refs of the
     /// maps it `retired` there (a merge group's maps); returns the new refs.
     pub(super) fn record_blocks(
