@@ -149,20 +149,35 @@ def test_a_query_whose_worker_is_killed_recovers_exactly(data, reference, q, see
         for name, path in tpch.table_paths(data).items():
             c.register_parquet(name, path)
         sql, ordered = tpch.query(q, SF)
-        victim, delay = rng.randrange(3), rng.uniform(0.05, 0.5)
-        killer = threading.Timer(delay, os.kill, args=(pids[victim], signal.SIGKILL))
-        killer.start()
-        got = c.sql(sql)
-        assert tpch.compare(reference[q], got, ordered) is None
-        killer.join()
-        # A loss during the query is recovered by finishing its stages, not by running it
-        # again whole.
-        assert c.recovery()["rerun_jobs"] == 0, c.recovery()
-        # Whether the kill came during that query or after it, the next one is exact too.
+        started = time.monotonic()
+        assert tpch.compare(reference[q], c.sql(sql), ordered) is None
+        took = time.monotonic() - started
+        # Killed during the query: a kill that lands after it (noticed by no one yet) does not
+        # count, and the next try kills earlier.
+        landed, victim = False, 0
+        for tries in range(4):
+            before = c.recovery()
+            victim = rng.randrange(3)
+            delay = rng.uniform(0.1, 0.6) * took / (tries + 1)
+            target = c.worker_pids[victim]
+            killer = threading.Timer(delay, os.kill, args=(target, signal.SIGKILL))
+            killer.start()
+            got = c.sql(sql)
+            assert tpch.compare(reference[q], got, ordered) is None
+            killer.join()
+            after = c.recovery()
+            if after["replacements"] > before["replacements"]:
+                # Recovered by finishing the query's stages, not by running it again whole.
+                assert after["rerun_jobs"] == before["rerun_jobs"], after
+                landed = True
+                break
+            # The late kill is noticed by the next query, which is exact too.
+            assert tpch.compare(reference[q], c.sql(sql), ordered) is None
+        assert landed, "no kill landed during a query"
         got = c.sql(sql)
         assert tpch.compare(reference[q], got, ordered) is None
         replacements = c.worker_pids
-        assert replacements[victim] not in (0, pids[victim]), (pids, replacements)
+        assert replacements[victim] not in (0, target), (pids, replacements)
     finally:
         c.close()
     assert not any(alive(p) for p in pids + replacements)

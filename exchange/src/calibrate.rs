@@ -227,12 +227,12 @@ fn merge_rate(spill_dir: &Path) -> Result<f64> {
 
 /// Seconds to write `bytes` to a file in `dir` and to read them back, as spills do.
 fn disk(dir: &Path, bytes: u64) -> Result<(f64, f64)> {
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    crate::private::create_dir(dir)?;
     let path = dir.join(format!("calibrate-{}.tmp", ShuffleId::random()));
     let chunk = vec![0x5au8; 1 << 20];
     let result = (|| {
         let start = Instant::now();
-        let mut f = std::fs::File::create(&path).map_err(|e| Error::io(&path, e))?;
+        let mut f = crate::private::create_file(&path)?;
         let mut left = bytes;
         while left > 0 {
             let n = left.min(chunk.len() as u64) as usize;

@@ -269,12 +269,20 @@ pub fn sweep_stale_roots(tmp: &Path, keep: &Path) -> usize {
 /// A new temporary directory named `<prefix>...` holding this process's id in
 /// [`OWNER_FILE`], so [`sweep_stale_roots`] removes it if this process dies without doing so.
 fn owned_tempdir(prefix: &str) -> Result<tempfile::TempDir> {
+    owned_tempdir_in(&std::env::temp_dir(), prefix)
+}
+
+/// [`owned_tempdir`] in `parent`: made exclusively (a new random name), mode 0700.
+fn owned_tempdir_in(parent: &Path, prefix: &str) -> Result<tempfile::TempDir> {
     let dir = tempfile::Builder::new()
         .prefix(prefix)
-        .tempdir()
-        .map_err(|e| Error::io(std::env::temp_dir(), e))?;
+        .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o700))
+        .tempdir_in(parent)
+        .map_err(|e| Error::io(parent, e))?;
     let owner = dir.path().join(OWNER_FILE);
-    std::fs::write(&owner, std::process::id().to_string()).map_err(|e| Error::io(&owner, e))?;
+    let mut f = crate::private::create_file(&owner)?;
+    f.write_all(std::process::id().to_string().as_bytes())
+        .map_err(|e| Error::io(&owner, e))?;
     Ok(dir)
 }
 
@@ -322,16 +330,21 @@ impl LocalCluster {
             .split_first()
             .ok_or_else(|| Error::invalid("empty worker command"))?;
         let compression = resolve_compression(&cfg.compression, true)?;
-        let (tempdir, spill_root) = match &cfg.spill_dir {
-            Some(d) => (None, d.clone()),
-            None => {
-                let t = owned_tempdir("flightshuffle-")?;
-                let p = t.path().to_path_buf();
-                sweep_stale_roots(&std::env::temp_dir(), &p);
-                crate::kept::sweep_stale(&std::env::temp_dir());
-                (Some(t), p)
+        // One private (0700) root per cluster, made exclusively under `spill_dir` (or the
+        // temporary directory) and removed with the cluster: clusters sharing a `spill_dir`
+        // never see each other's files.
+        let parent = match &cfg.spill_dir {
+            Some(d) => {
+                crate::private::create_dir(d)?;
+                d.clone()
             }
+            None => std::env::temp_dir(),
         };
+        let tempdir = owned_tempdir_in(&parent, "flightshuffle-")?;
+        let spill_root = tempdir.path().to_path_buf();
+        sweep_stale_roots(&parent, &spill_root);
+        crate::kept::sweep_stale(&std::env::temp_dir());
+        let tempdir = Some(tempdir);
         let token = format!("{:032x}", rand::random::<u128>());
         let (tls_dir, tls) = local_tls(&cfg.tls)?;
         let creds = crate::transport::Credentials {

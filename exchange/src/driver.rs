@@ -10,9 +10,12 @@
 mod commit;
 mod create;
 mod live;
+mod manifest;
 pub mod maps;
 mod parity;
 mod recover;
+
+pub(crate) use manifest::{Made, ShuffleEntry};
 
 use crate::block::{BlockId, BlockMeta, ShuffleId, Slice};
 use crate::checksum::Checksum;
@@ -71,10 +74,6 @@ pub struct BlockRef {
     pub meta: BlockMeta,
     pub worker: usize,
 }
-
-/// Where a committed output is (worker slot and the slot's generation then) and how it was
-/// made.
-type Made = (usize, u64, Lineage);
 
 /// How a map output was produced, to recompute it.
 #[derive(Debug, Clone)]
@@ -155,34 +154,13 @@ pub struct Driver {
     creds: crate::transport::Credentials,
     alive: Vec<AtomicBool>,
     cfg: DriverConfig,
-    blocks: Mutex<HashMap<ShuffleId, Vec<BlockRef>>>,
-    schemas: Mutex<HashMap<ShuffleId, (SchemaRef, bool)>>,
-    /// Partition count of each registered shuffle.
-    partitions: Mutex<HashMap<ShuffleId, u32>>,
-    /// How each committed map output was made: its worker slot, the slot's generation then
-    /// (a later generation means the output was lost with the process) and its input.
-    lineage: Mutex<HashMap<(ShuffleId, u32), Made>>,
-    /// How each shuffle was registered, and each slot's generation when it was registered
-    /// there (a lost worker's replacement registers it on first use).
-    created: Mutex<HashMap<ShuffleId, (proto::CreateShuffle, Vec<u64>)>>,
+    /// One entry per shuffle: its registration, placement, attempts, claims and manifest
+    /// ([`manifest`]).
+    shuffles: Mutex<HashMap<ShuffleId, ShuffleEntry>>,
     /// Map outputs recomputed after their worker was lost (lineage recovery).
     recomputed: std::sync::atomic::AtomicU64,
     /// Pooled reader over the same connections (for engines reading on the driver).
     reader: Arc<crate::transport::peers::PeerReader>,
-    /// Next attempt number of each (shuffle, map).
-    attempts: Mutex<HashMap<(ShuffleId, u32), u32>>,
-    /// The attempt of each (shuffle, map) that is committing or committed: the first attempt
-    /// to finish claims it, so of two attempts on different workers only one ever commits.
-    claims: Mutex<HashMap<(ShuffleId, u32), u32>>,
-    /// Where each shuffle's map tasks leave their blocks (default: where they ran).
-    placements: Mutex<HashMap<ShuffleId, Placement>>,
-    /// Where map tasks of a shuffle send blocks when it differs from where readers read
-    /// (`auto` switching to push after its first maps ran in place).
-    map_placements: Mutex<HashMap<ShuffleId, Placement>>,
-    /// Shuffles whose maps write packed blocks from now on.
-    packing: Mutex<std::collections::HashSet<ShuffleId>>,
-    /// How each shuffle's strategy was chosen (`auto`: its pick and predicted times).
-    choices: Mutex<HashMap<ShuffleId, String>>,
     /// This machine's calibration, measured on first use (`auto`).
     calibration: tokio::sync::OnceCell<proto::Calibration>,
     /// Parity shuffles and their committed maps ([`parity`]).
@@ -200,6 +178,33 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Driver {
+    /// Read `shuffle`'s entry (None: not registered, or dropped).
+    pub(crate) fn with_shuffle<R>(
+        &self,
+        shuffle: ShuffleId,
+        f: impl FnOnce(&ShuffleEntry) -> R,
+    ) -> Option<R> {
+        lock(&self.shuffles).get(&shuffle).map(f)
+    }
+
+    /// Change `shuffle`'s entry if it has one.
+    pub(crate) fn with_shuffle_mut<R>(
+        &self,
+        shuffle: ShuffleId,
+        f: impl FnOnce(&mut ShuffleEntry) -> R,
+    ) -> Option<R> {
+        lock(&self.shuffles).get_mut(&shuffle).map(f)
+    }
+
+    /// Change `shuffle`'s entry, made empty if there is none yet.
+    pub(crate) fn update_shuffle<R>(
+        &self,
+        shuffle: ShuffleId,
+        f: impl FnOnce(&mut ShuffleEntry) -> R,
+    ) -> R {
+        f(lock(&self.shuffles).entry(shuffle).or_default())
+    }
+
     pub fn connect(
         addrs: &[String],
         creds: &crate::transport::Credentials,
@@ -229,18 +234,8 @@ impl Driver {
             me: me.clone(),
             workers: std::sync::RwLock::new(workers),
             cfg,
-            blocks: Mutex::new(HashMap::new()),
-            schemas: Mutex::new(HashMap::new()),
-            partitions: Mutex::new(HashMap::new()),
-            lineage: Mutex::new(HashMap::new()),
-            created: Mutex::new(HashMap::new()),
+            shuffles: Mutex::new(HashMap::new()),
             recomputed: Default::default(),
-            attempts: Mutex::new(HashMap::new()),
-            claims: Mutex::new(HashMap::new()),
-            placements: Mutex::new(HashMap::new()),
-            map_placements: Mutex::new(HashMap::new()),
-            packing: Mutex::new(Default::default()),
-            choices: Mutex::new(HashMap::new()),
             calibration: tokio::sync::OnceCell::new(),
             parity: Mutex::new(Default::default()),
             committing: Default::default(),
@@ -300,25 +295,24 @@ impl Driver {
 
     /// Blocks held by a worker, across all shuffles.
     pub fn blocks_on(&self, worker: usize) -> Vec<BlockId> {
-        lock(&self.blocks)
+        lock(&self.shuffles)
             .values()
-            .flatten()
+            .flat_map(|e| &e.blocks)
             .filter(|b| b.worker == worker)
             .map(|b| b.meta.id)
             .collect()
     }
 
     pub fn blocks_of(&self, shuffle: ShuffleId) -> Vec<BlockRef> {
-        lock(&self.blocks)
-            .get(&shuffle)
-            .cloned()
+        self.with_shuffle(shuffle, |e| e.blocks.clone())
             .unwrap_or_default()
     }
 
     pub fn lineage(&self, shuffle: ShuffleId, map: u32) -> Option<(usize, Lineage)> {
-        lock(&self.lineage)
-            .get(&(shuffle, map))
-            .map(|(w, _, l)| (*w, l.clone()))
+        self.with_shuffle(shuffle, |e| {
+            e.outputs.get(&map).map(|m| (m.worker, m.lineage.clone()))
+        })
+        .flatten()
     }
 
     /// Run `fut` while checking worker health every `health_interval` (first after one).
@@ -356,28 +350,28 @@ impl Driver {
     /// Make the map tasks of `shuffle` submitted from now on leave their blocks as `placement`
     /// says (push and two-level strategies), and its reducers read accordingly.
     pub fn place(&self, shuffle: ShuffleId, placement: Placement) {
-        lock(&self.placements).insert(shuffle, placement);
+        self.update_shuffle(shuffle, |e| e.placement = Some(placement));
     }
 
     /// Make only the map tasks submitted from now on use `placement`; readers keep reading as
     /// before (every worker, when earlier maps left their blocks in place).
     pub fn place_maps(&self, shuffle: ShuffleId, placement: Placement) {
-        lock(&self.map_placements).insert(shuffle, placement);
+        self.update_shuffle(shuffle, |e| e.map_placement = Some(placement));
     }
 
     /// Make the map tasks of `shuffle` submitted from now on write packed blocks
     /// ([`crate::packed`]): for strategies that merge every map's blocks before any reader.
     pub fn pack_maps(&self, shuffle: ShuffleId) {
-        lock(&self.packing).insert(shuffle);
+        self.update_shuffle(shuffle, |e| e.packing = true);
     }
 
     /// Record how `shuffle`'s strategy was chosen (shown by `EXPLAIN ANALYZE`).
     pub fn note_choice(&self, shuffle: ShuffleId, note: String) {
-        lock(&self.choices).insert(shuffle, note);
+        self.update_shuffle(shuffle, |e| e.choice = Some(note));
     }
 
     pub fn choice(&self, shuffle: ShuffleId) -> Option<String> {
-        lock(&self.choices).get(&shuffle).cloned()
+        self.with_shuffle(shuffle, |e| e.choice.clone()).flatten()
     }
 
     /// This machine's calibration for the `auto` strategy, measured on first use: the
@@ -399,9 +393,8 @@ impl Driver {
     }
 
     pub fn placement(&self, shuffle: ShuffleId) -> Placement {
-        lock(&self.placements)
-            .get(&shuffle)
-            .copied()
+        self.with_shuffle(shuffle, |e| e.placement)
+            .flatten()
             .unwrap_or_default()
     }
 
@@ -416,11 +409,12 @@ impl Driver {
 
     /// A new attempt number for `map` of `shuffle` (0, 1, 2, ...).
     pub fn next_attempt(&self, shuffle: ShuffleId, map: u32) -> u32 {
-        let mut attempts = lock(&self.attempts);
-        let next = attempts.entry((shuffle, map)).or_insert(0);
-        let attempt = *next;
-        *next += 1;
-        attempt
+        self.update_shuffle(shuffle, |e| {
+            let next = e.attempts.entry(map).or_insert(0);
+            let attempt = *next;
+            *next += 1;
+            attempt
+        })
     }
 
     /// Start an attempt of a map task on `worker`; returns at once with its handle. The
@@ -434,16 +428,21 @@ impl Driver {
         input: MapInput,
     ) -> tokio::task::JoinHandle<Result<MapDone>> {
         let me = self.clone();
-        let checksum = lock(&self.schemas).get(&shuffle).is_none_or(|(_, c)| *c);
+        let (checksum, map_placement, partitions, pack) = self
+            .with_shuffle(shuffle, |e| {
+                (
+                    e.schema.as_ref().is_none_or(|(_, c)| *c),
+                    e.map_placement,
+                    e.partitions,
+                    e.packing,
+                )
+            })
+            .unwrap_or((true, None, None, false));
         let attempt = self.next_attempt(shuffle, map);
         // The process in the slot now: a replacement started later does not hold the output.
         let generation = self.generation(worker);
         let n = self.num_workers();
-        let placement = lock(&self.map_placements)
-            .get(&shuffle)
-            .copied()
-            .unwrap_or_else(|| self.placement(shuffle));
-        let partitions = lock(&self.partitions).get(&shuffle).copied();
+        let placement = map_placement.unwrap_or_else(|| self.placement(shuffle));
         let pushes = placement != Placement::Local;
         let partitions = match partitions {
             Some(p) => p,
@@ -467,7 +466,7 @@ impl Driver {
                 vec![]
             },
             worker_index: worker as u32,
-            pack: lock(&self.packing).contains(&shuffle),
+            pack,
             parity: self.parity_of(shuffle),
         };
         // Parity shuffles: every slot's process now (the map leaves blocks on all of them).
@@ -526,7 +525,11 @@ impl Driver {
             let committing = me.committing.clone().read_owned().await;
             let inner = tokio::spawn(async move {
                 let _committing = committing;
-                let claimed = *lock(&me.claims).entry((shuffle, map)).or_insert(attempt) == attempt;
+                // An attempt of a run before a restart (below the floor) never claims.
+                let claimed = me.update_shuffle(shuffle, |e| {
+                    attempt >= e.floor.get(&map).copied().unwrap_or(0)
+                        && *e.claims.entry(map).or_insert(attempt) == attempt
+                });
                 if !claimed {
                     // Another attempt of this map finished first: this one's blocks go.
                     me.cancel_on(&holders, &cancel).await;
@@ -541,7 +544,7 @@ impl Driver {
                 let mut commits = vec![(worker, result.blocks.len() as u32)];
                 for p in &result.pushed {
                     if p.worker as usize >= n || p.worker as usize == worker {
-                        lock(&me.claims).remove(&(shuffle, map));
+                        me.update_shuffle(shuffle, |e| e.claims.remove(&map));
                         me.cancel_on(&holders, &cancel).await;
                         return Err(Error::Cluster(format!(
                             "map {map} reported blocks pushed to worker {} (cluster of {n})",
@@ -552,7 +555,27 @@ impl Driver {
                 }
                 me.commit_on_holders(&commits, &cancel, false).await?;
                 // The committed attempt's lineage (a speculative copy that lost leaves none).
-                lock(&me.lineage).insert((shuffle, map), (worker, generation, lineage));
+                // Every process holding a block of it: where it ran, where it pushed to (the
+                // slots' generations when the map was submitted: a replacement since holds
+                // nothing of it).
+                let mut holders = vec![(worker, generation)];
+                for p in &result.pushed {
+                    let slot = p.worker as usize;
+                    holders.push((slot, generations.get(slot).copied().unwrap_or(u64::MAX)));
+                }
+                let rows = (partitions > 0 && result.partition_rows.len() == partitions as usize)
+                    .then(|| Arc::from(result.partition_rows.as_slice()));
+                me.update_shuffle(shuffle, |e| {
+                    e.outputs.insert(
+                        map,
+                        Made {
+                            worker,
+                            holders,
+                            rows,
+                            lineage,
+                        },
+                    )
+                });
                 let mut blocks = me.record_blocks(shuffle, worker, &result, &[])?;
                 for p in &result.pushed {
                     let pushed = proto::TaskResult {
@@ -583,9 +606,8 @@ impl Driver {
     }
 
     fn shuffle_schema(&self, shuffle: ShuffleId) -> Result<SchemaRef> {
-        lock(&self.schemas)
-            .get(&shuffle)
-            .map(|(s, _)| s.clone())
+        self.with_shuffle(shuffle, |e| e.schema.as_ref().map(|(s, _)| s.clone()))
+            .flatten()
             .ok_or(Error::UnknownShuffle(shuffle))
     }
 
@@ -723,18 +745,11 @@ impl Driver {
     }
 
     /// Free a shuffle's memory and files on every live worker.
+    ///
+    /// A worker found gone meanwhile is no error: its share of the shuffle went with it (and
+    /// the worker is replaced as usual).
     pub async fn drop_shuffle(&self, shuffle: ShuffleId) -> Result<()> {
-        lock(&self.blocks).remove(&shuffle);
-        lock(&self.schemas).remove(&shuffle);
-        lock(&self.lineage).retain(|(s, _), _| *s != shuffle);
-        lock(&self.created).remove(&shuffle);
-        lock(&self.attempts).retain(|(s, _), _| *s != shuffle);
-        lock(&self.claims).retain(|(s, _), _| *s != shuffle);
-        lock(&self.placements).remove(&shuffle);
-        lock(&self.map_placements).remove(&shuffle);
-        lock(&self.packing).remove(&shuffle);
-        lock(&self.choices).remove(&shuffle);
-        lock(&self.partitions).remove(&shuffle);
+        lock(&self.shuffles).remove(&shuffle);
         self.forget_coded(shuffle);
         let clients = self.clients();
         let calls = clients
@@ -742,7 +757,14 @@ impl Driver {
             .filter(|w| self.is_alive(w.index))
             .map(|w| w.shuffle_action(actions::DROP_SHUFFLE, shuffle.0));
         for r in futures::future::join_all(calls).await {
-            r?;
+            if let Err(e) = r {
+                match self.classify(e).await {
+                    Error::WorkerLost { worker, .. } => {
+                        tracing::debug!(%shuffle, worker, "dropped a shuffle; a worker holding it is gone");
+                    }
+                    e => return Err(e),
+                }
+            }
         }
         Ok(())
     }

@@ -61,6 +61,19 @@ pub enum Error {
     #[error("timed out after {seconds:.1}s waiting for {what}")]
     Timeout { what: String, seconds: f64 },
 
+    /// A partition read whole did not hold the rows the shuffle's manifest lists for it (a
+    /// block lost, or read twice): recovered like a lost worker, never returned short.
+    #[error(
+        "shuffle {shuffle} partition {partition}: read {received} rows, its manifest lists \
+         {expected}"
+    )]
+    RowCount {
+        shuffle: ShuffleId,
+        partition: u32,
+        expected: u64,
+        received: u64,
+    },
+
     #[error("cluster error: {0}")]
     Cluster(String),
 
@@ -114,7 +127,7 @@ impl Error {
                 tonic::Status::invalid_argument(msg)
             }
             Error::UnknownShuffle(_) | Error::BlockNotFound(_) => tonic::Status::not_found(msg),
-            Error::Checksum { .. } => tonic::Status::data_loss(msg),
+            Error::Checksum { .. } | Error::RowCount { .. } => tonic::Status::data_loss(msg),
             Error::Timeout { .. } => tonic::Status::deadline_exceeded(msg),
             Error::Cancelled(_) => tonic::Status::cancelled(msg),
             Error::Precondition(_) => tonic::Status::failed_precondition(msg),

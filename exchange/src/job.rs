@@ -399,7 +399,7 @@ pub const MAX_RECOVERIES: usize = 3;
 /// error of the input or the data is never taken for one.
 pub fn worker_lost(driver: &Driver, e: &Error, replacements: u64) -> bool {
     let lost = match e {
-        Error::WorkerLost { .. } | Error::PartialCommit { .. } => true,
+        Error::WorkerLost { .. } | Error::PartialCommit { .. } | Error::RowCount { .. } => true,
         Error::Remote { .. } | Error::Timeout { .. } | Error::UnknownShuffle(_) => {
             driver.replacements() != replacements
         }
@@ -501,7 +501,16 @@ async fn run(
     }
 }
 
-/// One sealed partition read whole to the driver, under the health watch.
+/// Whether partitions read on the driver are checked against the manifest (always, unless
+/// `FLIGHTSHUFFLE_VERIFY_READS=off`, which exists to measure what the check costs).
+fn verify_reads() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FLIGHTSHUFFLE_VERIFY_READS").as_deref() != Ok("off"))
+}
+
+/// One sealed partition read whole to the driver, under the health watch, and checked
+/// against the shuffle's manifest: rows missing or read twice are [`Error::RowCount`] (which
+/// recovery handles like a lost worker), never a short or doubled partition.
 pub async fn read_partition(
     driver: &Arc<Driver>,
     shuffle: ShuffleId,
@@ -511,7 +520,23 @@ pub async fn read_partition(
         let stream = driver.read_partition(shuffle, partition, true).await?;
         stream.try_collect::<Vec<_>>().await
     };
-    driver.watch(read).await
+    let batches = driver.watch(read).await?;
+    if !verify_reads() {
+        return Ok(batches);
+    }
+    if let Some(expected) = driver.expected_rows(shuffle, partition) {
+        let received: u64 = batches.iter().map(|b| b.num_rows() as u64).sum();
+        if received != expected {
+            tracing::warn!(%shuffle, partition, expected, received, "a partition read does not match the manifest");
+            return Err(Error::RowCount {
+                shuffle,
+                partition,
+                expected,
+                received,
+            });
+        }
+    }
+    Ok(batches)
 }
 
 /// The spec of a stage's shuffle: hashed on `keys`, or dealt round-robin without keys.
@@ -580,6 +605,12 @@ pub async fn read_all(
                 recoveries += 1;
                 let n = driver.repair(shuffle).await?;
                 tracing::warn!(%shuffle, partition = p, recomputed = n, "worker lost while reading: lost map outputs recomputed");
+                if n > 0 && driver.deals_by_position(shuffle) {
+                    // A recomputed map may deal its rows otherwise (its input in another
+                    // order): the partitions read so far are read again.
+                    out.clear();
+                    p = 0;
+                }
                 replacements = driver.replacements();
             }
             Err(e) => return Err(e),

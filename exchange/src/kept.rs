@@ -47,19 +47,24 @@ pub fn set_keep_memory(bytes: u64) {
     LIMIT.store(bytes.min(u64::MAX - 1), Ordering::SeqCst);
 }
 
-/// This process's directory for kept inputs written to disk; stale ones (their driver died)
-/// are removed the first time it is made.
+/// This process's directory for kept inputs written to disk: made exclusively with a random
+/// name (`flightshuffle-kept-<pid>-<random>`, mode 0700, never an existing directory) the
+/// first time it is needed; stale ones (their driver died) are removed then.
 fn kept_dir() -> Result<PathBuf> {
-    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    static DIR: std::sync::OnceLock<std::result::Result<PathBuf, String>> =
+        std::sync::OnceLock::new();
     let base = std::env::temp_dir();
-    let dir = DIR
-        .get_or_init(|| {
-            sweep_stale(&base);
-            base.join(format!("flightshuffle-kept-{}", std::process::id()))
-        })
-        .clone();
-    std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
-    Ok(dir)
+    DIR.get_or_init(|| {
+        sweep_stale(&base);
+        tempfile::Builder::new()
+            .prefix(&format!("flightshuffle-kept-{}-", std::process::id()))
+            .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .tempdir_in(&base)
+            .map(|d| d.keep())
+            .map_err(|e| format!("cannot make a private directory in {}: {e}", base.display()))
+    })
+    .clone()
+    .map_err(Error::Cluster)
 }
 
 /// Remove `flightshuffle-kept-<pid>` directories of processes that no longer exist (a local
@@ -70,9 +75,10 @@ pub fn sweep_stale(base: &std::path::Path) {
     };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().to_string();
-        let Some(pid) = name.strip_prefix("flightshuffle-kept-") else {
+        let Some(rest) = name.strip_prefix("flightshuffle-kept-") else {
             continue;
         };
+        let pid = rest.split('-').next().unwrap_or_default();
         let dead = pid
             .parse::<u32>()
             .is_ok_and(|p| !std::path::Path::new(&format!("/proc/{p}")).exists());
@@ -277,7 +283,7 @@ impl KeptInput {
 }
 
 fn write_ipc(path: &std::path::Path, schema: &SchemaRef, batches: &[RecordBatch]) -> Result<()> {
-    let file = std::fs::File::create(path).map_err(|e| Error::io(path, e))?;
+    let file = crate::private::create_file(path)?;
     let mut w = arrow::ipc::writer::FileWriter::try_new(std::io::BufWriter::new(file), schema)?;
     for b in batches {
         w.write(b)?;

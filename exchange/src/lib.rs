@@ -23,6 +23,7 @@ pub mod kept;
 pub mod packed;
 pub mod parity;
 pub mod partitioner;
+pub mod private;
 pub mod push;
 pub mod scheduler;
 pub mod store;

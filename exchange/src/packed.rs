@@ -286,6 +286,9 @@ impl Writer<'_> {
         let r = self.info.partitions;
         for (holder, rows, ends) in sort_by_holder(&batch, assignment, r, holder_of)? {
             let ends = Ends::new(ends, r, rows.num_rows() as u64)?;
+            for p in ends.non_empty() {
+                out.wrote(p, ends.range(p).len() as u64, r);
+            }
             let pieces = ends.non_empty().count();
             let piece_bytes = bytes * rows.num_rows() / batch.num_rows().max(1) / pieces.max(1);
             if pieces > 1 && piece_bytes < PACK_BELOW {

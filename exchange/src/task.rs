@@ -292,9 +292,21 @@ pub struct MapOutput {
     pub input_bytes: u64,
     pub spilled_bytes: u64,
     pub seconds: f64,
+    /// Rows written per reduce partition (map tasks), wherever the blocks went.
+    pub partition_rows: Vec<u64>,
 }
 
 impl MapOutput {
+    /// Count `rows` written to `partition` of a shuffle of `partitions`.
+    pub(crate) fn wrote(&mut self, partition: u32, rows: u64, partitions: u32) {
+        if self.partition_rows.len() < partitions as usize {
+            self.partition_rows.resize(partitions as usize, 0);
+        }
+        if let Some(r) = self.partition_rows.get_mut(partition as usize) {
+            *r += rows;
+        }
+    }
+
     /// Count one input batch: its rows (with their multiset checksum when `checksum`) and its
     /// in-memory bytes, which it returns.
     pub(crate) fn count_input(&mut self, batch: &RecordBatch, checksum: bool) -> Result<usize> {
@@ -409,6 +421,7 @@ pub async fn run_map(
         if buf.batches.is_empty() {
             return Ok(0);
         }
+        out.wrote(p as u32, buf.rows, info.partitions);
         let batches = coalesce(&info.schema, &buf.batches, cfg.batch_rows)?;
         let data = EncodedBlock::encode(&info.schema, &batches, cfg.compression)?;
         let id = BlockId {

@@ -88,6 +88,10 @@ pub struct WorkerArgs {
     /// the token and blocks).
     #[arg(long)]
     pub insecure: bool,
+    /// Fault injection for tests: the replies of this many commits are lost after the commit
+    /// took effect (the caller sees `Unavailable`), as a dropped connection would.
+    #[arg(long, default_value_t = 0, hide = true)]
+    pub fault_lose_commit_replies: u32,
 }
 
 impl WorkerArgs {
@@ -131,6 +135,8 @@ pub struct WorkerState {
     /// States being folded now. The fold finishes and puts its state back even when the
     /// call that asked for it is cancelled; a later fold of the same state waits for it.
     folding: FoldKeys,
+    /// Commit replies still to lose (fault injection, `--fault-lose-commit-replies`).
+    pub lose_commit_replies: std::sync::atomic::AtomicU32,
 }
 
 type FoldKeys = Arc<Mutex<std::collections::HashSet<(ShuffleId, u32)>>>;
@@ -268,6 +274,7 @@ impl WorkerState {
             seconds: out.seconds,
             spilled_bytes: out.spilled_bytes,
             pushed: out.pushed,
+            partition_rows: out.partition_rows,
         })
     }
 
@@ -315,6 +322,7 @@ impl WorkerState {
             seconds: out.seconds,
             spilled_bytes: out.spilled_bytes,
             pushed: out.pushed,
+            partition_rows: vec![],
         })
     }
 
@@ -543,6 +551,7 @@ impl WorkerState {
             seconds: start.elapsed().as_secs_f64(),
             spilled_bytes: 0,
             pushed: vec![],
+            partition_rows: vec![],
         })
     }
 
@@ -659,6 +668,7 @@ pub fn build_state(
         fold_states: Default::default(),
         fold_rounds: Default::default(),
         folding: Default::default(),
+        lose_commit_replies: args.fault_lose_commit_replies.into(),
     })
 }
 
@@ -667,7 +677,7 @@ pub async fn serve(
     args: WorkerArgs,
     token: String,
     sources: SourceRegistry,
-    ready: impl FnOnce(SocketAddr),
+    ready: impl FnOnce(SocketAddr, &Arc<WorkerState>),
 ) -> Result<()> {
     if token.is_empty() {
         return Err(Error::invalid(format!(
@@ -711,11 +721,13 @@ pub async fn serve(
             None => Err(tonic::Status::unauthenticated("missing cluster token")),
         }
     };
-    let flight = FlightServiceServer::new(WorkerService { state })
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let flight = FlightServiceServer::new(WorkerService {
+        state: state.clone(),
+    })
+    .max_decoding_message_size(MAX_MESSAGE_BYTES)
+    .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let service = tonic::service::interceptor::InterceptedService::new(flight, check);
-    ready(addr);
+    ready(addr, &state);
     // tonic applies `Server::tcp_nodelay` only when it binds the socket itself; with our own
     // listener the incoming stream must set it, or every small reply waits for a delayed ACK.
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
@@ -765,15 +777,23 @@ pub fn main_with_args(argv: Vec<String>, sources: SourceRegistry) -> Result<()> 
     } else {
         std::env::var(TOKEN_ENV).unwrap_or_default()
     };
+    // Out of the environment before any thread starts: user code running in this process
+    // (Python map tasks) and every process it starts would otherwise see the token.
+    std::env::remove_var(TOKEN_ENV);
+    let store_files = Arc::new(std::sync::OnceLock::<Arc<BlockStore>>::new());
     if args.exit_with_stdin {
-        let spill_dir = args.spill_dir.clone();
+        let store_files = store_files.clone();
         std::thread::spawn(move || {
             let mut sink = Vec::new();
             let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
             tracing::info!("standard input closed: the driver is gone, exiting");
             // Nobody will read these blocks again; a driver killed without cleaning up leaves
             // no spill files behind (its own directory is swept by the next local cluster).
-            let _ = std::fs::remove_dir_all(&spill_dir);
+            // Only what the store wrote goes: `--spill-dir` may name a directory with other
+            // files in it.
+            if let Some(store) = store_files.get() {
+                store.remove_files();
+            }
             std::process::exit(0);
         });
     }
@@ -783,8 +803,9 @@ pub fn main_with_args(argv: Vec<String>, sources: SourceRegistry) -> Result<()> 
         .build()
         .map_err(|e| Error::Cluster(format!("cannot start runtime: {e}")))?;
     let id = args.id.clone();
-    rt.block_on(serve(args, token, sources, |addr| {
+    rt.block_on(serve(args, token, sources, |addr, state| {
         use std::io::Write;
+        let _ = store_files.set(state.store.clone());
         let mut out = std::io::stdout();
         let _ = writeln!(out, "{READY_LINE} {addr}");
         let _ = out.flush();

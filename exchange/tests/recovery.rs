@@ -353,3 +353,97 @@ async fn without_replacements_a_paused_worker_is_suspected_then_cleared() {
         "the same process, not a replacement"
     );
 }
+
+/// A commit whose reply is lost after it took effect (a worker fault injected with
+/// `--fault-lose-commit-replies`: each worker loses its first commit reply) is asked again
+/// and found committed; another attempt of the same map, on another worker, is then refused.
+/// The partitions hold every row once. Before commits were asked again, the first attempt
+/// failed with its claim released and the second committed too: every row twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_commit_reply_never_lets_a_second_attempt_commit() {
+    use exchange::driver::MapInput;
+    use futures::TryStreamExt;
+    let _serial = SERIAL.lock().await;
+    let mut cfg = config(2, 1 << 30);
+    cfg.worker_command
+        .extend(["--fault-lose-commit-replies".to_string(), "1".to_string()]);
+    let cluster = LocalCluster::start(cfg).await.unwrap();
+    let driver = cluster.driver.clone();
+    let input = batches(8, 1_000);
+    let spec = spec_k(4);
+    driver.create_shuffle(&spec).await.unwrap();
+    let stream = |b: Vec<RecordBatch>| {
+        MapInput::Stream(Box::pin(futures::stream::iter(b.into_iter().map(Ok))))
+    };
+    let first = driver
+        .submit_map(spec.id, 0, 0, stream(input.clone()))
+        .await
+        .unwrap();
+    let second = driver
+        .submit_map(spec.id, 0, 1, stream(input.clone()))
+        .await
+        .unwrap();
+    assert!(first.is_ok(), "the commit took effect: {first:?}");
+    assert!(
+        matches!(second, Err(exchange::Error::Superseded { .. })),
+        "a second attempt of a committed map is refused: {second:?}"
+    );
+    driver.seal(spec.id).await.unwrap();
+    let mut all = Vec::new();
+    for p in 0..4 {
+        let s = driver.read_partition(spec.id, p, true).await.unwrap();
+        let got: Vec<RecordBatch> = s.try_collect().await.unwrap();
+        let rows: u64 = got.iter().map(|b| b.num_rows() as u64).sum();
+        assert_eq!(
+            driver.expected_rows(spec.id, p),
+            Some(rows),
+            "the manifest agrees"
+        );
+        all.extend(got);
+    }
+    assert_eq!(checksum(&all), checksum(&input), "every row once");
+}
+
+/// Under push, a worker that ran no map but holds pushed blocks is lost after the map side:
+/// the manifest names it as a holder of the map, so the loss is noticed (the job runs the
+/// shuffle again) and every row comes back once. Before, only where a map ran was recorded:
+/// the partitions it held came back empty, without an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_a_push_holder_that_ran_no_map_keeps_every_row() {
+    let _serial = SERIAL.lock().await;
+    for strategy in ["push", "two-level"] {
+        let mut cluster = LocalCluster::start(config(4, 1 << 30)).await.unwrap();
+        let input = batches(20, 2_000);
+        let want = checksum(&input);
+        let opts = ShuffleOptions {
+            map_bytes: 1 << 30,
+            ..options(8, StrategyOptions::named(strategy).unwrap())
+        };
+        let job = start_job(&cluster, &input, &opts, Duration::ZERO).await;
+        let summary = job.mapped().await.unwrap();
+        assert_eq!(summary.maps, 1, "{strategy}: one map, on worker 0");
+        let before = cluster.driver.replacements();
+        // Push: partition p is held by worker p % 4; two-level: worker 1 holds the odd ones
+        // of mapper 0. Worker 0 ran the map; worker 1 ran none and holds blocks either way.
+        cluster.kill_worker(1).unwrap();
+        let mut parts = Vec::new();
+        read_rest(&job, 0, &mut parts).await;
+        assert_eq!(parts.len(), 8, "{strategy}");
+        let rows: Vec<usize> = parts
+            .iter()
+            .map(|p| p.iter().map(|b| b.num_rows()).sum())
+            .collect();
+        assert!(rows.iter().all(|&r| r > 0), "{strategy}: {rows:?}");
+        assert_eq!(
+            checksum(&parts.concat()),
+            want,
+            "{strategy}: every row once"
+        );
+        assert_eq!(
+            cluster.driver.replacements(),
+            before + 1,
+            "{strategy}: the kill landed"
+        );
+        job.close().await.unwrap();
+    }
+}

@@ -416,12 +416,17 @@ class Cluster:
             reader = pa.RecordBatchReader.from_stream(data)
         else:
             reader = pa.Table.from_batches([pa.record_batch(data)]).to_reader()
-        root = os.path.join(self.spill_root or ".", "datasets")
-        os.makedirs(root, exist_ok=True)
+        if not self.spill_root:
+            raise RuntimeError("the cluster is closed")
+        # The cluster's own private root (0700, removed when it closes): no other cluster,
+        # even one sharing ``spill_dir``, reads or replaces these files.
+        root = os.path.join(self.spill_root, "datasets")
+        os.makedirs(root, mode=0o700, exist_ok=True)
         self._arrow_tables += 1
         path = os.path.join(root, f"{stem}-{self._arrow_tables}.parquet")
         rows = 128 * 1024
-        with pq.ParquetWriter(path, reader.schema) as w:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with open(fd, "wb") as f, pq.ParquetWriter(f, reader.schema) as w:
             pending, count = [], 0
             for batch in reader:
                 pending.append(batch)

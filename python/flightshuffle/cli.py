@@ -47,7 +47,7 @@ def _kill_trials(args: argparse.Namespace) -> int:
         args.seed,
         lambda m: print(m, file=sys.stderr, flush=True),
         args.memory_budget,
-        args.parity,
+        -1 if args.parity == "all" else int(args.parity),
         args.strategy,
     )
     summary = {k: {x: v for x, v in r.items() if x != "runs"} for k, r in report.items()}
@@ -632,12 +632,17 @@ def main(argv: list[str] | None = None) -> int:
     kt.add_argument(
         "--memory-budget", help="per worker (e.g. 32MiB: the shuffles spill, kills land in spills)"
     )
-    kt.add_argument("--parity", type=int, default=0, choices=[0, 1, 2], help="the clusters' parity")
+    kt.add_argument(
+        "--parity",
+        default="0",
+        choices=["0", "1", "2", "all"],
+        help="the clusters' parity (all: 0 and 1 in turn)",
+    )
     kt.add_argument(
         "--strategy",
-        default="pull",
-        choices=["pull", "merged", "push", "two-level", "auto"],
-        help="the clusters' default strategy (SQL exchanges use it; shuffle trials cycle)",
+        default="all",
+        choices=["pull", "merged", "push", "two-level", "auto", "all"],
+        help="the clusters' strategy (all: each in turn, trial by trial)",
     )
     kt.add_argument("--json", help="also write the report to this file")
     kt.set_defaults(run=_kill_trials)

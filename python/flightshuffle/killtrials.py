@@ -1,11 +1,17 @@
 """Kill trials: SIGKILL one worker at a seeded random moment of a job and check the answer.
 
-Each trial starts a fresh 3-worker cluster, runs the job twice without a fault (the second,
-warm run is the reference time), then runs it again with a timer that kills a random worker
-after a random delay within that time, and compares the answer with the reference answer. A trial reports
-whether the answer was exact, the time with the kill, the extra time over the fault-free run
-(recovery time), the workers replaced, the map outputs recomputed and the blocks rebuilt from parity (with
-``--parity r``, the cluster's ``parity``). ``flightshuffle
+Each trial starts a fresh 3-worker cluster with the trial's strategy and parity (``all``
+cycles through pull, merged, push, two-level, auto and parity 0 and 1), runs the job twice
+without a fault (the second, warm run is the reference time), then runs it again with a
+timer that kills a random worker after a random delay within that time. The kill *landed*
+when the job noticed it (a replacement was started while it ran); a kill that came after the
+job is retried earlier, up to three times, so the table counts kills during jobs. Each trial
+ends in one of: ``exact`` (the answer equals the reference), ``error`` (a clear exception,
+no answer) or ``wrong`` (an answer that differs: the one outcome that must never happen). A
+trial also reports the time with the kill, the extra time over the fault-free run (recovery
+time), the workers replaced, the map outputs recomputed and the blocks rebuilt from parity.
+Shuffle trials use one map task in every other trial (fewer maps than workers), so the
+victim is often a worker that ran no map but holds pushed blocks. ``flightshuffle
 kill-trials`` prints one JSON object per kind with the trials and a summary.
 
 Kinds: ``sql`` (TPC-H queries at SF 0.1, compared with DuckDB), ``shuffle`` (a
@@ -32,6 +38,7 @@ import pyarrow.compute as pc
 from flightshuffle import Cluster, tpch
 
 KINDS = ("sql", "shuffle", "dataset", "online")
+STRATEGIES = ("pull", "merged", "push", "two-level", "auto")
 
 
 def _root(sf: float) -> str:
@@ -74,7 +81,9 @@ def _job(kind: str, trial: int) -> tuple[Callable[[Cluster], Any], Callable[[Any
         return run, lambda got: tpch.compare(want, got, ordered) is None
     if kind == "shuffle":
         batches, rows = 400, 20_000
-        strategy = ("pull", "merged", "push", "two-level", "auto")[trial % 5]
+        # Every other trial one map task: the other workers ran none, and under push and
+        # two-level they hold its blocks.
+        map_bytes = "1GiB" if trial % 2 else "1MiB"
 
         def run(c: Cluster) -> Any:
             import numpy as np
@@ -83,8 +92,7 @@ def _job(kind: str, trial: int) -> tuple[Callable[[Cluster], Any], Callable[[Any
                 _streamed(batches, rows),
                 by="key",
                 partitions=8,
-                map_bytes="1MiB",
-                strategy=strategy,
+                map_bytes=map_bytes,
             )
             ids = [a.to_numpy() for p in parts for a in p["id"].chunks]
             return np.sort(np.concatenate(ids))
@@ -156,40 +164,58 @@ def trial(
 ) -> dict[str, Any]:
     rng = random.Random(seed * 1000 + n)
     run, check = _job(kind, n)
+    if strategy == "all":
+        strategy = STRATEGIES[n % len(STRATEGIES)]
+    if parity < 0:  # all: 0 and 1 in turn, changing every len(STRATEGIES) trials
+        parity = (n // len(STRATEGIES)) % 2
     budget = {"memory_budget": memory_budget} if memory_budget else {}
     with Cluster(workers=3, timeout=120, parity=parity, strategy=strategy, **budget) as c:
         ok_clean = check(run(c))  # the first run warms up (files, caches, calibration)
         start = time.monotonic()
         ok_clean = check(run(c)) and ok_clean
         clean = time.monotonic() - start
-        victim = rng.randrange(3)
-        # Within the job (a warm run again), at a random moment of it.
-        delay = rng.uniform(0.02, 0.9 * clean)
-        pid = c.worker_pids[victim]
-        killer = threading.Timer(delay, os.kill, (pid, signal.SIGKILL))
-        start = time.monotonic()
-        killer.start()
-        error = None
-        try:
-            ok = check(run(c))
-        except Exception as e:  # noqa: BLE001 (a trial records any failure; the run goes on)
-            ok, error = False, f"{type(e).__name__}: {e}"
-        seconds = time.monotonic() - start
-        killer.join()
-        # The kill may land after the job: the next one must notice it and still be exact.
-        after_ok = check(run(c)) if error is None else False
+        landed, late_ok = False, True
+        error, ok, seconds, delay, victim = None, False, 0.0, 0.0, 0
+        for tries in range(4):
+            victim = rng.randrange(3)
+            # Within the job (a warm run again), at a random moment of it; earlier on a retry.
+            delay = rng.uniform(0.02, 0.9 * clean) / (tries + 1)
+            pid = c.worker_pids[victim]
+            before = c.recovery()["replacements"]
+            killer = threading.Timer(delay, os.kill, (pid, signal.SIGKILL))
+            start = time.monotonic()
+            killer.start()
+            try:
+                ok = check(run(c))
+            except Exception as e:  # noqa: BLE001 (a trial records any failure; it goes on)
+                ok, error = False, f"{type(e).__name__}: {e}"
+            seconds = time.monotonic() - start
+            killer.join()
+            landed = c.recovery()["replacements"] > before
+            if landed or error is not None:
+                break
+            # Killed after the job: the next job notices it and must be exact too.
+            try:
+                late_ok = check(run(c)) and late_ok
+            except Exception as e:  # noqa: BLE001
+                error = f"{type(e).__name__}: {e}"
+                break
         rec = c.recovery()
         spilled = sum(s["spilled_bytes"] for s in c.stats())
+    outcome = (
+        "error" if error is not None else ("exact" if ok and ok_clean and late_ok else "wrong")
+    )
     return {
         "trial": n,
+        "strategy": strategy,
+        "parity": parity,
         "victim": victim,
         "kill_after_s": round(delay, 3),
         "clean_s": round(clean, 3),
         "seconds": round(seconds, 3),
         "recovery_s": round(max(0.0, seconds - clean), 3),
-        "kill_during_job": delay < seconds,
-        "exact": bool(ok and ok_clean),
-        "next_job_exact": bool(after_ok),
+        "kill_landed": landed,
+        "outcome": outcome,
         "replacements": rec["replacements"],
         "recomputed_maps": rec["recomputed_maps"],
         "rebuilt_blocks": rec["rebuilt_blocks"],
@@ -215,12 +241,16 @@ def run_trials(
             r = trial(kind, n, seed, memory_budget, parity, strategy)
             log(f"{kind} trial {n}: {r}")
             rows.append(r)
+        landed = [r for r in rows if r["kill_landed"]]
         out[kind] = {
             "trials": len(rows),
-            "kill_during_job": sum(r["kill_during_job"] for r in rows),
-            "exact": sum(r["exact"] for r in rows),
-            "next_job_exact": sum(r["next_job_exact"] for r in rows),
-            "mean_recovery_s": round(statistics.mean(r["recovery_s"] for r in rows), 3),
+            "kill_landed": len(landed),
+            "exact": sum(r["outcome"] == "exact" for r in rows),
+            "error": sum(r["outcome"] == "error" for r in rows),
+            "wrong": sum(r["outcome"] == "wrong" for r in rows),
+            "mean_recovery_s": round(
+                statistics.mean(r["recovery_s"] for r in landed) if landed else 0.0, 3
+            ),
             "mean_clean_s": round(statistics.mean(r["clean_s"] for r in rows), 3),
             "recomputed_maps": sum(r["recomputed_maps"] for r in rows),
             "rebuilt_blocks": sum(r["rebuilt_blocks"] for r in rows),

@@ -99,19 +99,23 @@ pub async fn run_stage(
     let mut recoveries = 0;
     loop {
         let spec = job::stage_spec(schema.clone(), partitions, &keys);
-        // The tasks name their peers: a lost worker's replacement must be in place first, and
-        // the earlier stages they read must have every map output (a no-op when none was lost).
-        driver
-            .wait_all_live(exchange::driver::REPLACE_TIMEOUT)
-            .await?;
-        for &s in &upstream {
-            driver.repair(ShuffleId(s)).await?;
-        }
         let replacements = driver.replacements();
-        // A stage that lost a worker while mapping runs again (its inputs name the
-        // replacement).
-        let inputs = inputs(driver, stages, tasks.clone())?;
-        match job::run_stage(driver, &spec, inputs, opts).await {
+        let ran = async {
+            // The tasks name their peers: a lost worker's replacement must be in place first,
+            // and the earlier stages they read must have every map output (a no-op when none
+            // was lost). A worker lost meanwhile is recovered like one lost while mapping.
+            driver
+                .wait_all_live(exchange::driver::REPLACE_TIMEOUT)
+                .await?;
+            for &s in &upstream {
+                driver.repair(ShuffleId(s)).await?;
+            }
+            // A stage that lost a worker while mapping runs again (its inputs name the
+            // replacement).
+            let inputs = inputs(driver, stages, tasks.clone())?;
+            job::run_stage(driver, &spec, inputs, opts).await
+        };
+        match ran.await {
             Ok(input) => {
                 lock(stages).insert(spec.id.0, (schema, spec.partitions));
                 return Ok((spec.id.0, input.rows));

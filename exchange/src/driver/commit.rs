@@ -2,7 +2,7 @@
 //! and two-level shuffles) and forwards (`auto`), commits of one attempt on every worker
 //! holding its blocks, and cancels; plus recording the committed blocks.
 
-use super::{lock, BlockRef, Driver, Lineage, MapDone};
+use super::{BlockRef, Driver, Lineage, Made, MapDone};
 use crate::block::ShuffleId;
 use crate::checksum::Checksum;
 use crate::error::{Error, Result};
@@ -50,7 +50,17 @@ impl Driver {
             return Err(self.classify(e).await);
         }
         let blocks = self.record_blocks(shuffle, worker, &result, &maps)?;
-        lock(&self.lineage).insert((shuffle, group), (worker, generation, Lineage::Merge(maps)));
+        self.update_shuffle(shuffle, |e| {
+            e.outputs.insert(
+                group,
+                Made {
+                    worker,
+                    holders: vec![(worker, generation)],
+                    rows: None,
+                    lineage: Lineage::Merge(maps),
+                },
+            )
+        });
         Ok(group_done(group, attempt, worker, blocks, &result))
     }
 
@@ -63,8 +73,9 @@ impl Driver {
     /// it took effect); if it still fails, or a holder refuses after it, rows may be half
     /// moved: [`Error::PartialCommit`] (or [`Error::WorkerLost`] when the worker is gone).
     ///
-    /// No lineage is recorded: a shuffle whose maps are placed on holders is not repaired in
-    /// place ([`Driver::places_locally`]).
+    /// No lineage is recorded for the group: a shuffle whose maps are placed on holders is not
+    /// repaired in place ([`Driver::places_locally`]); the holders are added to each map's
+    /// manifest entry, so losing one of them is noticed as the loss of those maps.
     pub async fn forward(
         &self,
         shuffle: ShuffleId,
@@ -75,11 +86,14 @@ impl Driver {
     ) -> Result<MapDone> {
         let client = self.worker(worker)?;
         let n = self.num_workers();
-        let partitions = lock(&self.partitions)
-            .get(&shuffle)
-            .copied()
+        let partitions = self
+            .with_shuffle(shuffle, |e| e.partitions)
+            .flatten()
             .ok_or(Error::UnknownShuffle(shuffle))?;
         let attempt = self.next_attempt(shuffle, group);
+        // The processes in the slots now: the forward's holders (a replacement started later
+        // holds nothing of it).
+        let generations: Vec<u64> = (0..n).map(|i| self.generation(i)).collect();
         let task = proto::MergeTask {
             shuffle_id: shuffle.0,
             group,
@@ -174,6 +188,21 @@ impl Driver {
             attempt,
             reason: format!("forwarded, then not committed on a holder: {e}"),
         };
+        // In the manifest before the holders commit: from the first commit on, a lost holder
+        // may hold rows of these maps.
+        {
+            let held: Vec<(usize, u64)> = holders
+                .iter()
+                .map(|&(w, _)| (w, generations.get(w).copied().unwrap_or(u64::MAX)))
+                .collect();
+            self.update_shuffle(shuffle, |e| {
+                for m in &maps {
+                    if let Some(made) = e.outputs.get_mut(m) {
+                        made.held_on(held.iter().copied());
+                    }
+                }
+            });
+        }
         self.commit_on_holders(&holders, &cancel, true)
             .await
             .map_err(half)?;
@@ -197,11 +226,13 @@ impl Driver {
     /// The blocks of `shuffle` readers see now (parity excluded): the committed maps' not
     /// merged or forwarded since, and the merge groups' and forwards'.
     pub fn live_blocks(&self, shuffle: ShuffleId) -> usize {
-        lock(&self.blocks).get(&shuffle).map_or(0, |refs| {
-            refs.iter()
+        self.with_shuffle(shuffle, |e| {
+            e.blocks
+                .iter()
                 .filter(|b| b.meta.id.partition != crate::parity::PARITY)
                 .count()
         })
+        .unwrap_or(0)
     }
 
     /// Record the blocks a committed attempt on `worker` reported, replacing the refs of the
@@ -223,34 +254,53 @@ impl Driver {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let mut all = lock(&self.blocks);
-        let refs = all.entry(shuffle).or_default();
-        if !retired.is_empty() {
-            refs.retain(|b| !(b.worker == worker && retired.contains(&b.meta.id.map)));
-        }
-        refs.extend(blocks.iter().copied());
+        self.update_shuffle(shuffle, |e| {
+            if !retired.is_empty() {
+                e.blocks
+                    .retain(|b| !(b.worker == worker && retired.contains(&b.meta.id.map)));
+            }
+            e.blocks.extend(blocks.iter().copied());
+        });
         Ok(blocks)
     }
 
-    /// Commit one claimed attempt on each `(worker, blocks)` holder. Committing the same
-    /// attempt again is a no-op on a worker, so failed commits are retried. If no holder
-    /// committed (and none `committed_elsewhere`, as a forward's origin has), the claim is
-    /// released (another attempt may still commit); once one has, the claim stays and a
-    /// holder that still refuses fails the shuffle ([`Error::PartialCommit`]): another
-    /// attempt committing elsewhere could duplicate rows.
+    /// Commit one claimed attempt on each `(worker, blocks)` holder.
+    ///
+    /// A commit either gets a definitive answer from its worker (done, or refused: it did not
+    /// take effect) or its outcome is unknown (the reply was lost: the commit may have taken
+    /// effect). Committing the same attempt again is a no-op on a worker that has it and
+    /// answers what the worker committed, so an unknown outcome is asked again, up to
+    /// [`COMMIT_TRIES`] times. The claim is released (another attempt may commit) only when no
+    /// holder can have committed: every holder refused, or those whose outcome stayed unknown
+    /// are lost with their process replaced (whatever they committed is gone with it), and
+    /// none `committed_elsewhere` (as a forward's origin has). Otherwise the claim stays, so no
+    /// second attempt can ever commit rows the first may have committed, and a holder that
+    /// refuses after another committed, or stays unknown, fails the shuffle
+    /// ([`Error::PartialCommit`]).
     pub(super) async fn commit_on_holders(
         &self,
         holders: &[(usize, u32)],
         attempt: &proto::CommitTask,
         committed_elsewhere: bool,
     ) -> Result<()> {
-        let key = (ShuffleId(attempt.shuffle_id), attempt.map_id);
+        let (shuffle, map) = (ShuffleId(attempt.shuffle_id), attempt.map_id);
+        // The process in each holder's slot now: a later generation holds nothing of it.
+        let generations: Vec<(usize, u64)> = holders
+            .iter()
+            .map(|&(w, _)| (w, self.generation(w)))
+            .collect();
+        let gone = |w: usize| {
+            generations
+                .iter()
+                .any(|&(s, g)| s == w && self.generation(s) != g)
+        };
         let mut left: Vec<(usize, u32)> = holders.to_vec();
         let mut committed_any = committed_elsewhere;
+        let mut refused = None;
         let mut last = None;
-        for round in 0..3 {
+        for round in 0..COMMIT_TRIES {
             if round > 0 {
-                tokio::time::sleep(Duration::from_millis(100 * round)).await;
+                tokio::time::sleep(Duration::from_millis(100 * round as u64)).await;
             }
             let calls = left.iter().map(|&(w, blocks)| {
                 let commit = proto::CommitTask {
@@ -266,35 +316,59 @@ impl Driver {
                     (w, blocks, r)
                 }
             });
-            let mut failed = Vec::new();
+            let mut unknown = Vec::new();
             for (w, blocks, r) in futures::future::join_all(calls).await {
                 match r {
                     Ok(()) => committed_any = true,
+                    Err(e) if is_refusal(&e) => refused = Some(e),
                     Err(e) => {
-                        failed.push((w, blocks));
+                        unknown.push((w, blocks));
                         last = Some(e);
                     }
                 }
             }
-            left = failed;
-            // With one holder (pull, merged) there is nothing partial to repair.
-            if left.is_empty() || !committed_any {
+            left = unknown;
+            if left.is_empty() {
                 break;
             }
+            // Stop asking holders whose process is gone (found lost, being replaced).
+            if let Some(e) = last.take() {
+                last = Some(self.classify(e).await);
+                if left.iter().all(|&(w, _)| gone(w)) {
+                    break;
+                }
+            }
         }
-        let Some(err) = last.filter(|_| !left.is_empty()) else {
-            return Ok(());
-        };
-        let err = self.classify(err).await;
-        if !committed_any {
-            lock(&self.claims).remove(&key);
-            return Err(err);
+        // Unknown outcomes on live processes: the commit may have taken effect there.
+        let maybe = left.iter().any(|&(w, _)| !gone(w));
+        match (refused, last) {
+            (None, _) if left.is_empty() => Ok(()),
+            (refused, last) if !committed_any && !maybe => {
+                // Nothing readable was committed anywhere: another attempt may commit.
+                self.update_shuffle(shuffle, |e| e.claims.remove(&map));
+                let err = refused.or(last).unwrap_or_else(|| {
+                    Error::Cluster(format!("map {} was not committed", attempt.map_id))
+                });
+                Err(self.classify(err).await)
+            }
+            (refused, last) => {
+                let err = last.or(refused).map(|e| e.to_string()).unwrap_or_default();
+                if maybe {
+                    // Kept claimed for good: `uncommitted` never hands this map out again.
+                    self.update_shuffle(shuffle, |e| e.uncertain.insert(map));
+                }
+                let reason = if maybe {
+                    format!("its commit outcome is unknown on a live worker: {err}")
+                } else {
+                    err
+                };
+                Err(Error::PartialCommit {
+                    map: attempt.map_id,
+                    attempt: attempt.attempt,
+                    reason,
+                })
+            }
         }
-        Err(Error::PartialCommit {
-            map: attempt.map_id,
-            attempt: attempt.attempt,
-            reason: err.to_string(),
-        })
     }
 
     /// Abort an attempt on `workers` (best effort: its blocks there are removed; pending
@@ -307,6 +381,23 @@ impl Driver {
             .map(|c| async move { c.cancel(cancel).await });
         futures::future::join_all(calls).await;
     }
+}
+
+/// Times a commit whose outcome is unknown (its reply lost) is asked again.
+pub const COMMIT_TRIES: usize = 5;
+
+/// Whether a failed commit was refused by its worker (a definitive answer: it did not take
+/// effect there) rather than lost on the way (it may have).
+fn is_refusal(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::Remote {
+            code: tonic::Code::FailedPrecondition
+                | tonic::Code::InvalidArgument
+                | tonic::Code::NotFound,
+            ..
+        }
+    )
 }
 
 /// A committed merge group (or forward) as the map side reports it.

@@ -2,7 +2,7 @@
 //! (numbered producers first and sharing a group, which the workers' admission uses: see
 //! [`crate::admission`]).
 
-use super::{lock, Driver, ShuffleSpec, REPLACE_TIMEOUT};
+use super::{Driver, ShuffleSpec, REPLACE_TIMEOUT};
 use crate::block::encode_schema;
 use crate::error::{Error, Result};
 use crate::proto;
@@ -49,13 +49,14 @@ impl Driver {
             order,
             group,
         };
-        lock(&self.blocks).entry(spec.id).or_default();
-        lock(&self.schemas).insert(spec.id, (spec.schema.clone(), spec.checksum_inputs));
-        lock(&self.partitions).insert(spec.id, spec.partitions);
         let generations = (0..self.num_workers())
             .map(|i| self.generation(i))
             .collect();
-        lock(&self.created).insert(spec.id, (msg.clone(), generations));
+        self.update_shuffle(spec.id, |e| {
+            e.schema = Some((spec.schema.clone(), spec.checksum_inputs));
+            e.partitions = Some(spec.partitions);
+            e.created = Some((msg.clone(), generations));
+        });
         // A worker found lost here is replaced and the shuffle registered again (registering
         // is idempotent on the workers that have it).
         let mut tries = 0;

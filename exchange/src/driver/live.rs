@@ -142,8 +142,21 @@ impl Driver {
         }
     }
 
-    /// Turn a failed call into `WorkerLost` when the worker no longer answers health checks.
+    /// Turn a failed call into `WorkerLost` when the worker no longer answers health checks,
+    /// or when the call went to a process its slot has replaced since (the new one answers,
+    /// but what the call was about went with the old one).
     pub async fn classify(&self, err: Error) -> Error {
+        if let Error::Remote { worker, addr, .. } = &err {
+            let now = self.worker(*worker).map(|c| c.addr);
+            if now.as_ref().is_ok_and(|a| a != addr) {
+                return Error::WorkerLost {
+                    worker: *worker,
+                    addr: addr.clone(),
+                    reason: format!("replaced since the call was made; the call: {err}"),
+                    lost_blocks: 0,
+                };
+            }
+        }
         let worker = match &err {
             Error::Remote { worker, code, .. }
                 if !matches!(

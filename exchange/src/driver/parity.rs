@@ -95,9 +95,10 @@ impl Driver {
             .copied()
             .collect();
         blocks.retain(|b| b.meta.id.partition != PARITY);
-        if let Some(refs) = lock(&self.blocks).get_mut(&shuffle) {
-            refs.retain(|b| !(b.meta.id.map == map && b.meta.id.partition == PARITY));
-        }
+        self.with_shuffle_mut(shuffle, |e| {
+            e.blocks
+                .retain(|b| !(b.meta.id.map == map && b.meta.id.partition == PARITY))
+        });
         lock(&self.parity).maps.insert(
             (shuffle, map),
             Coded {
@@ -211,11 +212,15 @@ impl Driver {
         }
         drop(st);
         // The map's output is whole again where it ran, too.
-        if let Some((w, g, _)) = lock(&self.lineage).get_mut(&(shuffle, map)) {
-            if let Some(&(_, generation)) = onto.iter().find(|(s, _)| s == w) {
-                *g = generation;
+        self.update_shuffle(shuffle, |e| {
+            if let Some(made) = e.outputs.get_mut(&map) {
+                for (slot, g) in made.holders.iter_mut() {
+                    if let Some(&(_, generation)) = onto.iter().find(|(s, _)| s == slot) {
+                        *g = generation;
+                    }
+                }
             }
-        }
+        });
     }
 
     /// Rebuild the blocks (data and parity) one map lost on the slots `lost`, put them there

@@ -15,7 +15,7 @@
 //! parity ([`Driver::rebuild`]). Under push and two-level every map left blocks on every
 //! worker, so a lost worker lost a piece of every map: the caller reruns such a shuffle whole.
 
-use super::{lock, Driver, Lineage, MapInput, REPLACE_TIMEOUT};
+use super::{Driver, Lineage, MapInput, REPLACE_TIMEOUT};
 use crate::block::ShuffleId;
 use crate::error::{Error, Result};
 use crate::proto;
@@ -32,43 +32,90 @@ use std::sync::Arc;
 const STAGE_KIND: &str = "python";
 
 impl Driver {
-    /// The maps (and merge groups) of `shuffle` whose committed output was on a worker lost
-    /// since, with the slot that held it and how it was made.
+    /// The maps (and merge groups) of `shuffle` with blocks of their committed output on a
+    /// worker lost since (where they ran, or where they pushed, merged or forwarded blocks:
+    /// every holder in the manifest), with the first lost slot and how each was made.
     pub fn lost_outputs(&self, shuffle: ShuffleId) -> Vec<(u32, usize, Lineage)> {
-        let mut lost: Vec<(u32, usize, Lineage)> = lock(&self.lineage)
-            .iter()
-            .filter(|((s, _), (w, g, _))| *s == shuffle && self.generation(*w) != *g)
-            .map(|((_, m), (w, _, l))| (*m, *w, l.clone()))
-            .collect();
+        let mut lost: Vec<(u32, usize, Lineage)> = self
+            .with_shuffle(shuffle, |e| {
+                e.outputs
+                    .iter()
+                    .filter_map(|(m, made)| {
+                        let slot = made.lost_holder(self)?;
+                        Some((*m, slot, made.lineage.clone()))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
         lost.sort_by_key(|(m, _, _)| *m);
         lost
+    }
+
+    /// The rows the manifest of `shuffle` lists for `partition`: the sum over its committed
+    /// maps of the rows each wrote there (merges and forwards move rows, never add any). None
+    /// where the manifest cannot tell: a combined shuffle (its merges combine rows) or a map
+    /// that reported no per-partition rows. Exact only once the map side is complete.
+    pub fn expected_rows(&self, shuffle: ShuffleId, partition: u32) -> Option<u64> {
+        self.with_shuffle(shuffle, |e| {
+            let (created, _) = e.created.as_ref()?;
+            if created.combine.is_some() {
+                return None;
+            }
+            let mut rows = 0u64;
+            for made in e.outputs.values() {
+                if matches!(made.lineage, Lineage::Merge(_)) {
+                    continue;
+                }
+                rows += made.rows.as_ref()?.get(partition as usize).copied()?;
+            }
+            Some(rows)
+        })
+        .flatten()
+    }
+
+    /// Whether `shuffle` deals rows by their position in a map's input (round-robin over more
+    /// than one partition): a map run again on input in another order deals them otherwise,
+    /// so it cannot be recomputed in place once any reader took rows of it.
+    pub fn deals_by_position(&self, shuffle: ShuffleId) -> bool {
+        self.with_shuffle(shuffle, |e| {
+            e.created.as_ref().is_some_and(|(m, _)| {
+                m.partitions > 1
+                    && matches!(
+                        m.partitioner.as_ref().and_then(|p| p.kind.as_ref()),
+                        Some(proto::partitioner::Kind::RoundRobin(_))
+                    )
+            })
+        })
+        .unwrap_or(false)
     }
 
     /// Register `shuffle` on the live slots whose process was replaced since it was registered
     /// there; returns those slots.
     pub async fn register_replaced(&self, shuffle: ShuffleId) -> Result<Vec<usize>> {
-        let (msg, stale) = {
-            let created = lock(&self.created);
-            let Some((msg, generations)) = created.get(&shuffle) else {
-                return Ok(Vec::new());
-            };
-            let stale: Vec<(usize, u64)> = generations
-                .iter()
-                .enumerate()
-                .filter(|&(i, g)| self.generation(i) != *g && self.is_alive(i))
-                .map(|(i, _)| (i, self.generation(i)))
-                .collect();
-            (msg.clone(), stale)
+        let registered = self
+            .with_shuffle(shuffle, |e| {
+                let (msg, generations) = e.created.as_ref()?;
+                let stale: Vec<(usize, u64)> = generations
+                    .iter()
+                    .enumerate()
+                    .filter(|&(i, g)| self.generation(i) != *g && self.is_alive(i))
+                    .map(|(i, _)| (i, self.generation(i)))
+                    .collect();
+                Some((msg.clone(), stale))
+            })
+            .flatten();
+        let Some((msg, stale)) = registered else {
+            return Ok(Vec::new());
         };
         for &(slot, generation) in &stale {
             if let Err(e) = self.worker(slot)?.create_shuffle(&msg).await {
                 return Err(self.classify(e).await);
             }
-            if let Some((_, generations)) = lock(&self.created).get_mut(&shuffle) {
-                if let Some(g) = generations.get_mut(slot) {
+            self.update_shuffle(shuffle, |e| {
+                if let Some(g) = e.created.as_mut().and_then(|(_, gs)| gs.get_mut(slot)) {
                     *g = generation;
                 }
-            }
+            });
             tracing::info!(%shuffle, worker = slot, "shuffle registered on a replacement");
         }
         Ok(stale.into_iter().map(|(s, _)| s).collect())
@@ -80,14 +127,15 @@ impl Driver {
     pub async fn restart_shuffle(&self, spec: &crate::driver::ShuffleSpec) -> Result<()> {
         // Registered again where it stood: with a new, higher order a restarted producer
         // could wait behind its own consumers on a worker's admission.
-        let rank = lock(&self.created)
-            .get(&spec.id)
-            .map(|(m, _)| (m.order, m.group));
-        let attempts: Vec<_> = lock(&self.attempts)
-            .iter()
-            .filter(|((s, _), _)| *s == spec.id)
-            .map(|(k, v)| (*k, *v))
-            .collect();
+        // Commits of the run being replaced end first (settle), and any of its attempts still
+        // finishing later is refused (`floor`): a late one never takes a claim of the new run.
+        self.settle().await;
+        let (rank, attempts) = self
+            .with_shuffle(spec.id, |e| {
+                let rank = e.created.as_ref().map(|(m, _)| (m.order, m.group));
+                (rank, e.attempts.clone())
+            })
+            .unwrap_or_default();
         let dropped = match self.drop_shuffle(spec.id).await {
             Err(e) => Err(self.classify(e).await),
             ok => ok,
@@ -101,7 +149,10 @@ impl Driver {
             }) => {}
             Err(e) => return Err(e),
         }
-        lock(&self.attempts).extend(attempts);
+        self.update_shuffle(spec.id, |e| {
+            e.floor = attempts.clone();
+            e.attempts = attempts;
+        });
         match rank {
             Some((order, group)) => self.register(spec, order, group).await,
             None => self.create_shuffle(spec).await,
@@ -147,9 +198,9 @@ impl Driver {
     /// there): only then can a lost map output run again on its own.
     pub fn places_locally(&self, shuffle: ShuffleId) -> bool {
         let placement = self.placement(shuffle);
-        let maps = lock(&self.map_placements)
-            .get(&shuffle)
-            .copied()
+        let maps = self
+            .with_shuffle(shuffle, |e| e.map_placement)
+            .flatten()
             .unwrap_or(placement);
         placement == Placement::Local && maps == Placement::Local
     }
@@ -197,10 +248,21 @@ impl Driver {
             let upstream: BTreeSet<ShuffleId> = reruns
                 .iter()
                 .filter_map(|(_, _, i)| upstream_of(i))
-                .filter(|u| *u != shuffle && lock(&self.created).contains_key(u))
+                .filter(|u| {
+                    *u != shuffle
+                        && self
+                            .with_shuffle(*u, |e| e.created.is_some())
+                            .unwrap_or(false)
+                })
                 .collect();
             for u in upstream {
-                self.repair(u).await?;
+                if self.repair(u).await? > 0 && self.deals_by_position(u) {
+                    // The maps of this shuffle that survived read the old deal of `u`.
+                    return Err(Error::Cluster(format!(
+                        "round-robin shuffle {u} had map outputs recomputed after shuffle \
+                         {shuffle} read it: {shuffle} must run again whole"
+                    )));
+                }
             }
             // Every replaced slot gets the shuffle (even one that held none of its blocks,
             // so readers find it there) and the lost maps' new outputs.
@@ -251,16 +313,16 @@ impl Driver {
             })?;
             reruns.push((*map, self.refresh(input)));
         }
-        let gone: BTreeSet<(usize, u32)> = lost.iter().map(|(m, w, _)| (*w, *m)).collect();
-        if let Some(refs) = lock(&self.blocks).get_mut(&shuffle) {
-            refs.retain(|b| !gone.contains(&(b.worker, b.meta.id.map)));
-        }
-        let mut claims = lock(&self.claims);
-        let mut lineage = lock(&self.lineage);
-        for (_, m) in &gone {
-            claims.remove(&(shuffle, *m));
-            lineage.remove(&(shuffle, *m));
-        }
+        // Every block ref of a forgotten output goes, wherever it is: the new attempt records
+        // its own.
+        let gone: BTreeSet<u32> = lost.iter().map(|(m, _, _)| *m).collect();
+        self.update_shuffle(shuffle, |e| {
+            e.blocks.retain(|b| !gone.contains(&b.meta.id.map));
+            for m in &gone {
+                e.claims.remove(m);
+                e.outputs.remove(m);
+            }
+        });
         self.recomputed
             .fetch_add(reruns.len() as u64, Ordering::SeqCst);
         Ok(reruns)
@@ -275,16 +337,33 @@ impl Driver {
 
     /// The maps among `0..maps` of `shuffle` with no committed output on record (never
     /// committed, or forgotten as lost), to run again; a claim left by an attempt whose commit
-    /// failed is cleared so a new attempt can commit. Call after [`Driver::settle`].
-    pub fn uncommitted(&self, shuffle: ShuffleId, maps: u32) -> Vec<u32> {
-        let lineage = lock(&self.lineage);
-        let mut claims = lock(&self.claims);
-        (0..maps)
-            .filter(|m| !lineage.contains_key(&(shuffle, *m)))
-            .inspect(|m| {
-                claims.remove(&(shuffle, *m));
-            })
-            .collect()
+    /// failed is cleared so a new attempt can commit. Call after [`Driver::settle`]. A map
+    /// whose commit outcome is unknown on a live worker (it may have committed there) is never
+    /// handed out again: that is an error, and the shuffle must run again whole.
+    pub fn uncommitted(&self, shuffle: ShuffleId, maps: u32) -> Result<Vec<u32>> {
+        self.update_shuffle(shuffle, |e| {
+            if let Some(m) = e.uncertain.iter().min() {
+                return Err(Error::PartialCommit {
+                    map: *m,
+                    attempt: e.claims.get(m).copied().unwrap_or_default(),
+                    reason: format!(
+                        "its commit outcome is unknown; shuffle {shuffle} must run again whole"
+                    ),
+                });
+            }
+            let todo: Vec<u32> = (0..maps).filter(|m| !e.outputs.contains_key(m)).collect();
+            for m in &todo {
+                e.claims.remove(m);
+            }
+            Ok(todo)
+        })
+    }
+
+    /// Whether a commit of `shuffle` had an unknown outcome on a live worker (see
+    /// [`Driver::uncommitted`]).
+    pub fn has_uncertain_commits(&self, shuffle: ShuffleId) -> bool {
+        self.with_shuffle(shuffle, |e| !e.uncertain.is_empty())
+            .unwrap_or(false)
     }
 
     /// What the committed blocks on record of `shuffle` hold: (blocks, bytes, rows, bytes
@@ -292,7 +371,7 @@ impl Driver {
     pub fn recorded(&self, shuffle: ShuffleId, partitions: u32) -> (usize, u64, u64, Vec<u64>) {
         let mut per = vec![0u64; partitions as usize];
         let (mut blocks, mut bytes, mut rows) = (0, 0, 0);
-        for b in lock(&self.blocks).get(&shuffle).into_iter().flatten() {
+        for b in self.blocks_of(shuffle) {
             if let Some(p) = per.get_mut(b.meta.id.partition as usize) {
                 *p += b.meta.bytes;
                 blocks += 1;

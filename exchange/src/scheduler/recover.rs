@@ -16,7 +16,11 @@
 //!
 //! Map outputs are committed once per map ([`Driver::uncommitted`] after
 //! [`Driver::settle`]), so no row is read twice; the consumer then runs again from the start
-//! of its (now whole, sealed) input.
+//! of its (now whole, sealed) input. A stage with a map whose commit outcome is unknown runs
+//! again whole. A round-robin stage ([`Driver::deals_by_position`]) that ran maps again may
+//! deal its rows otherwise than the first time, so every stage reading it that needs work
+//! runs again whole too (its surviving maps read the old deal), and so on downstream; a
+//! hash-partitioned stage puts every row where it was, which stops the spread.
 
 use super::{lock, report, Stage, StageReport};
 use crate::block::ShuffleId;
@@ -56,6 +60,8 @@ pub(super) async fn finish(
             needed.extend(s.reads.iter().copied());
         }
     }
+    // Round-robin stages that ran maps again: their readers cannot keep what they read.
+    let mut redealt: HashSet<ShuffleId> = HashSet::new();
     for s in stages.iter().filter(|s| needed.contains(&s.spec.id)) {
         if !work[&s.spec.id] {
             // Whole: sealed on a replacement too (it holds nothing of it), for its readers.
@@ -63,7 +69,12 @@ pub(super) async fn finish(
             continue;
         }
         let start_s = started.elapsed().as_secs_f64();
-        let (note, report) = finish_stage(driver, stages, s, start_s, started, opts).await?;
+        let stale = s.reads.iter().any(|r| redealt.contains(r));
+        let (note, report, ran) =
+            finish_stage(driver, stages, s, stale, start_s, started, opts).await?;
+        if ran && driver.deals_by_position(s.spec.id) {
+            redealt.insert(s.spec.id);
+        }
         tracing::warn!(shuffle = %s.spec.id, "{note}");
         let mut r = report;
         r.strategy = format!("{}; {note}", r.strategy);
@@ -73,15 +84,17 @@ pub(super) async fn finish(
     Ok(())
 }
 
-/// Run the maps `s` lacks and seal it; returns a note for its report and the report.
+/// Run the maps `s` lacks and seal it (all of them again when `stale`: a stage it reads
+/// dealt its rows anew); returns a note for its report, the report, and whether any map ran.
 async fn finish_stage(
     driver: &Arc<Driver>,
     stages: &[Stage],
     s: &Stage,
+    stale: bool,
     start_s: f64,
     started: Instant,
     opts: StrategyOptions,
-) -> Result<(String, StageReport)> {
+) -> Result<(String, StageReport, bool)> {
     let id = s.spec.id;
     let addresses = driver.addresses();
     if lock(&s.inputs).is_none() {
@@ -93,9 +106,11 @@ async fn finish_stage(
         ))
     })?;
     let total = inputs.len();
-    let in_place = driver.parity_of(id) > 0
-        || (driver.places_locally(id)
-            && (s.strategy != Strategy::Auto || s.sealed.load(Ordering::SeqCst)));
+    let in_place = !stale
+        && !driver.has_uncertain_commits(id)
+        && (driver.parity_of(id) > 0
+            || (driver.places_locally(id)
+                && (s.strategy != Strategy::Auto || s.sealed.load(Ordering::SeqCst))));
     if !in_place {
         // Every map left blocks on every worker: the stage runs again whole.
         driver.restart_shuffle(&s.spec).await?;
@@ -107,7 +122,7 @@ async fn finish_stage(
             strategy::map_side(driver, &s.spec, futures::stream::iter(inputs), opts).await?;
         let note = format!("after a lost worker all {total} maps ran again");
         let r = report(driver, &s.spec, s.strategy, &mapped, "", start_s, started);
-        return Ok((note, r));
+        return Ok((note, r, true));
     }
     if driver.parity_of(id) > 0 {
         driver.rebuild(id).await?;
@@ -118,7 +133,7 @@ async fn finish_stage(
     driver.forget_outputs(id, &maps)?;
     let n = driver.num_workers();
     let runs: Vec<_> = driver
-        .uncommitted(id, total as u32)
+        .uncommitted(id, total as u32)?
         .into_iter()
         .filter_map(|m| {
             let input = inputs.get(m as usize)?.again()?;
@@ -177,7 +192,7 @@ async fn finish_stage(
     r.max_partition_bytes = sorted.last().copied().unwrap_or(0);
     r.median_partition_bytes = sorted.get(sorted.len() / 2).copied().unwrap_or(0);
     r.end_s = started.elapsed().as_secs_f64();
-    Ok((note, r))
+    Ok((note, r, recomputed + unfinished > 0))
 }
 
 /// Decide a deferred stage's inputs now, from the recorded sizes of the stage it waits for

@@ -129,6 +129,8 @@ pub struct BlockStore {
     segment_seq: AtomicU64,
     /// The worker's task grants, kept out of the in-memory share (see [`crate::admission`]).
     admission: Option<Arc<crate::admission::Admission>>,
+    /// The store made its spill directory (it did not exist): it may remove it when empty.
+    made_dir: bool,
 }
 
 /// Map ids from here on name merge groups (merging strategies), not map tasks.
@@ -152,7 +154,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl BlockStore {
     pub fn new(cfg: StoreConfig) -> Result<Self> {
-        std::fs::create_dir_all(&cfg.spill_dir).map_err(|e| Error::io(&cfg.spill_dir, e))?;
+        let made_dir = crate::private::create_dir(&cfg.spill_dir)?;
         Ok(BlockStore {
             cfg,
             state: Mutex::new(HashMap::new()),
@@ -166,7 +168,20 @@ impl BlockStore {
             unvalidated_decodes: AtomicU64::new(0),
             segment_seq: AtomicU64::new(0),
             admission: None,
+            made_dir,
         })
+    }
+
+    /// Remove what this store wrote: its spill segments, and its spill directory if the store
+    /// made it and nothing else is left in it (a directory named by the user is never
+    /// removed whole).
+    pub fn remove_files(&self) {
+        for path in self.spill_files() {
+            let _ = std::fs::remove_file(path);
+        }
+        if self.made_dir {
+            let _ = std::fs::remove_dir(&self.cfg.spill_dir);
+        }
     }
 
     /// Share the memory budget with the tasks `admission` grants: blocks are kept in memory

@@ -7,7 +7,7 @@
 
 use crate::block::{BlockId, BlockMeta};
 use crate::error::{Error, Result};
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -42,12 +42,7 @@ pub struct SegmentWriter {
 
 impl SegmentWriter {
     pub fn create(path: &Path) -> Result<Self> {
-        let file = OpenOptions::new()
-            .create_new(true)
-            .write(true)
-            .read(true)
-            .open(path)
-            .map_err(|e| Error::io(path, e))?;
+        let file = crate::private::create_file(path)?;
         let reader = file.try_clone().map_err(|e| Error::io(path, e))?;
         Ok(SegmentWriter {
             segment: Arc::new(Segment {
@@ -116,8 +111,8 @@ impl SegmentWriter {
 impl SegmentWriter {
     /// A writer over an existing path (e.g. `/dev/full`) to inject write failures.
     pub fn create_at_for_test(path: &str) -> Self {
-        let file = OpenOptions::new().write(true).open(path).unwrap();
-        let reader = OpenOptions::new().read(true).open(path).unwrap();
+        let file = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+        let reader = std::fs::OpenOptions::new().read(true).open(path).unwrap();
         SegmentWriter {
             segment: Arc::new(Segment {
                 path: path.into(),

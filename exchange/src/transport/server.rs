@@ -507,6 +507,16 @@ impl FlightService for WorkerService {
                     s.store
                         .commit_merge(shuffle, m.map_id, m.attempt, expected, &m.merged_maps)?;
                 }
+                let lose = s.lose_commit_replies.fetch_update(
+                    std::sync::atomic::Ordering::SeqCst,
+                    std::sync::atomic::Ordering::SeqCst,
+                    |n| n.checked_sub(1),
+                );
+                if lose.is_ok() {
+                    return Err(Status::unavailable(
+                        "fault injected: the commit took effect, its reply is lost",
+                    ));
+                }
                 vec![]
             }
             actions::MERGE => s.merge(decode(&body)?).await?.encode_to_vec(),

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
 
 /// How a client reaches TLS workers.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct ClientTls {
     /// PEM of the CA that signed the workers' certificates.
     pub ca: String,
@@ -33,8 +33,21 @@ impl ClientTls {
     }
 }
 
+/// Shown without key material: the private key never reaches a log line or an error.
+impl std::fmt::Debug for ClientTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientTls")
+            .field("ca", &format_args!("<{} bytes of PEM>", self.ca.len()))
+            .field(
+                "identity",
+                &self.identity.as_ref().map(|_| "<certificate and key>"),
+            )
+            .finish()
+    }
+}
+
 /// How a worker serves TLS.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct ServerTls {
     pub cert: String,
     pub key: String,
@@ -42,6 +55,17 @@ pub struct ServerTls {
     pub ca: String,
     /// Mutual TLS: clients must show a certificate signed by `ca`.
     pub client_auth: bool,
+}
+
+/// Shown without key material.
+impl std::fmt::Debug for ServerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerTls")
+            .field("cert", &format_args!("<{} bytes of PEM>", self.cert.len()))
+            .field("key", &"<hidden>")
+            .field("client_auth", &self.client_auth)
+            .finish()
+    }
 }
 
 impl ServerTls {
@@ -185,4 +209,31 @@ fn write_private(path: &Path, text: &str) -> Result<()> {
     }
     let mut f = opts.open(path).map_err(io)?;
     f.write_all(text.as_bytes()).map_err(io)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `Debug` of TLS settings (what a log line or an error would show) holds no key.
+    #[test]
+    fn debug_output_shows_no_key_material() {
+        let key = "-----BEGIN PRIVATE KEY-----\nc2VjcmV0\n-----END PRIVATE KEY-----\n";
+        let server = ServerTls {
+            cert: "CERT".into(),
+            key: key.into(),
+            ca: "CA".into(),
+            client_auth: true,
+        };
+        let client = ClientTls {
+            ca: "CA".into(),
+            identity: Some(("CERT".into(), key.into())),
+        };
+        for shown in [format!("{server:?}"), format!("{client:?}")] {
+            assert!(
+                !shown.contains("c2VjcmV0") && !shown.contains("PRIVATE"),
+                "{shown}"
+            );
+        }
+    }
 }

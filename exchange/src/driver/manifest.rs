@@ -1,0 +1,82 @@
+//! The driver's one entry per shuffle ([`ShuffleEntry`]), as the block store keeps one
+//! `ShuffleState`: how it was registered, where its maps leave blocks, attempts and claims,
+//! and its **manifest** — every committed output (map, merge group) with every process that
+//! holds any of its blocks (where it ran, where it pushed or forwarded them), the rows it wrote
+//! per partition, and how to make it again. Recovery asks the manifest what a lost worker
+//! held; readers check what they read against it ([`crate::driver::Driver::expected_rows`]).
+//! Dropping a shuffle removes its entry, in one step.
+
+use super::{BlockRef, Driver, Lineage};
+use crate::proto;
+use crate::strategy::Placement;
+use arrow::datatypes::SchemaRef;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+/// A committed output's entry in its shuffle's manifest: where it ran, every process (worker
+/// slot and the slot's generation then) that holds any of its blocks (where it ran, where it
+/// pushed or forwarded them), the rows it wrote per partition (maps; `None` for merge groups,
+/// which move rows) and how it was made. The output is lost when any holder's slot has moved
+/// to a later generation.
+#[derive(Debug, Clone)]
+pub(crate) struct Made {
+    pub worker: usize,
+    pub holders: Vec<(usize, u64)>,
+    pub rows: Option<Arc<[u64]>>,
+    pub lineage: Lineage,
+}
+
+impl Made {
+    /// The first holder whose process is gone (its slot's generation moved on), if any.
+    pub fn lost_holder(&self, driver: &Driver) -> Option<usize> {
+        self.holders
+            .iter()
+            .find(|(slot, g)| driver.generation(*slot) != *g)
+            .map(|(slot, _)| *slot)
+    }
+
+    /// Add the holders `more` (slot, generation) of this output's blocks.
+    pub fn held_on(&mut self, more: impl IntoIterator<Item = (usize, u64)>) {
+        for h in more {
+            if !self.holders.contains(&h) {
+                self.holders.push(h);
+            }
+        }
+    }
+}
+
+/// Everything the driver knows of one shuffle.
+#[derive(Default)]
+pub(crate) struct ShuffleEntry {
+    /// How it was registered on the workers, and each slot's generation when it was
+    /// registered there (a lost worker's replacement registers it on first use).
+    pub created: Option<(proto::CreateShuffle, Vec<u64>)>,
+    /// Its schema, and whether map tasks checksum their input.
+    pub schema: Option<(SchemaRef, bool)>,
+    pub partitions: Option<u32>,
+    /// Where its map tasks leave their blocks and its readers read (default: where maps ran).
+    pub placement: Option<Placement>,
+    /// Where map tasks send blocks when it differs from where readers read (`auto` switching
+    /// to push after its first maps ran in place).
+    pub map_placement: Option<Placement>,
+    /// Its maps write packed blocks from now on.
+    pub packing: bool,
+    /// How its strategy was chosen (`auto`: its pick and predicted times).
+    pub choice: Option<String>,
+    /// The committed blocks readers see now (maps' not merged or forwarded since, merge
+    /// groups', forwards', parity).
+    pub blocks: Vec<BlockRef>,
+    /// The manifest: each committed map or merge group.
+    pub outputs: HashMap<u32, Made>,
+    /// Next attempt number of each map.
+    pub attempts: HashMap<u32, u32>,
+    /// After a restart: the first attempt number of each map in the new run (attempts below
+    /// it are the old run's, still finishing, and never claim).
+    pub floor: HashMap<u32, u32>,
+    /// The attempt of each map that is committing or committed: the first attempt to finish
+    /// claims it, so of two attempts on different workers only one ever commits.
+    pub claims: HashMap<u32, u32>,
+    /// Maps whose claimed attempt's commit outcome stayed unknown on a live worker (its reply
+    /// lost): it may have committed there, so no other attempt may ever claim them.
+    pub uncertain: HashSet<u32>,
+}
