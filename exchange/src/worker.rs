@@ -2,23 +2,25 @@
 //! `flightshuffle-worker` binary and by `python -m flightshuffle.worker`; both parse the same
 //! command line ([`WorkerArgs`]) and print one ready line with the bound address.
 
+mod args;
+
 use crate::admission::Admission;
 use crate::block::{decode_schema, Compression, ShuffleId};
 use crate::checksum::Checksum;
 use crate::error::{Error, Result};
 use crate::partitioner::Partitioner;
 use crate::proto;
-use crate::store::{BlockStore, ShuffleInfo, StoreConfig, DEFAULT_SEGMENT_BYTES};
+use crate::store::{BlockStore, ShuffleInfo, StoreConfig};
 use crate::task::{run_map, BatchStream, MapConfig, ReduceState, SourceRegistry};
 use crate::task::{ShuffleReader, TaskContext};
 use crate::transport::peers::PeerReader;
 use crate::transport::server::WorkerService;
 use crate::transport::{bearer, CONNECTION_WINDOW, MAX_MESSAGE_BYTES, STREAM_WINDOW, TOKEN_HEADER};
+pub use args::WorkerArgs;
 use arrow_flight::flight_service_server::FlightServiceServer;
 use futures::{StreamExt, TryStreamExt};
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use subtle::ConstantTimeEq;
@@ -34,80 +36,6 @@ pub const TOKEN_ENV: &str = "FLIGHTSHUFFLE_TOKEN";
 
 /// A partition's fold state on this worker (None while a fold has it).
 type FoldSlot = Option<ReduceState>;
-
-/// Command line of a worker process.
-#[derive(Debug, Clone, clap::Parser)]
-#[command(
-    name = "flightshuffle-worker",
-    about = "A flightshuffle worker process"
-)]
-pub struct WorkerArgs {
-    /// Worker name used in logs and errors.
-    #[arg(long, default_value = "worker")]
-    pub id: String,
-    /// Address to listen on (port 0 = ephemeral).
-    #[arg(long, default_value = "127.0.0.1:0")]
-    pub listen: SocketAddr,
-    /// Block store memory budget in bytes; blocks beyond it spill to disk.
-    #[arg(long, default_value_t = 2 << 30)]
-    pub memory_budget: u64,
-    /// Directory for spill segment files.
-    #[arg(long)]
-    pub spill_dir: PathBuf,
-    /// Size at which a spill segment file is closed.
-    #[arg(long, default_value_t = DEFAULT_SEGMENT_BYTES)]
-    pub segment_bytes: u64,
-    /// IPC compression of blocks: none, lz4 or zstd.
-    #[arg(long, default_value = "none")]
-    pub compression: String,
-    /// Seconds a call or a wait for new blocks may take.
-    #[arg(long, default_value_t = 600)]
-    pub timeout_secs: u64,
-    /// Exit when standard input closes (the driver that started this worker is gone).
-    #[arg(long)]
-    pub exit_with_stdin: bool,
-    /// Read the cluster token from the first line of standard input (how the local cluster
-    /// passes it: not in the environment, where user code on the worker would see it).
-    /// Without it, the token is read from `$FLIGHTSHUFFLE_TOKEN`.
-    #[arg(long)]
-    pub token_stdin: bool,
-    /// Serve TLS with this PEM certificate (chain); needs `--tls-key` and `--tls-ca`.
-    #[arg(long, requires_all = ["tls_key", "tls_ca"])]
-    pub tls_cert: Option<PathBuf>,
-    /// The PEM key of `--tls-cert`.
-    #[arg(long, requires = "tls_cert")]
-    pub tls_key: Option<PathBuf>,
-    /// PEM of the CA that signed every worker's certificate: peers are verified with it.
-    #[arg(long, requires = "tls_cert")]
-    pub tls_ca: Option<PathBuf>,
-    /// Mutual TLS: clients must show a certificate signed by `--tls-ca` (this worker shows
-    /// its own to its peers).
-    #[arg(long, requires = "tls_cert")]
-    pub tls_client_auth: bool,
-    /// Allow plaintext on an address other than loopback (anyone on the network could read
-    /// the token and blocks).
-    #[arg(long)]
-    pub insecure: bool,
-    /// Fault injection for tests: the replies of this many commits are lost after the commit
-    /// took effect (the caller sees `Unavailable`), as a dropped connection would.
-    #[arg(long, default_value_t = 0, hide = true)]
-    pub fault_lose_commit_replies: u32,
-}
-
-impl WorkerArgs {
-    /// The TLS this worker serves, if any.
-    pub fn tls(&self) -> Result<Option<crate::transport::tls::ServerTls>> {
-        match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
-            (Some(cert), Some(key), Some(ca)) => Ok(Some(
-                crate::transport::tls::ServerTls::from_files(cert, key, ca, self.tls_client_auth)?,
-            )),
-            (None, None, None) => Ok(None),
-            _ => Err(Error::invalid(
-                "TLS needs --tls-cert, --tls-key and --tls-ca together",
-            )),
-        }
-    }
-}
 
 /// Everything a worker's Flight service shares.
 pub struct WorkerState {

@@ -179,8 +179,8 @@ class Dataset:
                     tasks = [(body, previous[0], p, None) for p in range(previous[1])]
                 stage_id, _rows = native.run_stage(out_schema, partitions, keys, tasks)
                 created.append(stage_id)
-                if previous is not None:
-                    native.drop_stage(previous[0])
+                # Earlier stages stay until the result is read (dropped below): a map output
+                # of a later stage lost with its worker is recomputed from their partitions.
                 previous = (stage_id, partitions)
                 schema = out_schema
             assert previous is not None
