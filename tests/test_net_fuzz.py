@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 import time
 
 import flightshuffle as fs
@@ -104,3 +105,27 @@ def test_clients_that_cannot_verify_the_workers_are_refused(scheme):
         )
         with pytest.raises(flight.FlightError):
             list(client.do_action(flight.Action("health", b""), options=options))
+
+
+def test_connections_that_never_finish_their_tls_handshake_are_cut_off_and_the_worker_goes_on():
+    """Clients that open a TCP connection to a TLS worker and send nothing are closed by the
+    worker after its handshake timeout (10 s), not held open forever; meanwhile and after, the
+    worker serves. Before: the connections stayed open (the reads below timed out)."""
+    with fs.Cluster(workers=1, timeout=30) as c:
+        info = c.connection_info()
+        host, port = info["addresses"][0].rsplit(":", 1)
+        silent = [socket.create_connection((host, int(port))) for _ in range(3)]
+        client = flight.FlightClient(
+            f"grpc+tls://{info['addresses'][0]}", tls_root_certs=info["ca"]
+        )
+        options = flight.FlightCallOptions(
+            headers=[(b"authorization", f"Bearer {info['token']}".encode())], timeout=10
+        )
+        assert list(client.do_action(flight.Action("health", b""), options=options))
+        start = time.monotonic()
+        for s in silent:
+            s.settimeout(30)
+            assert s.recv(1) == b"", "the worker sent bytes to a client that said nothing"
+            s.close()
+        assert time.monotonic() - start < 20
+        assert list(client.do_action(flight.Action("health", b""), options=options))

@@ -99,6 +99,33 @@ def test_workers_are_actors_spread_over_the_nodes_and_a_shuffle_is_exact(rc):
     assert_same_multiset(df, parts)
 
 
+def test_each_actor_serves_its_own_key_and_no_secret_is_a_constructor_argument(rc):
+    """Each worker actor made its own TLS key (the workers show different public keys, both
+    signed by the cluster CA, whose key stays with the driver), and the actors were created
+    with no token, key or certificate among their constructor arguments. Before: one key and
+    certificate for every worker, passed with the token to each actor's constructor."""
+    import inspect
+    import socket
+    import ssl
+
+    from flightshuffle.ray_runtime import WorkerHost
+
+    info = rc.connection_info()
+    ctx = ssl.create_default_context(cadata=info["ca"])
+    ctx.check_hostname = False
+    shown = []
+    for addr in info["addresses"]:
+        host, port = addr.rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        with ctx.wrap_socket(sock) as tls:  # verified against the cluster CA
+            shown.append(tls.getpeercert(binary_form=True))
+    assert len(set(shown)) == len(shown) == 2, "workers share a certificate"
+    assert "key" not in (rc._ray.pem or {}), "a key travels to the actors"
+
+    params = inspect.signature(WorkerHost.__init__).parameters
+    assert [p for p in params if not p.startswith("_")] == ["self", "slot"]
+
+
 def test_tpch_queries_equal_duckdb(rc, tpch_data):
     con = tpch.duckdb_connect(tpch_data)
     for q in (1, 3, 5, 18):

@@ -144,3 +144,49 @@ def test_spill_files_and_directories_are_private(tmp_path):
         assert all(m & 0o077 == 0 for _, m in files), files
         list(result)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_cancelled_python_task_holds_its_grant_until_its_body_stops_and_skips_what_is_left(
+    tmp_path,
+):
+    """Ctrl-C while a dataset map's Python body runs (its first operator sleeps 4 s): the task
+    is aborted, but its memory grant stays held while the body still runs, and the body stops
+    at its next operator (the second never runs); then the grant comes back. Before: the
+    grant came back at the abort and the second operator ran."""
+    import polars as pl
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "t.parquet")
+    pq.write_table(table(1_000), path)
+    marker = tmp_path / "second-operator-ran"
+    marker_path = str(marker)
+
+    # Both run once on the driver on an empty frame (to learn the output schema): only a
+    # partition with rows sleeps or leaves the marker.
+    def slow(df: pl.DataFrame) -> pl.DataFrame:
+        if df.height:
+            time.sleep(5)
+        return df
+
+    def second(df: pl.DataFrame) -> pl.DataFrame:
+        if df.height:
+            with open(marker_path, "w") as f:
+                f.write("ran")
+        return df
+
+    with fs.Cluster(workers=1, timeout=60) as c:
+        ds = c.read_parquet(path).map_partitions(slow).map_partitions(second)
+        threading.Timer(2.0, os.kill, args=(os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            ds.to_polars()
+        # The call went away, so the worker aborted the task: its body is still sleeping.
+        time.sleep(0.5)
+        held = c.stats()[0]
+        assert held["running_tasks"] >= 1 and held["granted_bytes"] > 0, held
+        deadline = time.monotonic() + 20
+        while c.stats()[0]["running_tasks"] > 0:
+            assert time.monotonic() < deadline, "the grant never came back"
+            time.sleep(0.2)
+        assert c.stats()[0]["granted_bytes"] == 0
+        time.sleep(0.5)
+        assert not marker.exists(), "the body went on to its next operator after the cancel"

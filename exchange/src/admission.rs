@@ -258,6 +258,11 @@ impl Admission {
         lock(&self.inner).reserved
     }
 
+    /// Tasks holding a grant now.
+    pub fn running(&self) -> u64 {
+        lock(&self.inner).running.len() as u64
+    }
+
     pub fn capacity(&self) -> u64 {
         self.capacity
     }

@@ -46,6 +46,14 @@ impl Checksum {
     }
 }
 
+/// Whether partitions read whole (on the driver, and on workers: stage inputs and folds) are
+/// checked against the shuffle's manifest (always, unless
+/// `FLIGHTSHUFFLE_VERIFY_READS=off`, which exists to measure what the check costs).
+pub fn verify_reads() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FLIGHTSHUFFLE_VERIFY_READS").as_deref() != Ok("off"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

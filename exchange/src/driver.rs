@@ -441,7 +441,10 @@ impl Driver {
             });
         }
         self.register_replaced(shuffle).await?;
-        self.on_all(|w| async move { w.shuffle_action(actions::SEAL_SHUFFLE, shuffle.0).await })
+        // Readers on the workers (stage inputs, folds) check partitions against these.
+        let rows = self.expected_rows_all(shuffle).unwrap_or_default();
+        let rows = &rows;
+        self.on_all(|w| async move { w.seal(shuffle.0, rows.clone()).await })
             .await
     }
 

@@ -501,13 +501,6 @@ async fn run(
     }
 }
 
-/// Whether partitions read on the driver are checked against the manifest (always, unless
-/// `FLIGHTSHUFFLE_VERIFY_READS=off`, which exists to measure what the check costs).
-fn verify_reads() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("FLIGHTSHUFFLE_VERIFY_READS").as_deref() != Ok("off"))
-}
-
 /// One sealed partition read whole to the driver, under the health watch, and checked
 /// against the shuffle's manifest: rows missing or read twice are [`Error::RowCount`] (which
 /// recovery handles like a lost worker), never a short or doubled partition.
@@ -521,7 +514,7 @@ pub async fn read_partition(
         stream.try_collect::<Vec<_>>().await
     };
     let batches = driver.watch(read).await?;
-    if !verify_reads() {
+    if !crate::checksum::verify_reads() {
         return Ok(batches);
     }
     if let Some(expected) = driver.expected_rows(shuffle, partition) {

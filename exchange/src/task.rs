@@ -2,6 +2,7 @@
 //! `BatchSource` trait through which engines feed map tasks, and the `Reducer` trait through
 //! which engines fold blocks into a running reduce state (streaming strategy).
 
+use crate::admission::Grant;
 use crate::block::{
     same_columns, schema_summary, BlockId, BlockMeta, Compression, EncodedBlock, ShuffleId, Slice,
 };
@@ -15,7 +16,8 @@ use futures::{Stream, StreamExt};
 use std::any::Any;
 use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 pub type BatchStream = Pin<Box<dyn Stream<Item = Result<RecordBatch>> + Send>>;
@@ -48,6 +50,49 @@ pub struct TaskContext {
     pub reader: Arc<dyn ShuffleReader>,
     /// The worker's memory budget in bytes (a source's own pools come out of it).
     pub memory_budget: u64,
+    /// Whether the task was cancelled, and its memory grant for work it runs on threads of
+    /// its own.
+    pub stop: TaskStop,
+}
+
+/// How a map task's source learns that the task was cancelled, and how work the source runs
+/// outside the task's future (a blocking thread running a Python body) keeps the task's
+/// memory grant until that work really stops: aborting the task drops its future and the
+/// grant it holds, but not a thread already running.
+#[derive(Clone, Default)]
+pub struct TaskStop {
+    cancelled: Arc<AtomicBool>,
+    grant: Arc<Mutex<Weak<Grant>>>,
+}
+
+impl TaskStop {
+    pub fn cancel(&self) {
+        self.cancelled.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::SeqCst)
+    }
+
+    /// The flag itself, for work that checks it between steps (a Python body between its
+    /// operators).
+    pub fn flag(&self) -> Arc<AtomicBool> {
+        self.cancelled.clone()
+    }
+
+    /// Record the task's grant (the task keeps the only owning reference of its own).
+    pub fn granted(&self, grant: &Arc<Grant>) {
+        *self.grant.lock().unwrap_or_else(|p| p.into_inner()) = Arc::downgrade(grant);
+    }
+
+    /// A share of the task's grant, held by whoever keeps it: the grant is returned only when
+    /// the task and every holder have let go. None once the task has ended.
+    pub fn hold(&self) -> Option<Arc<Grant>> {
+        self.grant
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .upgrade()
+    }
 }
 
 /// Something a worker can turn into the batches of a map task: a generator, a query stage,

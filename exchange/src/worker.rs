@@ -12,7 +12,7 @@ use crate::partitioner::Partitioner;
 use crate::proto;
 use crate::store::{BlockStore, ShuffleInfo, StoreConfig};
 use crate::task::{run_map, BatchStream, MapConfig, ReduceState, SourceRegistry};
-use crate::task::{ShuffleReader, TaskContext};
+use crate::task::{ShuffleReader, TaskContext, TaskStop};
 use crate::transport::peers::PeerReader;
 use crate::transport::server::WorkerService;
 use crate::transport::{bearer, CONNECTION_WINDOW, MAX_MESSAGE_BYTES, STREAM_WINDOW, TOKEN_HEADER};
@@ -53,7 +53,7 @@ pub struct WorkerState {
     /// Flight calls served (counted when their token is checked).
     pub rpcs: std::sync::atomic::AtomicU64,
     /// Running map attempts by (shuffle, map, attempt).
-    tasks: Mutex<HashMap<(ShuffleId, u32, u32), AbortHandle>>,
+    tasks: Mutex<HashMap<AttemptKey, (AbortHandle, TaskStop)>>,
     /// Running reduce states of the streaming strategy, per (shuffle, partition). `None` marks
     /// a state that is being folded or was lost by a failed fold: the next fold fails loudly
     /// instead of silently starting over.
@@ -94,6 +94,7 @@ impl WorkerState {
             attempt: task.attempt,
             reader: self.reader.clone(),
             memory_budget: self.store.config().memory_budget,
+            stop: TaskStop::default(),
         }
     }
 
@@ -126,6 +127,7 @@ impl WorkerState {
         self: &Arc<Self>,
         task: proto::MapTask,
         input: BatchStream,
+        stop: TaskStop,
     ) -> Result<proto::TaskResult> {
         let shuffle = ShuffleId(task.shuffle_id);
         let key = (shuffle, task.map_id, task.attempt);
@@ -141,10 +143,12 @@ impl WorkerState {
             .as_ref()
             .map_or(0, |s| self.sources.memory_hint(&s.kind, &s.payload));
         let me = self.clone();
+        let granted = stop.clone();
         let handle = crate::compute::runtime().spawn(async move {
             // Waited for inside the task, so a cancel or a dropped shuffle also ends a task
-            // still waiting; held until the task ends: its buffers come out of the budget.
-            let _grant = me
+            // still waiting; held until the task ends: its buffers come out of the budget
+            // (and by its source's own threads until they stop, see `TaskStop::hold`).
+            let grant = me
                 .admission
                 .admit(
                     info.rank(),
@@ -154,6 +158,8 @@ impl WorkerState {
                         .min(me.admission.capacity()),
                 )
                 .await;
+            let _grant = Arc::new(grant);
+            granted.granted(&_grant);
             run_map(
                 &me.store,
                 &info,
@@ -174,7 +180,7 @@ impl WorkerState {
                     task.map_id, task.attempt
                 )));
             }
-            tasks.insert(key, handle.abort_handle());
+            tasks.insert(key, (handle.abort_handle(), stop));
         }
         // Dropped with this future unless disarmed: aborts the task and removes its blocks.
         let mut guard = AttemptGuard {
@@ -485,7 +491,8 @@ impl WorkerState {
 
     /// Abort one map attempt: stop it if it runs and remove its uncommitted blocks.
     pub fn cancel(&self, shuffle: ShuffleId, map: u32, attempt: u32) {
-        if let Some(h) = lock(&self.tasks).remove(&(shuffle, map, attempt)) {
+        if let Some((h, stop)) = lock(&self.tasks).remove(&(shuffle, map, attempt)) {
+            stop.cancel();
             h.abort();
         }
         self.store.abort(shuffle, map, attempt);
@@ -493,8 +500,9 @@ impl WorkerState {
 
     pub fn cancel_shuffle(&self, shuffle: ShuffleId) {
         let mut tasks = lock(&self.tasks);
-        tasks.retain(|(s, _, _), h| {
+        tasks.retain(|(s, _, _), (h, stop)| {
             if *s == shuffle {
+                stop.cancel();
                 h.abort();
             }
             *s != shuffle
@@ -519,6 +527,8 @@ impl WorkerState {
             overdraft_tasks: a.overdrafts,
             peak_granted_bytes: a.peak_reserved,
             peak_running_tasks: a.peak_running,
+            granted_bytes: self.admission.reserved(),
+            running_tasks: self.admission.running(),
             peak_operator_bytes: operators,
             peak_unspillable_bytes: unspillable,
             shuffles: m.shuffles,
@@ -531,6 +541,9 @@ impl WorkerState {
 
 /// Aborts a map attempt and removes its pending blocks when dropped armed (the attempt failed,
 /// or the call that runs it was dropped).
+/// A map attempt: (shuffle, map, attempt).
+type AttemptKey = (ShuffleId, u32, u32);
+
 struct AttemptGuard {
     state: Arc<WorkerState>,
     key: (ShuffleId, u32, u32),
@@ -656,9 +669,7 @@ pub async fn serve(
     .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let service = tonic::service::interceptor::InterceptedService::new(flight, check);
     ready(addr, &state);
-    // tonic applies `Server::tcp_nodelay` only when it binds the socket itself; with our own
-    // listener the incoming stream must set it, or every small reply waits for a delayed ACK.
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let incoming = crate::transport::listen::capped(listener, args.max_connections);
     let mut server = tonic::transport::Server::builder();
     if let Some(tls) = &tls {
         server = server

@@ -196,11 +196,19 @@ async fn a_worker_survives_fuzzed_actions_tickets_and_puts() {
         ),
         (
             actions::SEAL_SHUFFLE,
-            proto::ShuffleRef { shuffle_id: 78 }.encode_to_vec(),
+            proto::ShuffleRef {
+                shuffle_id: 78,
+                partition_rows: vec![],
+            }
+            .encode_to_vec(),
         ),
         (
             actions::DROP_SHUFFLE,
-            proto::ShuffleRef { shuffle_id: 78 }.encode_to_vec(),
+            proto::ShuffleRef {
+                shuffle_id: 78,
+                partition_rows: vec![],
+            }
+            .encode_to_vec(),
         ),
         (actions::STATS, vec![]),
         (actions::HEALTH, vec![]),

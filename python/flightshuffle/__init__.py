@@ -586,8 +586,9 @@ class Cluster:
     def stats(self) -> list[dict[str, int]]:
         """Per-worker figures: the block store's memory, spilled and restored bytes; RSS now
         and at peak; task admission (tasks admitted, waited, over the budget, the most bytes
-        granted and tasks running at once); DataFusion operators' peak bytes, and of those the
-        hash join build sides' (``peak_unspillable_bytes``)."""
+        granted and tasks running at once; ``granted_bytes`` and ``running_tasks`` now: a cancelled
+        Python task keeps its grant until its body stops); DataFusion operators' peak bytes, and
+        of those the hash join build sides' (``peak_unspillable_bytes``)."""
         return json.loads(self._native.stats_json())
 
     @property

@@ -9,6 +9,7 @@ user functions travel with them); Arrow data arrives and leaves through the PyCa
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,8 +42,17 @@ class MapTask:
     ops: list[Any] = field(default_factory=list)
 
 
-def apply_ops(table: pa.Table, ops: list[Any]) -> pa.Table:
-    for op in ops:
+class TaskCancelled(Exception):
+    """The map task was cancelled (its attempt aborted, its shuffle dropped) while its body ran:
+    raised between operators, so the body stops and its worker takes back its memory."""
+
+
+def apply_ops(
+    table: pa.Table, ops: list[Any], cancelled: Callable[[], bool] | None = None
+) -> pa.Table:
+    for i, op in enumerate(ops):
+        if cancelled is not None and cancelled():
+            raise TaskCancelled(f"cancelled before operator {i + 1} of {len(ops)}")
         table = op.apply(table)
     return table
 
@@ -66,9 +76,14 @@ def conform(table: pa.Table, expected: pa.Schema) -> pa.Table:
         ) from e
 
 
-def run_map(body: bytes, input_table: pa.Table, expected: pa.Schema) -> pa.Table:
+def run_map(
+    body: bytes,
+    input_table: pa.Table,
+    expected: pa.Schema,
+    cancelled: Callable[[], bool] | None = None,
+) -> pa.Table:
     task: MapTask = pickle.loads(body)
-    return conform(apply_ops(input_table, task.ops), expected)
+    return conform(apply_ops(input_table, task.ops, cancelled), expected)
 
 
 def fold(body: bytes, state: Any, table: pa.Table) -> Any:

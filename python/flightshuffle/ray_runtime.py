@@ -10,10 +10,13 @@ over Flight, never through Ray's object store. When the driver finds a worker lo
 call or health check), it asks :meth:`RayWorkers.replace` for a new actor in the same bundle,
 and recovery goes on as on the local cluster.
 
-TLS is on by default: the driver makes a CA and one certificate naming every node alive at start
-(and loopback); the actors get the PEM text with their arguments. A replacement that lands on a
-node that joined later fails its TLS check (bring your own certificates, ``tls={...}``, naming
-such hosts). Tables given as Arrow data are written under the driver's scratch directory
+TLS is on by default: the driver makes a CA, whose key never leaves the driver; each actor makes
+its own key on its node and sends a certificate request, which the driver signs for that node's
+IP (and loopback), so a replacement on a node that joined later is fine. Nothing secret is an
+actor's constructor argument (Ray keeps those for the actor's lifetime): the cluster token and the
+certificate reach the actor as arguments of one method call (``WorkerHost.start``), which Ray
+passes inline and does not keep after the call; the worker process gets the token on its stdin.
+With your own certificates (``tls={...}``), their one key goes to every actor the same way. Tables given as Arrow data are written under the driver's scratch directory
 (``spill_dir``), which workers on other machines must see at the same path (a shared mount).
 """
 
@@ -46,31 +49,49 @@ def _die_with_parent() -> None:
 
 
 class WorkerHost:
-    """The body of a worker actor: starts one worker process and holds it."""
+    """The body of a worker actor: starts one worker process and holds it.
 
-    def __init__(
-        self,
-        slot: int,
-        argv: list[str],
-        token: str,
-        pem: dict[str, str] | None,
-        startup_timeout: float,
-    ) -> None:
+    Made with no secret: Ray keeps an actor's constructor arguments (its creation task) in its
+    control store for the actor's lifetime. The actor makes its own TLS key, which never leaves
+    its node, and returns a certificate request (:meth:`request`); the driver signs it and
+    hands the certificate and the cluster token to :meth:`start`, a method call, whose arguments
+    Ray passes inline to the actor and does not keep once the call is done."""
+
+    def __init__(self, slot: int) -> None:
         import ray
 
+        self.slot = slot
         self.dir = tempfile.mkdtemp(prefix="flightshuffle-ray-")
+        self.ip = ray.util.get_node_ip_address()
+        self.key = os.path.join(self.dir, "key.pem")
+        self.proc: subprocess.Popen[str] | None = None
+        self.addr = ""
+
+    def request(self) -> tuple[str, str]:
+        """Make this worker's TLS key (private, in its directory) and return its node's IP and
+        a certificate request for the key."""
+        from flightshuffle._native import make_cert_request
+
+        return self.ip, make_cert_request(self.key, [self.ip])
+
+    def start(
+        self, argv: list[str], token: str, tls: dict[str, Any] | None, startup_timeout: float
+    ) -> str:
+        """Start the worker process with these flags; ``tls``: PEM text of the CA and of this
+        worker's certificate (signed for the key :meth:`request` made), or also a ``key`` (the
+        user's own files), and ``mutual``. Returns the worker's address."""
+        slot, ip = self.slot, self.ip
         tls_args: list[str] = []
-        for name, flag in (("ca", "--tls-ca"), ("cert", "--tls-cert"), ("key", "--tls-key")):
-            if pem and name in pem:
+        if tls:
+            if "key" in tls:
+                _write_private(self.key, tls["key"])
+            for name, flag in (("ca", "--tls-ca"), ("cert", "--tls-cert")):
                 path = os.path.join(self.dir, f"{name}.pem")
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                with os.fdopen(fd, "w") as f:
-                    f.write(pem[name])
+                _write_private(path, tls[name])
                 tls_args += [flag, path]
-        if pem and pem.get("mutual"):
-            tls_args.append("--tls-client-auth")
-        ip = ray.util.get_node_ip_address()
-        self.ip = ip
+            tls_args += ["--tls-key", self.key]
+            if tls.get("mutual"):
+                tls_args.append("--tls-client-auth")
         host = f"[{ip}]" if ":" in ip else ip
         cmd = [
             sys.executable,
@@ -118,12 +139,13 @@ class WorkerHost:
                 "(its stderr is in the Ray worker logs)"
             )
         self.addr = addr
+        return addr
 
     def address(self) -> str:
         return self.addr
 
     def pid(self) -> int:
-        return self.proc.pid
+        return self.proc.pid if self.proc is not None else 0
 
     def node_ip(self) -> str:
         return self.ip
@@ -134,10 +156,17 @@ class WorkerHost:
         return str(ray.get_runtime_context().get_node_id())
 
     def stop(self) -> None:
-        with contextlib.suppress(Exception):
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        if self.proc is not None:
+            with contextlib.suppress(Exception):
+                self.proc.kill()
+                self.proc.wait(timeout=10)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _write_private(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def _drain(out: Any, ready: queue.Queue[str | None]) -> None:
@@ -217,17 +246,16 @@ class RayWorkers:
         if self.tls_mode == "off" and any(not _loopback(ip) for ip in self.node_ips):
             worker_args = [*worker_args, "--insecure"]  # asked for explicitly: tls=False
         self.worker_args = worker_args
-        self.actors = [self._start(i) for i in range(self.workers)]
+        started = [self._start(i) for i in range(self.workers)]
+        self.actors = [actor for actor, _ in started]
         self.addresses = [
-            str(a)
-            for a in self._ray.get(
-                [a.address.remote() for a in self.actors], timeout=self.startup_timeout
-            )
+            str(a) for a in self._ray.get([ref for _, ref in started], timeout=self.startup_timeout)
         ]
         return self.addresses
 
     def _tls(self, tls: Any) -> tuple[str, tuple[str, str, str] | None, dict[str, Any] | None]:
-        """The native TLS mode, the files the driver reads, and the PEM text for actors."""
+        """The native TLS mode, the files the driver reads, and the PEM text for actors (with
+        the key only for the user's own files: a made CA signs each actor's own key)."""
         from flightshuffle._native import make_tls
 
         if tls is False:
@@ -240,24 +268,37 @@ class RayWorkers:
             files = make_tls(self._tls_dir, self.node_ips)
             mutual = tls == "mutual"
         pem: dict[str, Any] = {}
-        for name, path in zip(("ca", "cert", "key"), files, strict=True):
+        names = ("ca", "cert", "key") if self._tls_dir is None else ("ca",)
+        for name, path in zip(names, files, strict=False):
             with open(path) as f:
                 pem[name] = f.read()
         pem["mutual"] = mutual
         return ("mutual" if mutual else "on"), files, pem
 
-    def _start(self, slot: int) -> Any:
+    def _start(self, slot: int) -> tuple[Any, Any]:
+        """A new actor in slot ``slot``'s bundle, and the reference of its worker's address.
+        With a made CA, the actor's certificate request is signed here for the node it landed
+        on (so a node that joined since the start is fine)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        actor = self._ray.remote(WorkerHost).options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=slot
-            ),
-            **_actor_options(self.resources),
+        from flightshuffle._native import sign_cert_request
+
+        actor = (
+            self._ray.remote(WorkerHost)
+            .options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=slot
+                ),
+                **_actor_options(self.resources),
+            )
+            .remote(slot)
         )
-        return actor.remote(
-            slot, self.worker_args, self.token, self.pem, float(self.startup_timeout)
-        )
+        tls = self.pem
+        if tls is not None and self._tls_dir is not None:
+            ip, request = self._ray.get(actor.request.remote(), timeout=self.startup_timeout)
+            tls = {**tls, "cert": sign_cert_request(self._tls_dir, request, [ip])}
+        started = actor.start.remote(self.worker_args, self.token, tls, float(self.startup_timeout))
+        return actor, started
 
     def replace(self, slot: int) -> str:
         """Kill slot ``slot``'s actor (which kills its worker, a paused one too) and start a
@@ -265,8 +306,8 @@ class RayWorkers:
         with self._lock:
             with contextlib.suppress(Exception):
                 self._ray.kill(self.actors[slot], no_restart=True)
-            actor = self._start(slot)
-            addr = self._ray.get(actor.address.remote(), timeout=self.startup_timeout)
+            actor, started = self._start(slot)
+            addr = self._ray.get(started, timeout=self.startup_timeout)
             self.actors[slot] = actor
             self.replaced += 1
             return str(addr)

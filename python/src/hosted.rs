@@ -69,6 +69,33 @@ pub fn make_tls(
     Ok((s(files.ca), s(files.cert), s(files.key)))
 }
 
+/// On a worker's machine: make its key (written to `key_path`, private) and return a
+/// certificate request naming `hosts`, for the driver to sign ([`sign_cert_request`]).
+#[pyfunction]
+pub fn make_cert_request(py: Python<'_>, key_path: String, hosts: Vec<String>) -> PyResult<String> {
+    py.detach(|| exchange::transport::tls::make_request(std::path::Path::new(&key_path), &hosts))
+        .map_err(crate::to_py)
+}
+
+/// On the driver: sign a worker's certificate request with the CA `make_tls` made in `dir`
+/// (its key never leaves the driver), for `hosts`; returns the certificate (PEM).
+#[pyfunction]
+pub fn sign_cert_request(
+    py: Python<'_>,
+    dir: String,
+    request: String,
+    hosts: Vec<String>,
+) -> PyResult<String> {
+    let dir = PathBuf::from(dir);
+    let tls = LocalTls {
+        ca: dir.join("ca.pem"),
+        cert: dir.join("worker.pem"),
+        key: dir.join("worker.key"),
+    };
+    py.detach(|| exchange::transport::tls::sign_request(&tls, &request, &hosts))
+        .map_err(crate::to_py)
+}
+
 /// How the driver dials hosted workers that serve the certificate files in `tls`.
 pub fn credentials(token: String, tls: TlsSetting) -> PyResult<exchange::transport::Credentials> {
     let tls = match tls {

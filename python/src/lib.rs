@@ -484,6 +484,7 @@ impl NativeCluster {
                     "peak_running_tasks": s.peak_running_tasks,
                     "peak_operator_bytes": s.peak_operator_bytes,
                     "peak_unspillable_bytes": s.peak_unspillable_bytes,
+                    "granted_bytes": s.granted_bytes, "running_tasks": s.running_tasks,
                 })
             })
             .collect();
@@ -701,6 +702,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(functions::datafusion_query, m)?)?;
     m.add_function(wrap_pyfunction!(functions::run_worker, m)?)?;
     m.add_function(wrap_pyfunction!(hosted::make_tls, m)?)?;
+    m.add_function(wrap_pyfunction!(hosted::make_cert_request, m)?)?;
+    m.add_function(wrap_pyfunction!(hosted::sign_cert_request, m)?)?;
     m.add_function(wrap_pyfunction!(functions::shuffle_bench, m)?)?;
     m.add("ShuffleError", m.py().get_type::<ShuffleError>())?;
     m.add("WorkerLostError", m.py().get_type::<WorkerLostError>())?;

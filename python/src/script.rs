@@ -16,6 +16,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use pyo3_arrow::input::AnyRecordBatch;
 use pyo3_arrow::{PySchema, PyTable};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// Task source and reducer kind of Python work.
@@ -149,6 +150,18 @@ impl Drop for Timing {
     }
 }
 
+/// Given to a Python map body: calling it says whether the task was cancelled (checked
+/// between the body's operators).
+#[pyclass(module = "flightshuffle._native", frozen)]
+struct Cancelled(Arc<AtomicBool>);
+
+#[pymethods]
+impl Cancelled {
+    fn __call__(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
 /// Map tasks computed by `flightshuffle._exec.run_map(body, input, schema)`.
 pub struct PythonSource;
 
@@ -178,13 +191,19 @@ impl BatchSource for PythonSource {
     fn open(&self, ctx: &TaskContext, payload: &[u8], schema: SchemaRef) -> Result<BatchStream> {
         let task: proto::SourceInput = decode(payload)?;
         let reader = ctx.reader.clone();
+        let stop = ctx.stop.clone();
         let fut = async move {
             let input = match task.partition {
                 Some(p) => Some(read_input(reader, p).await?),
                 None => None,
             };
             let (body, split) = (task.body, task.split);
+            // The body keeps the task's grant until it returns, even if the task is aborted
+            // meanwhile (its memory is in use until then); it stops at its next operator.
+            let held = stop.hold();
+            let cancelled = Cancelled(stop.flag());
             let out = tokio::task::spawn_blocking(move || {
+                let _held = held;
                 let start = std::time::Instant::now();
                 let (in_schema, in_batches) = match (input, split) {
                     (Some(input), _) => input,
@@ -198,8 +217,10 @@ impl BatchSource for PythonSource {
                         let input = PyTable::try_new(in_batches, in_schema)?.into_pyarrow(py)?;
                         let expected = PySchema::new(schema.clone()).into_pyarrow(py)?;
                         let module = py.import(EXEC_MODULE)?;
-                        let result = module
-                            .call_method1("run_map", (PyBytes::new(py, &body), input, expected))?;
+                        let result = module.call_method1(
+                            "run_map",
+                            (PyBytes::new(py, &body), input, expected, cancelled),
+                        )?;
                         Ok(arrow_from_py(&result)?.1)
                     };
                     call().map_err(|e| py_failed("python map task", py, e))

@@ -73,6 +73,14 @@ impl Driver {
         .flatten()
     }
 
+    /// [`Self::expected_rows`] of every partition of `shuffle`, or None if any is unknown.
+    pub fn expected_rows_all(&self, shuffle: ShuffleId) -> Option<Vec<u64>> {
+        let partitions = self.with_shuffle(shuffle, |e| e.partitions).flatten()?;
+        (0..partitions)
+            .map(|p| self.expected_rows(shuffle, p))
+            .collect()
+    }
+
     /// Whether `shuffle` deals rows by their position in a map's input (round-robin over more
     /// than one partition): a map run again on input in another order deals them otherwise,
     /// so it cannot be recomputed in place once any reader took rows of it.

@@ -90,6 +90,10 @@ struct ShuffleState {
     /// Attempts aborted here: a task that keeps running after its abort cannot add blocks.
     aborted: std::collections::HashSet<(u32, u32)>,
     sealed: bool,
+    /// The rows the driver's manifest lists for each partition, sent with the seal (`None`:
+    /// not sealed yet, or a shuffle whose rows the manifest cannot count, such as a combined
+    /// one). Readers on this worker check a partition read whole against it.
+    expected_rows: Option<Arc<[u64]>>,
     /// A reader has listed a partition or a map output: merges are refused from then on, so
     /// no reader can see both a merged block and the blocks it was made of.
     reads_started: bool,
@@ -228,6 +232,7 @@ impl BlockStore {
                 committed: HashMap::new(),
                 aborted: Default::default(),
                 sealed: false,
+                expected_rows: None,
                 reads_started: false,
                 merged_into: HashMap::new(),
                 segments: Vec::new(),
@@ -624,6 +629,12 @@ impl BlockStore {
     /// Mark the map side of a shuffle complete: partition streams end after their last block.
     /// Blocks of attempts that never committed are discarded.
     pub fn seal(&self, shuffle: ShuffleId) -> Result<()> {
+        self.seal_counted(shuffle, None)
+    }
+
+    /// Seal `shuffle` with the rows its manifest lists for each partition (see
+    /// [`Self::expected_rows`]).
+    pub fn seal_counted(&self, shuffle: ShuffleId, expected: Option<Arc<[u64]>>) -> Result<()> {
         if let Some(w) = lock(&self.writers).get(&shuffle) {
             if let Some(active) = lock(w).take() {
                 active.finish()?;
@@ -632,10 +643,21 @@ impl BlockStore {
         let mut st = lock(&self.state);
         let sh = st.get_mut(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
         sh.sealed = true;
+        if expected.is_some() {
+            sh.expected_rows = expected;
+        }
         let pending: Vec<BlockId> = sh.pending.drain().flat_map(|(_, ids)| ids).collect();
         self.remove_entries(sh, &pending);
         sh.version.send_modify(|v| *v += 1);
         Ok(())
+    }
+
+    /// The rows the driver's manifest lists for `partition` of `shuffle`, once sealed with
+    /// them ([`Self::seal_counted`]).
+    pub fn expected_rows(&self, shuffle: ShuffleId, partition: u32) -> Option<u64> {
+        let st = lock(&self.state);
+        let rows = st.get(&shuffle)?.expected_rows.as_ref()?;
+        rows.get(partition as usize).copied()
     }
 
     /// Forget a shuffle: free its memory and delete its spill files.

@@ -194,8 +194,20 @@ impl WorkerClient {
     pub async fn shuffle_action(&self, kind: &str, shuffle: u64) -> Result<()> {
         let m = proto::ShuffleRef {
             shuffle_id: shuffle,
+            partition_rows: Vec::new(),
         };
         self.action(kind, m.encode_to_vec(), self.timeout)
+            .await
+            .map(|_| ())
+    }
+
+    /// Seal `shuffle` here, with the rows its manifest lists per partition (empty: unknown).
+    pub async fn seal(&self, shuffle: u64, partition_rows: Vec<u64>) -> Result<()> {
+        let m = proto::ShuffleRef {
+            shuffle_id: shuffle,
+            partition_rows,
+        };
+        self.action(actions::SEAL_SHUFFLE, m.encode_to_vec(), self.timeout)
             .await
             .map(|_| ())
     }

@@ -3,6 +3,7 @@
 //! a stored block (an IPC stream) into Flight messages.
 
 pub mod client;
+pub mod listen;
 pub mod peers;
 pub mod server;
 pub mod tls;

@@ -11,6 +11,7 @@ use crate::task::{BatchStream, ShuffleReader};
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -133,7 +134,15 @@ impl ShuffleReader for PeerReader {
         slice: Slice,
     ) -> BatchStream {
         let timeout = self.timeout;
-        self.read_every_peer(peers, move |peer| async move {
+        let check = match &self.local {
+            Some((me, store))
+                if slice.is_whole() && peers.contains(me) && crate::checksum::verify_reads() =>
+            {
+                Some(store.clone())
+            }
+            _ => None,
+        };
+        let stream = self.read_every_peer(peers, move |peer| async move {
             match peer {
                 Peer::Local(store) => {
                     let ids = store
@@ -145,7 +154,11 @@ impl ShuffleReader for PeerReader {
                 }
                 Peer::Remote(c) => c.read_partition(shuffle.0, partition, true, slice).await,
             }
-        })
+        });
+        match check {
+            Some(store) => counted(stream, store, shuffle, partition),
+            None => stream,
+        }
     }
 
     fn read_map_output(&self, peers: &[String], shuffle: ShuffleId, map: u32) -> BatchStream {
@@ -163,6 +176,123 @@ impl ShuffleReader for PeerReader {
     }
 }
 
+/// `stream` (partition `partition` of `shuffle` read whole from every peer, this worker
+/// among them) checked at its end against the rows the manifest lists for it, which the
+/// driver sent with the seal: rows missing or read twice end it with [`Error::RowCount`],
+/// never a short or doubled partition. The local peer's part ends only once this worker's
+/// store is sealed, so the expected rows are known by then (unknown: no check).
+fn counted(
+    stream: BatchStream,
+    store: Arc<BlockStore>,
+    shuffle: ShuffleId,
+    partition: u32,
+) -> BatchStream {
+    let rows = Arc::new(AtomicU64::new(0));
+    let seen = rows.clone();
+    let counting = stream.inspect_ok(move |b| {
+        seen.fetch_add(b.num_rows() as u64, Ordering::Relaxed);
+    });
+    let check = futures::stream::once(async move {
+        let expected = store.expected_rows(shuffle, partition)?;
+        let received = rows.load(Ordering::Relaxed);
+        (received != expected).then(|| {
+            tracing::warn!(%shuffle, partition, expected, received, "a partition read on a worker does not match the manifest");
+            Err(Error::RowCount {
+                shuffle,
+                partition,
+                expected,
+                received,
+            })
+        })
+    })
+    .filter_map(futures::future::ready);
+    Box::pin(counting.chain(check))
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::block::{encode_block, Compression};
+    use crate::store::{ShuffleInfo, StoreConfig};
+    use arrow::array::{Int32Array, RecordBatch};
+    use arrow::datatypes::{DataType, Field, Schema};
+
+    /// A worker's own store holding partition 0 of shuffle 1: one committed block of 5 rows.
+    fn local_store() -> (tempfile::TempDir, Arc<BlockStore>) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlockStore::new(StoreConfig {
+            memory_budget: 1 << 20,
+            spill_dir: dir.path().to_path_buf(),
+            segment_bytes: 1 << 20,
+        })
+        .unwrap();
+        let schema = Arc::new(Schema::new(vec![Field::new("a", DataType::Int32, false)]));
+        store
+            .create_shuffle(ShuffleInfo {
+                id: ShuffleId(1),
+                schema: schema.clone(),
+                partitions: 1,
+                partitioner: crate::partitioner::round_robin(),
+                combiner: None,
+                order: 0,
+                group: 0,
+            })
+            .unwrap();
+        let batch =
+            RecordBatch::try_new(schema.clone(), vec![Arc::new(Int32Array::from(vec![1; 5]))])
+                .unwrap();
+        let data = encode_block(&schema, &[batch], Compression::None).unwrap();
+        let id = BlockId {
+            shuffle: ShuffleId(1),
+            map: 0,
+            partition: 0,
+            attempt: 0,
+            seq: 0,
+        };
+        store.put(id, 5, data).unwrap();
+        store.commit(ShuffleId(1), 0, 0, Some(1)).unwrap();
+        (dir, Arc::new(store))
+    }
+
+    async fn read(store: &Arc<BlockStore>) -> Result<u64> {
+        let me = "127.0.0.1:1".to_string();
+        let reader = PeerReader::new(
+            &Credentials::plain("t"),
+            Duration::from_secs(5),
+            Some((me.clone(), store.clone())),
+        );
+        let batches: Vec<_> = reader
+            .read_partition(&[me], ShuffleId(1), 0)
+            .try_collect()
+            .await?;
+        Ok(batches.iter().map(|b| b.num_rows() as u64).sum())
+    }
+
+    #[tokio::test]
+    async fn a_partition_read_on_a_worker_short_of_its_manifest_is_a_row_count_error() {
+        let (_dir, store) = local_store();
+        store
+            .seal_counted(ShuffleId(1), Some(Arc::from(vec![7u64])))
+            .unwrap();
+        let err = read(&store).await.unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, Error::RowCount { .. }), "{msg}");
+        assert!(msg.contains("read 5 rows, its manifest lists 7"), "{msg}");
+    }
+
+    #[tokio::test]
+    async fn a_partition_read_on_a_worker_matching_its_manifest_or_uncounted_passes() {
+        let (_dir, store) = local_store();
+        store
+            .seal_counted(ShuffleId(1), Some(Arc::from(vec![5u64])))
+            .unwrap();
+        assert_eq!(read(&store).await.unwrap(), 5);
+        let (_dir, store) = local_store();
+        store.seal(ShuffleId(1)).unwrap();
+        assert_eq!(read(&store).await.unwrap(), 5);
+    }
 }

@@ -111,7 +111,9 @@ impl WorkerService {
                     panic_message(&panic)
                 ))),
             });
-        self.state.run_map(task, Box::pin(input)).await
+        self.state
+            .run_map(task, Box::pin(input), crate::task::TaskStop::default())
+            .await
     }
 
     /// Store blocks another worker's map attempt pushed here (pending until the driver
@@ -476,13 +478,14 @@ impl FlightService for WorkerService {
                 let input = s
                     .sources
                     .open(&source.kind, &ctx, &source.payload, info.schema)?;
-                s.run_map(task, input).await?.encode_to_vec()
+                s.run_map(task, input, ctx.stop).await?.encode_to_vec()
             }
             actions::RUN_REDUCE => s.run_reduce(decode(&body)?).await?.encode_to_vec(),
             actions::FOLD => s.fold(decode(&body)?).await?.encode_to_vec(),
             actions::SEAL_SHUFFLE => {
                 let m: proto::ShuffleRef = decode(&body)?;
-                s.store.seal(ShuffleId(m.shuffle_id))?;
+                let rows = (!m.partition_rows.is_empty()).then(|| m.partition_rows.into());
+                s.store.seal_counted(ShuffleId(m.shuffle_id), rows)?;
                 vec![]
             }
             actions::DROP_SHUFFLE => {

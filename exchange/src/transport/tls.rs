@@ -80,7 +80,9 @@ impl ServerTls {
     }
 
     pub fn config(&self) -> ServerTlsConfig {
-        let cfg = ServerTlsConfig::new().identity(Identity::from_pem(&self.cert, &self.key));
+        let cfg = ServerTlsConfig::new()
+            .identity(Identity::from_pem(&self.cert, &self.key))
+            .timeout(super::listen::HANDSHAKE_TIMEOUT);
         match self.client_auth {
             true => cfg.client_ca_root(Certificate::from_pem(&self.ca)),
             false => cfg,
@@ -136,19 +138,14 @@ impl LocalTls {
             .push(DnType::CommonName, "flightshuffle local cluster CA");
         let ca_cert = ca.self_signed(&ca_key).map_err(fail)?;
         let key = KeyPair::generate().map_err(fail)?;
-        let mut names = vec!["localhost".to_string(), "127.0.0.1".into()];
-        for h in hosts {
-            if !names.contains(h) {
-                names.push(h.clone());
-            }
-        }
-        let mut leaf = CertificateParams::new(names).map_err(fail)?;
+        let mut leaf = CertificateParams::new(worker_names(hosts)).map_err(fail)?;
         leaf.distinguished_name
             .push(DnType::CommonName, "flightshuffle local worker");
         leaf.extended_key_usages = vec![
             ExtendedKeyUsagePurpose::ServerAuth,
             ExtendedKeyUsagePurpose::ClientAuth,
         ];
+        let ca_key_pem = ca_key.serialize_pem();
         let issuer = Issuer::new(ca, ca_key);
         let cert = leaf.signed_by(&key, &issuer).map_err(fail)?;
         std::fs::create_dir_all(dir).map_err(|e| Error::Io {
@@ -163,7 +160,15 @@ impl LocalTls {
         write_private(&files.key, &key.serialize_pem())?;
         write_private(&files.cert, &cert.pem())?;
         write_private(&files.ca, &ca_cert.pem())?;
+        // Kept beside the CA (private, in the driver's directory) to sign the certificate
+        // requests of workers that make their own keys ([`sign_request`]).
+        write_private(&files.ca_key(), &ca_key_pem)?;
         Ok(files)
+    }
+
+    /// The CA's key, next to the CA certificate (written by [`Self::generate_for`]).
+    pub fn ca_key(&self) -> PathBuf {
+        self.ca.with_file_name("ca.key")
     }
 
     /// The worker flags that serve these files (`mutual`: clients must show a certificate).
@@ -192,6 +197,51 @@ impl LocalTls {
             },
         })
     }
+}
+
+/// The names every worker certificate carries besides its hosts.
+fn worker_names(hosts: &[String]) -> Vec<String> {
+    let mut names = vec!["localhost".to_string(), "127.0.0.1".into()];
+    for h in hosts {
+        if !names.contains(h) {
+            names.push(h.clone());
+        }
+    }
+    names
+}
+
+/// A new key for a worker, written to `key_path` (readable by its owner only), and a
+/// certificate request for it (PEM) to send to whoever holds the CA: the key never leaves
+/// the worker's machine.
+pub fn make_request(key_path: &Path, hosts: &[String]) -> Result<String> {
+    let fail = |e: rcgen::Error| Error::Cluster(format!("cannot make a certificate request: {e}"));
+    let key = rcgen::KeyPair::generate().map_err(fail)?;
+    let params = rcgen::CertificateParams::new(worker_names(hosts)).map_err(fail)?;
+    let request = params.serialize_request(&key).map_err(fail)?;
+    write_private(key_path, &key.serialize_pem())?;
+    request.pem().map_err(fail)
+}
+
+/// Sign a worker's certificate request (PEM, its signature checked) with the CA of `tls`,
+/// for server and client use, naming `hosts` (and loopback) whatever the request asked for:
+/// the signer, not the requester, decides which names a worker may answer for.
+pub fn sign_request(tls: &LocalTls, request_pem: &str, hosts: &[String]) -> Result<String> {
+    use rcgen::{CertificateSigningRequestParams, DnType, ExtendedKeyUsagePurpose, Issuer};
+    let bad = |e: rcgen::Error| Error::invalid(format!("not a valid certificate request: {e}"));
+    let fail = |e: rcgen::Error| Error::Cluster(format!("cannot sign a certificate: {e}"));
+    let mut request = CertificateSigningRequestParams::from_pem(request_pem).map_err(bad)?;
+    let ca_key = rcgen::KeyPair::from_pem(&read(&tls.ca_key())?).map_err(fail)?;
+    let issuer = Issuer::from_ca_cert_pem(&read(&tls.ca)?, ca_key).map_err(fail)?;
+    let mut params = rcgen::CertificateParams::new(worker_names(hosts)).map_err(fail)?;
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "flightshuffle worker");
+    params.extended_key_usages = vec![
+        ExtendedKeyUsagePurpose::ServerAuth,
+        ExtendedKeyUsagePurpose::ClientAuth,
+    ];
+    request.params = params;
+    Ok(request.signed_by(&issuer).map_err(fail)?.pem())
 }
 
 fn write_private(path: &Path, text: &str) -> Result<()> {
@@ -235,5 +285,34 @@ mod tests {
                 "{shown}"
             );
         }
+    }
+
+    #[test]
+    fn a_worker_request_is_signed_for_the_names_the_signer_chooses_and_a_forged_one_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let tls = LocalTls::generate(dir.path()).unwrap();
+        let key = dir.path().join("w.key");
+        let request = make_request(&key, &["10.9.8.7".into(), "evil.example".into()]).unwrap();
+        assert!(read(&key).unwrap().contains("PRIVATE KEY"));
+        let cert = sign_request(&tls, &request, &["10.9.8.7".into()]).unwrap();
+        assert!(cert.starts_with("-----BEGIN CERTIFICATE-----"), "{cert}");
+        // The signed certificate works with the worker's own key (both parse as a pair).
+        ServerTls {
+            cert: cert.clone(),
+            key: read(&key).unwrap(),
+            ca: read(&tls.ca).unwrap(),
+            client_auth: false,
+        }
+        .config();
+        // A request whose body was altered fails its signature check.
+        let lines: Vec<&str> = request.lines().collect();
+        let mut body = lines[1].to_string();
+        let flipped = if body.ends_with('A') { 'B' } else { 'A' };
+        body.pop();
+        body.push(flipped);
+        let forged = request.replacen(lines[1], &body, 1);
+        let err = sign_request(&tls, &forged, &[]).unwrap_err().to_string();
+        assert!(err.contains("not a valid certificate request"), "{err}");
+        assert!(sign_request(&tls, "garbage", &[]).is_err());
     }
 }

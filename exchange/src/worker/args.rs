@@ -59,6 +59,10 @@ pub struct WorkerArgs {
     /// the token and blocks).
     #[arg(long)]
     pub insecure: bool,
+    /// Connections open at once; one more is closed at once (each peer, driver and client
+    /// keeps one multiplexed connection).
+    #[arg(long, default_value_t = crate::transport::listen::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
     /// Fault injection for tests: the replies of this many commits are lost after the commit
     /// took effect (the caller sees `Unavailable`), as a dropped connection would.
     #[arg(long, default_value_t = 0, hide = true)]
