@@ -15,12 +15,14 @@ if [ ! -d "$dir/test_files" ]; then
   curl -sSfL "https://static.crates.io/crates/datafusion-sqllogictest/datafusion-sqllogictest-$version.crate" \
     | tar xz -C "$cache"
 fi
+# The whole workspace, not `-p slt`: the same feature set as `cargo test --workspace`, so the
+# DataFusion stack it compiled is reused instead of compiled again for slt alone.
 profile=debug
 if [ "${1:-}" = "--release" ]; then
   shift
   profile=release
-  cargo build --release -q -p slt
+  cargo build --release -q --workspace --bins
 else
-  cargo build -q -p slt
+  cargo build -q --workspace --bins
 fi
 exec "$CARGO_TARGET_DIR/$profile/flightshuffle-slt" --dir "$dir" "$@"

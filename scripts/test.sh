@@ -3,6 +3,8 @@
 # then the Python package built with maturin and its pytest suite (real Polars/DuckDB).
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 start=$SECONDS
+echo "== layers: no import circles between files"
+python3 scripts/check_layers.py
 echo "== rust: fmt, clippy, tests"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings

@@ -48,3 +48,14 @@ def test_bad_tpch_arguments_are_refused_before_any_data_is_made(
     err = capsys.readouterr().err
     assert "queries 1 to 22" in err or "query numbers" in err or "scale factor" in err, err
     assert not (tmp_path / "data").exists(), "nothing generated"
+
+
+def test_a_missing_table_file_is_one_line_not_a_traceback(tmp_path, capsys):
+    """`flightshuffle sql --table t=<missing path>`: one line on stderr naming the path, exit 1
+    (before: a Python traceback ending in FileNotFoundError)."""
+    missing = str(tmp_path / "nowhere" / "lineitem.parquet")
+    code = cli.main(["sql", "--workers", "1", "--table", f"t={missing}", "SELECT 1"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert missing in err or "nowhere" in err, err

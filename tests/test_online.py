@@ -14,7 +14,7 @@ import flightshuffle as fs
 import polars as pl
 import pytest
 from flightshuffle import tpch
-from flightshuffle.cli import Q1_LIKE
+from flightshuffle.tpch import Q1_LIKE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

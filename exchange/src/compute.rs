@@ -54,3 +54,15 @@ fn lower_thread_priority() {
         }
     }
 }
+
+/// Tasks that must not outlive their spawner: aborted when this is dropped (the
+/// strategy failed or its caller went away).
+pub struct AbortOnDrop(pub Vec<tokio::task::AbortHandle>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        for h in &self.0 {
+            h.abort();
+        }
+    }
+}

@@ -14,7 +14,7 @@
 //! their blocks are read back once more.
 
 use crate::proto::Calibration;
-use crate::strategy::Strategy;
+use crate::strategy::options::Strategy;
 
 /// The share of a push's transfer that counts: the rest hides behind the map side. Fitted on
 /// a 2-core host, where every stage is CPU-bound and little hides: with 0.5 `auto` picked

@@ -11,23 +11,24 @@ mod commit;
 mod create;
 mod live;
 mod manifest;
-pub mod maps;
 mod parity;
+mod placement;
 mod recover;
+mod spec;
 mod submit;
 
 pub(crate) use manifest::{Made, ShuffleEntry};
 
-use crate::block::{BlockId, BlockMeta, ShuffleId, Slice};
-use crate::checksum::Checksum;
+use crate::block::{BlockId, ShuffleId, Slice};
 use crate::error::{Error, Result};
 use crate::proto;
-use crate::strategy::Placement;
-use crate::task::BatchStream;
+use crate::source::BatchStream;
 use crate::transport::actions;
 use crate::transport::client::WorkerClient;
 use arrow::datatypes::SchemaRef;
 use futures::StreamExt;
+pub use placement::Placement;
+pub use spec::{BlockRef, Lineage, MapDone, MapInput, ShuffleSpec};
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -52,86 +53,6 @@ impl Default for DriverConfig {
             health_timeout: Duration::from_secs(10),
         }
     }
-}
-
-/// What a shuffle is, as the driver registers it on every worker.
-#[derive(Debug, Clone)]
-pub struct ShuffleSpec {
-    pub id: ShuffleId,
-    pub schema: SchemaRef,
-    pub partitions: u32,
-    pub partitioner: proto::Partitioner,
-    /// Map tasks checksum their input rows (for end-to-end multiset checks); engines that do
-    /// not compare checksums turn it off to save the CPU.
-    pub checksum_inputs: bool,
-    /// A combiner workers apply to the shuffle's rows before they write or merge blocks
-    /// (see [`crate::combine`]), by kind and payload.
-    pub combine: Option<proto::TaskSource>,
-}
-
-/// Where a block is and how big it is.
-#[derive(Debug, Clone, Copy)]
-pub struct BlockRef {
-    pub meta: BlockMeta,
-    pub worker: usize,
-}
-
-/// How a map output was produced, to recompute it.
-#[derive(Debug, Clone)]
-pub enum Lineage {
-    /// A worker-side source: re-runnable anywhere.
-    Source(proto::TaskSource),
-    /// A merge group: the rows of these maps (recomputed by re-running them and the merge).
-    Merge(Vec<u32>),
-    /// Batches pushed from the driver and kept there ([`crate::kept`]): replayable.
-    Kept(Arc<crate::kept::KeptInput>),
-    /// Batches pushed from the driver: consumed once, not recomputable.
-    DriverStream,
-}
-
-impl Lineage {
-    /// The input to run this map again, if it can be (not a merge group, not a consumed
-    /// stream).
-    pub fn input(&self) -> Option<MapInput> {
-        match self {
-            Lineage::Source(s) => Some(MapInput::Source(s.clone())),
-            Lineage::Kept(k) => Some(MapInput::Kept(k.clone())),
-            Lineage::Merge(_) | Lineage::DriverStream => None,
-        }
-    }
-}
-
-/// A map task's input.
-pub enum MapInput {
-    Source(proto::TaskSource),
-    Stream(BatchStream),
-    /// Batches from the driver, kept there so the map can run again ([`crate::kept`]).
-    Kept(Arc<crate::kept::KeptInput>),
-}
-
-impl MapInput {
-    /// The same input for another attempt, if it can be read again.
-    pub fn again(&self) -> Option<MapInput> {
-        match self {
-            MapInput::Source(s) => Some(MapInput::Source(s.clone())),
-            MapInput::Kept(k) => Some(MapInput::Kept(k.clone())),
-            MapInput::Stream(_) => None,
-        }
-    }
-}
-
-/// A finished and committed map attempt.
-#[derive(Debug, Clone)]
-pub struct MapDone {
-    pub map: u32,
-    pub attempt: u32,
-    pub worker: usize,
-    pub blocks: Vec<BlockRef>,
-    pub input: Checksum,
-    pub input_bytes: u64,
-    pub spilled_bytes: u64,
-    /// When the driver committed it.
-    pub committed_at: std::time::Instant,
 }
 
 /// Starts a new worker process in place of lost worker `i` and returns its address (blocking;
@@ -165,7 +86,7 @@ pub struct Driver {
     /// This machine's calibration, measured on first use (`auto`).
     calibration: tokio::sync::OnceCell<proto::Calibration>,
     /// Parity shuffles and their committed maps ([`parity`]).
-    parity: Mutex<parity::ParityState>,
+    parity: Mutex<manifest::ParityState>,
     /// Held (read) by each commit in progress; [`Driver::settle`] waits for them to end.
     committing: Arc<tokio::sync::RwLock<()>>,
     /// Jobs (queries) run again whole after a lost worker, their partial results dropped.
@@ -375,14 +296,10 @@ impl Driver {
         self.with_shuffle(shuffle, |e| e.choice.clone()).flatten()
     }
 
-    /// This machine's calibration for the `auto` strategy, measured on first use: the
-    /// first live worker's rates ([`crate::calibrate`]), the fastest of a few small
-    /// requests, and the cost of a remote block and of a byte, from probe shuffles.
-    pub async fn calibration(self: &Arc<Self>) -> Result<proto::Calibration> {
-        self.calibration
-            .get_or_try_init(|| crate::calibrate::on_cluster(self))
-            .await
-            .cloned()
+    /// Where the calibration is kept once measured ([`Self::calibration`], in
+    /// [`crate::calibrate`]).
+    pub(crate) fn calibration_cell(&self) -> &tokio::sync::OnceCell<proto::Calibration> {
+        &self.calibration
     }
 
     /// Use `calibration` (measured earlier, e.g. on a machine of the same kind) instead of

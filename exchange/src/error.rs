@@ -1,6 +1,6 @@
 //! The crate's error type and its mapping to and from Flight (gRPC) statuses.
 
-use crate::block::{BlockId, ShuffleId};
+use crate::ids::{BlockId, ShuffleId};
 use std::path::PathBuf;
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

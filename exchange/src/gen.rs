@@ -2,7 +2,7 @@
 //! values), used by `shuffle-bench` as a worker-side task source.
 
 use crate::error::{Error, Result};
-use crate::task::{BatchSource, BatchStream};
+use crate::source::{BatchSource, BatchStream};
 use arrow::array::{
     ArrayRef, Date32Array, Float64Array, Int32Array, Int64Array, RecordBatch, StringArray,
 };
@@ -182,7 +182,7 @@ pub struct LineitemSource;
 impl BatchSource for LineitemSource {
     fn open(
         &self,
-        ctx: &crate::task::TaskContext,
+        ctx: &crate::source::TaskContext,
         payload: &[u8],
         _schema: SchemaRef,
     ) -> Result<BatchStream> {

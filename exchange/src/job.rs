@@ -13,14 +13,13 @@
 //! replacement ([`Driver::repair`]) and the partition being read is read again; a shuffle
 //! whose maps pushed blocks everywhere runs again whole, skipping the partitions handed out.
 
-use crate::block::ShuffleId;
+use crate::block::{cast_to, ShuffleId};
 use crate::checksum::Checksum;
 use crate::driver::{Driver, MapInput, ShuffleSpec};
 use crate::error::{Error, Result};
 use crate::strategy::{self, pull::Mapped, StrategyOptions};
 use crate::{partitioner, proto};
-use arrow::array::{ArrayRef, RecordBatch, UInt32Array};
-use arrow::compute::cast;
+use arrow::array::{RecordBatch, UInt32Array};
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use futures::{Stream, StreamExt, TryStreamExt};
 use std::pin::Pin;
@@ -114,37 +113,6 @@ pub fn hydrated(schema: &Schema) -> SchemaRef {
     Arc::new(Schema::new_with_metadata(fields, schema.metadata().clone()))
 }
 
-/// `batch` cast to `schema` where a column's type differs (dictionaries to their values).
-pub fn conform(batch: RecordBatch, schema: &SchemaRef) -> Result<RecordBatch> {
-    if batch.schema() == *schema {
-        return Ok(batch);
-    }
-    if batch.num_columns() != schema.fields().len() {
-        return Err(Error::invalid(format!(
-            "a batch has {} columns, the shuffle's schema {}",
-            batch.num_columns(),
-            schema.fields().len()
-        )));
-    }
-    let cols = batch
-        .columns()
-        .iter()
-        .zip(schema.fields())
-        .map(|(c, f)| {
-            if c.data_type() == f.data_type() {
-                Ok(c.clone())
-            } else {
-                cast(c, f.data_type()).map_err(Error::from)
-            }
-        })
-        .collect::<Result<Vec<ArrayRef>>>()?;
-    Ok(crate::block::batch_with(
-        schema.clone(),
-        cols,
-        batch.num_rows(),
-    )?)
-}
-
 /// Every `step`-th row of `batches`, about [`RANGE_SAMPLE_ROWS`] in all.
 pub fn sample(batches: &[RecordBatch]) -> Result<Vec<RecordBatch>> {
     let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
@@ -173,7 +141,7 @@ pub fn prepare(
     let keys: Vec<&str> = opts.by.iter().map(|s| s.as_str()).collect();
     let conformed = {
         let schema = schema.clone();
-        move |b: Result<RecordBatch>| conform(b?, &schema)
+        move |b: Result<RecordBatch>| cast_to(b?, &schema)
     };
     let (partitioner, input): (proto::Partitioner, Input) = match opts.partitioner {
         PartitionerKind::Hash => (partitioner::hash(&keys), Box::new(input.map(conformed))),

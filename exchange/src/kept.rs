@@ -16,7 +16,7 @@
 //! channel, so a map lost half-way through its input loses nothing.
 
 use crate::error::{Error, Result};
-use crate::task::BatchStream;
+use crate::source::BatchStream;
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use std::path::PathBuf;

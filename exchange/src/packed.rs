@@ -12,117 +12,19 @@
 
 use crate::block::{BlockId, BlockMeta, EncodedBlock};
 use crate::error::{Error, Result};
+use crate::map_config::{MapConfig, MapOutput};
 use crate::partitioner::Partitioner;
+use crate::source::BatchStream;
 use crate::store::{BlockStore, ShuffleInfo};
-use crate::task::{BatchStream, MapConfig, MapOutput};
 use arrow::array::{RecordBatch, UInt32Array};
 use arrow::compute::take_record_batch;
-use arrow::datatypes::{Schema, SchemaRef};
 use futures::StreamExt;
-use std::sync::Arc;
 
-/// The partition field of a packed block's id.
-pub const PACKED: u32 = u32::MAX;
-
-/// The schema metadata key of a packed block's partition ends.
-const ENDS_KEY: &str = "flightshuffle.packed_ends";
+pub use crate::block::packed::{encode, slice_partition, Ends, PACKED};
 
 /// A flush is packed only when its non-empty partitions average fewer bytes than this: larger
 /// pieces are blocks of their own, which readers read whole and merges would not take anyway.
 pub const PACK_BELOW: usize = 1 << 20;
-
-/// Where each partition's rows are in a packed block: partition p is rows
-/// `ends[p - 1]..ends[p]` (from 0 for p = 0).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Ends(Arc<[u32]>);
-
-impl Ends {
-    /// Ends from a list, checked: one per partition, never decreasing, the last one `rows`.
-    pub fn new(ends: Vec<u32>, partitions: u32, rows: u64) -> Result<Ends> {
-        if ends.len() != partitions as usize
-            || ends.windows(2).any(|w| w[0] > w[1])
-            || ends.last().map_or(0, |&e| e as u64) != rows
-        {
-            return Err(Error::invalid(format!(
-                "packed block: {} partition ends for {partitions} partitions and {rows} rows are \
-                 not a valid layout",
-                ends.len()
-            )));
-        }
-        Ok(Ends(ends.into()))
-    }
-
-    /// The rows of partition `p`.
-    pub fn range(&self, p: u32) -> std::ops::Range<usize> {
-        let p = p as usize;
-        let end = self.0.get(p).copied().unwrap_or(0) as usize;
-        let start = match p {
-            0 => 0,
-            _ => self.0.get(p - 1).copied().unwrap_or(0) as usize,
-        };
-        start..end.max(start)
-    }
-
-    /// The partitions that have rows here, in order.
-    pub fn non_empty(&self) -> impl Iterator<Item = u32> + '_ {
-        (0..self.0.len() as u32).filter(|&p| !self.range(p).is_empty())
-    }
-
-    /// The ends of a packed block's schema (from its metadata), checked against the shuffle.
-    pub fn of_schema(schema: &Schema, partitions: u32, rows: u64) -> Result<Ends> {
-        let text = schema
-            .metadata()
-            .get(ENDS_KEY)
-            .ok_or_else(|| Error::invalid("packed block without partition ends"))?;
-        let ends = text
-            .split(',')
-            .filter(|s| !s.is_empty())
-            .map(|s| s.parse::<u32>())
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|e| Error::invalid(format!("packed block: bad partition ends: {e}")))?;
-        Ends::new(ends, partitions, rows)
-    }
-
-    /// The ends of the packed block `bytes` (reads its schema message only).
-    pub fn of_block(bytes: &[u8], partitions: u32, rows: u64) -> Result<Ends> {
-        Ends::of_schema(
-            crate::block::decode_schema(bytes)?.as_ref(),
-            partitions,
-            rows,
-        )
-    }
-}
-
-/// Encode `batch` (rows sorted by partition) as a packed block with `ends`.
-pub fn encode(
-    schema: &SchemaRef,
-    batch: &RecordBatch,
-    ends: &Ends,
-    c: crate::Compression,
-) -> Result<EncodedBlock> {
-    let mut metadata = schema.metadata().clone();
-    let text: Vec<String> = ends.0.iter().map(|e| e.to_string()).collect();
-    metadata.insert(ENDS_KEY.to_string(), text.join(","));
-    let schema = Arc::new(Schema::new_with_metadata(schema.fields().clone(), metadata));
-    let batch =
-        crate::block::batch_with(schema.clone(), batch.columns().to_vec(), batch.num_rows())?;
-    EncodedBlock::encode(&schema, &[batch], c)
-}
-
-/// The rows of partition `p` in the batches of a packed block, as slices (no copy).
-pub fn slice_partition(batches: &[RecordBatch], ends: &Ends, p: u32) -> Vec<RecordBatch> {
-    let want = ends.range(p);
-    let mut out = Vec::new();
-    let mut at = 0usize;
-    for b in batches {
-        let (lo, hi) = (want.start.max(at), want.end.min(at + b.num_rows()));
-        if lo < hi {
-            out.push(b.slice(lo - at, hi - lo));
-        }
-        at += b.num_rows();
-    }
-    out
-}
 
 /// Sort the rows of `batch` by holder, then by partition, with one `take`: returns, per holder
 /// that gets rows, the holder, its rows (a slice of the sorted batch) and their ends.
@@ -226,7 +128,7 @@ pub async fn run_map(
         if batch.num_rows() == 0 {
             continue;
         }
-        let batch = crate::task::conform(info, batch)?;
+        let batch = info.conform(batch)?;
         let full = tokio::task::block_in_place(|| -> Result<bool> {
             let size = out.count_input(&batch, cfg.checksum)?;
             assignment.extend(part.assign(&batch)?);
@@ -239,13 +141,13 @@ pub async fn run_map(
                 writer.flush(&buffered, &assignment, bytes, &holder_of, &mut out)
             })?;
             (buffered, assignment, bytes) = (Vec::new(), Vec::new(), 0);
-            crate::task::send_pushed(&mut push, &mut writer.outgoing).await?;
+            crate::push::Pusher::send_all(&mut push, &mut writer.outgoing).await?;
         }
     }
     tokio::task::block_in_place(|| {
         writer.flush(&buffered, &assignment, bytes, &holder_of, &mut out)
     })?;
-    crate::task::send_pushed(&mut push, &mut writer.outgoing).await?;
+    crate::push::Pusher::send_all(&mut push, &mut writer.outgoing).await?;
     if let Some(pusher) = push {
         pusher.finish(store, &mut out).await?;
     }
@@ -359,8 +261,10 @@ mod tests {
     use super::*;
     use crate::checksum::Checksum;
     use arrow::array::{Int64Array, StringArray};
+    use arrow::datatypes::Schema;
     use arrow::datatypes::{DataType, Field};
     use proptest::prelude::*;
+    use std::sync::Arc;
 
     fn batch(keys: &[i64]) -> RecordBatch {
         let schema = Arc::new(Schema::new(vec![
@@ -431,7 +335,9 @@ mod tests {
 mod slice_size {
     use super::*;
     use arrow::array::{Int64Array, StringArray};
+    use arrow::datatypes::Schema;
     use arrow::datatypes::{DataType, Field};
+    use std::sync::Arc;
 
     #[test]
     fn an_encoded_slice_carries_only_its_rows() {

@@ -28,8 +28,7 @@
 
 use crate::error::{Error, Result};
 
-/// The partition number of parity blocks (never a real partition, never read by readers).
-pub const PARITY: u32 = u32::MAX - 1;
+pub use crate::ids::PARITY;
 
 /// The highest parity a shuffle may ask for.
 pub const MAX_PARITY: u32 = 2;

@@ -40,6 +40,19 @@ pub struct Pusher {
 }
 
 impl Pusher {
+    /// Send the blocks `outgoing` holds to their holders (a no-op without a pusher).
+    pub(crate) async fn send_all(
+        push: &mut Option<Pusher>,
+        outgoing: &mut Vec<(u32, crate::block::BlockMeta, bytes::Bytes)>,
+    ) -> crate::error::Result<()> {
+        if let Some(pusher) = push.as_mut() {
+            for (holder, meta, data) in outgoing.drain(..) {
+                pusher.send(holder, meta, data).await?;
+            }
+        }
+        Ok(())
+    }
+
     /// The pusher `task` asks for (None when it keeps every block here). Its placement must
     /// name a holder among its peers for each of the shuffle's `partitions`.
     pub fn for_task(

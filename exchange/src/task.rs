@@ -1,370 +1,16 @@
-//! Tasks a worker runs: the map task (partition a `BatchSource` into blocks), the
-//! `BatchSource` trait through which engines feed map tasks, and the `Reducer` trait through
-//! which engines fold blocks into a running reduce state (streaming strategy).
+//! Tasks a worker runs: the map task (partition a [`crate::source::BatchSource`]'s batches
+//! into blocks) and the merge task (rewrite committed blocks as few large ones).
 
-use crate::admission::Grant;
-use crate::block::{
-    same_columns, schema_summary, BlockId, BlockMeta, Compression, EncodedBlock, ShuffleId, Slice,
-};
-use crate::checksum::Checksum;
+use crate::block::{BlockId, BlockMeta, EncodedBlock};
 use crate::error::{Error, Result};
+pub use crate::map_config::{MapConfig, MapOutput};
 use crate::partitioner::Partitioner;
+pub use crate::source::{BatchSource, BatchStream, ShuffleReader, SourceRegistry, TaskContext};
 use crate::store::{BlockStore, ShuffleInfo};
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
-use futures::{Stream, StreamExt};
-use std::any::Any;
-use std::collections::HashMap;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use futures::StreamExt;
 use std::time::Instant;
-
-pub type BatchStream = Pin<Box<dyn Stream<Item = Result<RecordBatch>> + Send>>;
-
-/// Reads committed shuffle output: one reduce partition from every worker in `peers` (blocks
-/// in commit order, following new commits until the shuffle is sealed), or the output of one
-/// map. Implemented by [`crate::transport::peers::PeerReader`] for workers and the driver.
-pub trait ShuffleReader: Send + Sync {
-    fn read_partition(&self, peers: &[String], shuffle: ShuffleId, partition: u32) -> BatchStream {
-        self.read_partition_slice(peers, shuffle, partition, Slice::WHOLE)
-    }
-    /// One slice of a reduce partition's blocks (a skew split, see [`Slice`]).
-    fn read_partition_slice(
-        &self,
-        peers: &[String],
-        shuffle: ShuffleId,
-        partition: u32,
-        slice: Slice,
-    ) -> BatchStream;
-    fn read_map_output(&self, peers: &[String], shuffle: ShuffleId, map: u32) -> BatchStream;
-}
-
-/// What a map task gets from the worker that runs it: which attempt it is, and the worker's
-/// pooled reader (cluster token, timeouts, its own store for local blocks).
-#[derive(Clone)]
-pub struct TaskContext {
-    pub shuffle: ShuffleId,
-    pub map: u32,
-    pub attempt: u32,
-    pub reader: Arc<dyn ShuffleReader>,
-    /// The worker's memory budget in bytes (a source's own pools come out of it).
-    pub memory_budget: u64,
-    /// Whether the task was cancelled, and its memory grant for work it runs on threads of
-    /// its own.
-    pub stop: TaskStop,
-}
-
-/// How a map task's source learns that the task was cancelled, and how work the source runs
-/// outside the task's future (a blocking thread running a Python body) keeps the task's
-/// memory grant until that work really stops: aborting the task drops its future and the
-/// grant it holds, but not a thread already running.
-#[derive(Clone, Default)]
-pub struct TaskStop {
-    cancelled: Arc<AtomicBool>,
-    grant: Arc<Mutex<Weak<Grant>>>,
-}
-
-impl TaskStop {
-    pub fn cancel(&self) {
-        self.cancelled.store(true, Ordering::SeqCst);
-    }
-
-    pub fn is_cancelled(&self) -> bool {
-        self.cancelled.load(Ordering::SeqCst)
-    }
-
-    /// The flag itself, for work that checks it between steps (a Python body between its
-    /// operators).
-    pub fn flag(&self) -> Arc<AtomicBool> {
-        self.cancelled.clone()
-    }
-
-    /// Record the task's grant (the task keeps the only owning reference of its own).
-    pub fn granted(&self, grant: &Arc<Grant>) {
-        *self.grant.lock().unwrap_or_else(|p| p.into_inner()) = Arc::downgrade(grant);
-    }
-
-    /// A share of the task's grant, held by whoever keeps it: the grant is returned only when
-    /// the task and every holder have let go. None once the task has ended.
-    pub fn hold(&self) -> Option<Arc<Grant>> {
-        self.grant
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .upgrade()
-    }
-}
-
-/// Something a worker can turn into the batches of a map task: a generator, a query stage,
-/// a Python callable. `payload` is the source-specific description the driver sent.
-pub trait BatchSource: Send + Sync {
-    fn open(&self, ctx: &TaskContext, payload: &[u8], schema: SchemaRef) -> Result<BatchStream>;
-    /// The shuffle was dropped: forget anything cached for tasks writing it.
-    fn shuffle_dropped(&self, _shuffle: ShuffleId) {}
-    /// The memory a task of `payload` is expected to hold at once beyond the map's own
-    /// buffers (a source that materialises its input, say), for its admission grant.
-    fn memory_hint(&self, _payload: &[u8]) -> u64 {
-        0
-    }
-    /// The most bytes the source's operators held at once, and of those the most held by
-    /// operators that cannot spill (a query engine's memory pool), since the worker started.
-    fn memory_peaks(&self) -> (u64, u64) {
-        (0, 0)
-    }
-}
-
-/// A reducer's running state for one partition, opaque to the data plane.
-pub type ReduceState = Box<dyn Any + Send>;
-
-/// Something a worker can fold blocks into, round after round (streaming strategy): a
-/// running aggregate, a Python reduce function. `payload` is the reducer-specific description
-/// the driver sent with every fold. Both calls may block (they run on a blocking thread).
-pub trait Reducer: Send + Sync {
-    /// Fold `batches` (the new blocks of one partition) into `state` (None on the first fold).
-    fn fold(
-        &self,
-        payload: &[u8],
-        state: Option<ReduceState>,
-        batches: Vec<RecordBatch>,
-        schema: SchemaRef,
-    ) -> Result<ReduceState>;
-    /// The partial result of the state folded so far.
-    fn emit(&self, payload: &[u8], state: &ReduceState) -> Result<(SchemaRef, Vec<RecordBatch>)>;
-}
-
-/// Built-in reducer `"checksum"`: counts rows and sums the multiset checksum of everything
-/// folded; emits one row `(rows: UInt64, checksum: UInt64)`.
-pub struct ChecksumReducer;
-
-pub const CHECKSUM_REDUCER: &str = "checksum";
-
-impl Reducer for ChecksumReducer {
-    fn fold(
-        &self,
-        _payload: &[u8],
-        state: Option<ReduceState>,
-        batches: Vec<RecordBatch>,
-        _schema: SchemaRef,
-    ) -> Result<ReduceState> {
-        let mut sum = match state {
-            Some(s) => *s
-                .downcast::<Checksum>()
-                .map_err(|_| Error::invalid("checksum reducer given a foreign state"))?,
-            None => Checksum::default(),
-        };
-        for b in &batches {
-            sum.add(Checksum::of_batch(b)?);
-        }
-        Ok(Box::new(sum))
-    }
-
-    fn emit(&self, _payload: &[u8], state: &ReduceState) -> Result<(SchemaRef, Vec<RecordBatch>)> {
-        use arrow::array::UInt64Array;
-        use arrow::datatypes::{DataType, Field, Schema};
-        let sum = state
-            .downcast_ref::<Checksum>()
-            .ok_or_else(|| Error::invalid("checksum reducer given a foreign state"))?;
-        let schema = Arc::new(Schema::new(vec![
-            Field::new("rows", DataType::UInt64, false),
-            Field::new("checksum", DataType::UInt64, false),
-        ]));
-        let batch = RecordBatch::try_new(
-            schema.clone(),
-            vec![
-                Arc::new(UInt64Array::from(vec![sum.rows])),
-                Arc::new(UInt64Array::from(vec![sum.sum])),
-            ],
-        )?;
-        Ok((schema, vec![batch]))
-    }
-}
-
-/// Sources, reducers and combiners a worker knows, by kind name.
-#[derive(Clone, Default)]
-pub struct SourceRegistry {
-    sources: HashMap<String, Arc<dyn BatchSource>>,
-    reducers: HashMap<String, Arc<dyn Reducer>>,
-    combiners: HashMap<String, Arc<dyn crate::combine::CombinerKind>>,
-}
-
-impl SourceRegistry {
-    pub fn with_builtin() -> Self {
-        let mut r = SourceRegistry::default();
-        r.register(
-            crate::gen::LINEITEM_SOURCE,
-            Arc::new(crate::gen::LineitemSource),
-        );
-        r.register_reducer(CHECKSUM_REDUCER, Arc::new(ChecksumReducer));
-        r
-    }
-
-    pub fn register_reducer(&mut self, kind: &str, reducer: Arc<dyn Reducer>) {
-        self.reducers.insert(kind.to_string(), reducer);
-    }
-
-    /// [`BatchSource::memory_peaks`] summed over the sources.
-    pub fn memory_peaks(&self) -> (u64, u64) {
-        self.sources.values().fold((0, 0), |(a, b), s| {
-            let (x, y) = s.memory_peaks();
-            (a + x, b + y)
-        })
-    }
-
-    /// [`BatchSource::memory_hint`] of a task of source `kind` (0 for an unknown kind).
-    pub fn memory_hint(&self, kind: &str, payload: &[u8]) -> u64 {
-        self.sources.get(kind).map_or(0, |s| s.memory_hint(payload))
-    }
-
-    pub fn reducer(&self, kind: &str) -> Result<Arc<dyn Reducer>> {
-        self.reducers.get(kind).cloned().ok_or_else(|| {
-            let mut known: Vec<&str> = self.reducers.keys().map(|s| s.as_str()).collect();
-            known.sort();
-            Error::invalid(format!("unknown reducer {kind:?} (known: {known:?})"))
-        })
-    }
-
-    pub fn register_combiner(&mut self, kind: &str, c: Arc<dyn crate::combine::CombinerKind>) {
-        self.combiners.insert(kind.to_string(), c);
-    }
-
-    /// The combiner a shuffle's spec names, built from its payload.
-    pub fn combiner(
-        &self,
-        spec: &crate::proto::TaskSource,
-        schema: &SchemaRef,
-    ) -> Result<crate::combine::CombinerRef> {
-        let kind = self.combiners.get(&spec.kind).ok_or_else(|| {
-            let mut known: Vec<&str> = self.combiners.keys().map(|s| s.as_str()).collect();
-            known.sort();
-            Error::invalid(format!(
-                "unknown combiner {:?} (known: {known:?})",
-                spec.kind
-            ))
-        })?;
-        Ok(crate::combine::CombinerRef(
-            kind.open(&spec.payload, schema)?,
-        ))
-    }
-
-    pub fn register(&mut self, kind: &str, source: Arc<dyn BatchSource>) {
-        self.sources.insert(kind.to_string(), source);
-    }
-
-    /// Tell every source that `shuffle` was dropped.
-    pub fn shuffle_dropped(&self, shuffle: ShuffleId) {
-        for s in self.sources.values() {
-            s.shuffle_dropped(shuffle);
-        }
-    }
-
-    pub fn open(
-        &self,
-        kind: &str,
-        ctx: &TaskContext,
-        payload: &[u8],
-        schema: SchemaRef,
-    ) -> Result<BatchStream> {
-        let src = self.sources.get(kind).ok_or_else(|| {
-            let mut known: Vec<&str> = self.sources.keys().map(|s| s.as_str()).collect();
-            known.sort();
-            Error::invalid(format!("unknown task source {kind:?} (known: {known:?})"))
-        })?;
-        src.open(ctx, payload, schema)
-    }
-}
-
-/// Map task tuning. Blocks are flushed per partition at `block_bytes`; the whole task never
-/// buffers more than `buffer_bytes` of partitioned rows.
-#[derive(Debug, Clone, Copy)]
-pub struct MapConfig {
-    pub block_bytes: usize,
-    pub buffer_bytes: usize,
-    pub compression: Compression,
-    /// Checksum the input rows (order-independent multiset checksum) for verification.
-    pub checksum: bool,
-    /// Small per-partition pieces are coalesced into batches of up to this many rows before
-    /// a block is encoded (fewer IPC messages, full-size batches for the reader).
-    pub batch_rows: usize,
-    /// Write packed blocks, one per holder per flush ([`crate::packed`]), where the strategy
-    /// merges them before anyone reads (not with a combiner).
-    pub pack: bool,
-}
-
-impl Default for MapConfig {
-    fn default() -> Self {
-        MapConfig {
-            block_bytes: 4 << 20,
-            buffer_bytes: 32 << 20,
-            compression: Compression::None,
-            checksum: true,
-            batch_rows: 8192,
-            pack: false,
-        }
-    }
-}
-
-impl MapConfig {
-    /// The bytes a map or merge task is granted from its worker's budget: its partition
-    /// buffers and as much again for the blocks it encodes and the input batches in flight.
-    pub fn task_grant(&self) -> u64 {
-        2 * self.buffer_bytes as u64
-    }
-
-    /// Buffers sized to a worker's budget: a task buffers at most 1/8 of it (4-32 MiB) and
-    /// flushes blocks of a quarter of that (1-4 MiB), so the few map tasks a worker runs at
-    /// once hold a fraction of the budget beside it, not a fixed 32 MiB each. Shuffle bench,
-    /// 4 workers, 89 MiB budget: peak RSS per worker 420-460 MiB with 32 MiB buffers (see
-    /// `docs/bench/pipelined-scheduler.md` for the figure with this sizing).
-    pub fn for_budget(budget: u64) -> Self {
-        let budget = usize::try_from(budget).unwrap_or(usize::MAX);
-        let buffer_bytes = (budget / 8).clamp(4 << 20, 32 << 20);
-        MapConfig {
-            buffer_bytes,
-            block_bytes: (buffer_bytes / 4).clamp(1 << 20, 4 << 20),
-            ..MapConfig::default()
-        }
-    }
-}
-
-/// What a map task reports: its blocks and a checksum of the rows it read.
-#[derive(Debug, Clone, Default)]
-pub struct MapOutput {
-    /// Blocks stored here.
-    pub blocks: Vec<BlockMeta>,
-    /// Blocks pushed to other workers, per worker.
-    pub pushed: Vec<crate::proto::PushedBlocks>,
-    pub input: Checksum,
-    pub input_bytes: u64,
-    pub spilled_bytes: u64,
-    pub seconds: f64,
-    /// Rows written per reduce partition (map tasks), wherever the blocks went.
-    pub partition_rows: Vec<u64>,
-}
-
-impl MapOutput {
-    /// Count `rows` written to `partition` of a shuffle of `partitions`.
-    pub(crate) fn wrote(&mut self, partition: u32, rows: u64, partitions: u32) {
-        if self.partition_rows.len() < partitions as usize {
-            self.partition_rows.resize(partitions as usize, 0);
-        }
-        if let Some(r) = self.partition_rows.get_mut(partition as usize) {
-            *r += rows;
-        }
-    }
-
-    /// Count one input batch: its rows (with their multiset checksum when `checksum`) and its
-    /// in-memory bytes, which it returns.
-    pub(crate) fn count_input(&mut self, batch: &RecordBatch, checksum: bool) -> Result<usize> {
-        if checksum {
-            self.input.add(Checksum::of_batch(batch)?);
-        } else {
-            self.input.rows += batch.num_rows() as u64;
-        }
-        let size = batch.get_array_memory_size();
-        self.input_bytes += size as u64;
-        Ok(size)
-    }
-}
 
 struct PartitionBuffer {
     batches: Vec<RecordBatch>,
@@ -397,7 +43,7 @@ impl Combining {
         let combined = combined
             .into_iter()
             .map(|b| {
-                crate::job::conform(b, &info.schema).and_then(|b| crate::block::compact_views(&b))
+                crate::block::cast_to(b, &info.schema).and_then(|b| crate::block::compact_views(&b))
             })
             .collect::<Result<Vec<_>>>()?;
         let rows: u64 = combined.iter().map(|b| b.num_rows() as u64).sum();
@@ -506,7 +152,7 @@ pub async fn run_map(
         if batch.num_rows() == 0 {
             continue;
         }
-        let batch = conform(info, batch)?;
+        let batch = info.conform(batch)?;
         tokio::task::block_in_place(|| -> Result<()> {
             out.count_input(&batch, cfg.checksum)?;
             for (p, piece) in part.split(&batch)? {
@@ -535,7 +181,7 @@ pub async fn run_map(
             }
             Ok(())
         })?;
-        send_pushed(&mut push, &mut outgoing).await?;
+        crate::push::Pusher::send_all(&mut push, &mut outgoing).await?;
     }
     tokio::task::block_in_place(|| -> Result<()> {
         for p in 0..bufs.len() {
@@ -545,25 +191,12 @@ pub async fn run_map(
         }
         Ok(())
     })?;
-    send_pushed(&mut push, &mut outgoing).await?;
+    crate::push::Pusher::send_all(&mut push, &mut outgoing).await?;
     if let Some(pusher) = push {
         pusher.finish(store, &mut out).await?;
     }
     out.seconds = start.elapsed().as_secs_f64();
     Ok(out)
-}
-
-/// Send the blocks `outgoing` holds to their holders (a no-op without a pusher).
-pub(crate) async fn send_pushed(
-    push: &mut Option<crate::push::Pusher>,
-    outgoing: &mut Vec<(u32, BlockMeta, bytes::Bytes)>,
-) -> Result<()> {
-    if let Some(pusher) = push.as_mut() {
-        for (holder, meta, data) in outgoing.drain(..) {
-            pusher.send(holder, meta, data).await?;
-        }
-    }
-    Ok(())
 }
 
 /// Concatenate consecutive small batches into batches of at most `target` rows (a batch
@@ -630,7 +263,7 @@ pub fn run_merge(
                 let combined = c.0.combine(batches)?;
                 *batches = combined
                     .into_iter()
-                    .map(|b| crate::job::conform(b, &info.schema))
+                    .map(|b| crate::block::cast_to(b, &info.schema))
                     .collect::<Result<Vec<_>>>()?;
             }
             let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
@@ -748,36 +381,13 @@ impl Packed {
     }
 }
 
-/// Check a batch against the shuffle's schema; equal columns with other field metadata or
-/// nullability are relabelled with the shuffle's schema.
-pub(crate) fn conform(info: &ShuffleInfo, batch: RecordBatch) -> Result<RecordBatch> {
-    if batch.schema() == info.schema {
-        return Ok(batch);
-    }
-    if !same_columns(&batch.schema(), &info.schema) {
-        return Err(Error::SchemaMismatch {
-            shuffle: info.id,
-            expected: schema_summary(&info.schema),
-            found: schema_summary(&batch.schema()),
-        });
-    }
-    crate::block::batch_with(
-        info.schema.clone(),
-        batch.columns().to_vec(),
-        batch.num_rows(),
-    )
-    .map_err(|e| Error::SchemaMismatch {
-        shuffle: info.id,
-        expected: schema_summary(&info.schema),
-        found: format!("{} ({e})", schema_summary(&batch.schema())),
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checksum::Checksum;
     use arrow::array::Int64Array;
     use arrow::datatypes::{DataType, Field, Schema};
+    use std::sync::Arc;
 
     #[test]
     fn small_pieces_are_coalesced_and_large_ones_kept() {

@@ -401,7 +401,7 @@ async fn streaming_partials(
         inputs,
         rounds,
         by_completion,
-        reducer: exchange::task::CHECKSUM_REDUCER.to_string(),
+        reducer: exchange::source::CHECKSUM_REDUCER.to_string(),
         payload: vec![],
     };
     let (tx, mut rx) = tokio::sync::mpsc::channel(8);
@@ -665,7 +665,7 @@ async fn shuffle_jobs_keep_the_multiset_with_every_partitioner() {
         vec![Arc::new(Int64Array::from(vec![1]))],
     )
     .unwrap();
-    let err = job::conform(narrow, &schema()).err().unwrap();
+    let err = exchange::block::cast_to(narrow, &schema()).err().unwrap();
     assert!(err.to_string().contains("columns"), "{err}");
 }
 

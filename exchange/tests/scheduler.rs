@@ -211,7 +211,7 @@ async fn online_first_wave(workers: usize, maps: usize, works: bool) -> usize {
     driver.drop_shuffle(g.spec.id).await.unwrap();
     g.permits.add_permits(maps);
     let reducer = match works {
-        true => exchange::task::CHECKSUM_REDUCER,
+        true => exchange::source::CHECKSUM_REDUCER,
         false => "no-such-reducer",
     };
     let job = StreamingJob {

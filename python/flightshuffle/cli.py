@@ -12,6 +12,8 @@ import time
 
 from flightshuffle import STRATEGIES, Cluster, ShuffleError, parse_bytes, tpch, worker_command
 from flightshuffle._native import shuffle_bench
+from flightshuffle.online import plot_history
+from flightshuffle.tpch import Q1_LIKE
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -403,21 +405,6 @@ def _tpch_on(args: argparse.Namespace, runtime: str, root: str, duck: object) ->
     }
 
 
-Q1_LIKE = """SELECT l_returnflag, l_linestatus,
-  SUM(l_quantity) AS sum_qty,
-  SUM(l_extendedprice) AS sum_base_price,
-  SUM(l_extendedprice * (1 - l_discount)) AS sum_disc_price,
-  SUM(l_extendedprice * (1 - l_discount) * (1 + l_tax)) AS sum_charge,
-  AVG(l_quantity) AS avg_qty,
-  AVG(l_extendedprice) AS avg_price,
-  AVG(l_discount) AS avg_disc,
-  COUNT(*) AS count_order
-FROM lineitem
-WHERE l_shipdate <= DATE '1998-12-01' - INTERVAL '90' DAY
-GROUP BY l_returnflag, l_linestatus
-ORDER BY l_returnflag, l_linestatus"""
-
-
 def first_within(history: list, final, keys: list[str], names: list[str], rel: float):
     """The first partial result whose every estimate is within ``rel`` of the final answer."""
     want = final.estimates.select(keys + names)
@@ -430,46 +417,6 @@ def first_within(history: list, final, keys: list[str], names: list[str], rel: f
         if ok:
             return r
     return final
-
-
-def plot(history: list, keys: list[str], names: list[str], path: str, top: int) -> None:
-    """Estimate and interval versus time for the ``top`` largest groups, one panel per
-    aggregate (at most four), each relative to the group's final answer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import polars as pl
-
-    final = history[-1].estimates
-    first = names[0]
-    groups = final.sort(first, descending=True).head(top).select(keys).rows()
-    shown = names[:4]
-    fig, axes = plt.subplots(len(shown), 1, figsize=(8, 2.6 * len(shown)), squeeze=False)
-    for ax, name in zip(axes[:, 0], shown, strict=True):
-        for g in groups:
-            cond = pl.all_horizontal([pl.col(k) == v for k, v in zip(keys, g, strict=True)])
-            t, est, lo, hi = [], [], [], []
-            exact = final.filter(cond)[name][0] or 1.0
-            for r in history:
-                row = r.estimates.filter(cond)
-                if row.height:
-                    t.append(r.elapsed)
-                    est.append(row[name][0] / exact)
-                    low, high = row[f"{name}_low"][0], row[f"{name}_high"][0]
-                    lo.append(None if low is None else low / exact)
-                    hi.append(None if high is None else high / exact)
-            label = "/".join(str(v) for v in g)
-            (line,) = ax.plot(t, est, marker="o", label=label)
-            if all(v is not None for v in lo + hi):
-                ax.fill_between(t, lo, hi, alpha=0.2, color=line.get_color())
-        ax.set_ylabel(f"{name} / final")
-        ax.grid(alpha=0.3)
-    axes[0, 0].legend(title="/".join(keys), fontsize="small")
-    axes[-1, 0].set_xlabel("seconds since start")
-    fig.suptitle("online aggregation: estimate and 95% interval per round, relative to final")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def _online(args: argparse.Namespace) -> int:
@@ -538,7 +485,7 @@ def _online(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     if args.plot:
-        plot(history, keys, interval or names, args.plot, args.top)
+        plot_history(history, keys, interval or names, args.plot, args.top)
         print(f"plot written to {args.plot}")
     return 0
 
@@ -778,6 +725,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except (ShuffleError, ValueError) as e:
         print(f"flightshuffle: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        # A missing or unreadable file: one line, as for a SQL error, not a traceback.
+        where = f": {e.filename}" if e.filename else ""
+        print(f"flightshuffle: {e.strerror or e}{where}", file=sys.stderr)
         return 1
 
 

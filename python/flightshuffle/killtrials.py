@@ -123,7 +123,7 @@ def _job(kind: str, trial: int) -> tuple[Callable[[Cluster], Any], Callable[[Any
         import duckdb
         import polars as pl
 
-        from flightshuffle.cli import Q1_LIKE
+        from flightshuffle.tpch import Q1_LIKE
 
         path = _data(0.1)["lineitem"]
         exact_sql = Q1_LIKE.replace("FROM lineitem", f"FROM read_parquet('{path}/*.parquet')")

@@ -714,3 +714,43 @@ def results(
         native.close()
         if bar is not None:
             bar.close()
+
+
+def plot_history(history: list, keys: list[str], names: list[str], path: str, top: int) -> None:
+    """Estimate and interval versus time for the ``top`` largest groups, one panel per
+    aggregate (at most four), each relative to the group's final answer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import polars as pl
+
+    final = history[-1].estimates
+    first = names[0]
+    groups = final.sort(first, descending=True).head(top).select(keys).rows()
+    shown = names[:4]
+    fig, axes = plt.subplots(len(shown), 1, figsize=(8, 2.6 * len(shown)), squeeze=False)
+    for ax, name in zip(axes[:, 0], shown, strict=True):
+        for g in groups:
+            cond = pl.all_horizontal([pl.col(k) == v for k, v in zip(keys, g, strict=True)])
+            t, est, lo, hi = [], [], [], []
+            exact = final.filter(cond)[name][0] or 1.0
+            for r in history:
+                row = r.estimates.filter(cond)
+                if row.height:
+                    t.append(r.elapsed)
+                    est.append(row[name][0] / exact)
+                    low, high = row[f"{name}_low"][0], row[f"{name}_high"][0]
+                    lo.append(None if low is None else low / exact)
+                    hi.append(None if high is None else high / exact)
+            label = "/".join(str(v) for v in g)
+            (line,) = ax.plot(t, est, marker="o", label=label)
+            if all(v is not None for v in lo + hi):
+                ax.fill_between(t, lo, hi, alpha=0.2, color=line.get_color())
+        ax.set_ylabel(f"{name} / final")
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(title="/".join(keys), fontsize="small")
+    axes[-1, 0].set_xlabel("seconds since start")
+    fig.suptitle("online aggregation: estimate and 95% interval per round, relative to final")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -52,7 +52,7 @@ def first_within(history: list, top: int = 10, rel: float = 0.05):
 
 def run(args: argparse.Namespace) -> int:
     from flightshuffle import Cluster
-    from flightshuffle.cli import plot
+    from flightshuffle.online import plot_history
 
     root = tpch.ensure_data(args.sf, args.data or f"data/tpch-sf{args.sf:g}", progress=True)
     con = tpch.duckdb_connect(root)
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
             if args.plot_dir:
                 os.makedirs(args.plot_dir, exist_ok=True)
                 path = f"{args.plot_dir}/q{n:02d}-sf{args.sf:g}-w{args.workers}.png"
-                plot(history, keys, names, path, args.top_plot)
+                plot_history(history, keys, names, path, args.top_plot)
     report["queries"] = rows
     text = json.dumps(report, indent=2)
     print(text)

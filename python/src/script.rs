@@ -8,7 +8,9 @@
 use arrow::array::{RecordBatch, RecordBatchReader};
 use arrow::datatypes::SchemaRef;
 use exchange::block::decode_schema;
-use exchange::task::{BatchSource, BatchStream, ReduceState, Reducer, ShuffleReader, TaskContext};
+use exchange::source::{
+    BatchSource, BatchStream, ReduceState, Reducer, ShuffleReader, TaskContext,
+};
 use exchange::transport::client::decode;
 use exchange::{proto, Error, Result, ShuffleId};
 use futures::{StreamExt, TryStreamExt};

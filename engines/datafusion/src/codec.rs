@@ -1,8 +1,8 @@
 //! `datafusion-proto` extension codec for the exchange's plan nodes, so stage plans containing
 //! shuffle writers and readers can be sent to workers.
 
-use crate::online::{FactSplit, SplitScanExec};
 use crate::reader::{ReadMode, ShuffleReaderExec};
+use crate::split::{FactSplit, SplitScanExec};
 use crate::writer::{ShuffleWriterExec, WriterKind};
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::{DataFusionError, Result};

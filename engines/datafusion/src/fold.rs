@@ -22,7 +22,7 @@ use arrow::compute::{cast, concat, filter_record_batch, sort_to_indices, SortOpt
 use arrow::datatypes::{DataType, Float64Type, SchemaRef};
 use datafusion::physical_plan::aggregates::AggregateExec;
 use exchange::combine::{Combiner, CombinerKind};
-use exchange::task::{ReduceState, Reducer};
+use exchange::source::{ReduceState, Reducer};
 use prost::Message;
 use std::sync::Arc;
 

@@ -22,10 +22,11 @@ pub mod running;
 pub mod sendable;
 pub mod skew;
 pub mod source;
+pub mod split;
 pub mod writer;
 
 use datafusion::prelude::SessionConfig;
-use exchange::task::{ShuffleReader, SourceRegistry};
+use exchange::source::{ShuffleReader, SourceRegistry};
 use std::sync::Arc;
 
 pub use context::{DistributedContext, QueryResult, StageMetrics};
@@ -100,7 +101,7 @@ impl datafusion::config::ConfigExtension for FlightshuffleOptions {
 
 /// A worker's task sources: the exchange's built-ins plus DataFusion stages.
 pub fn worker_sources() -> SourceRegistry {
-    let mut r = SourceRegistry::with_builtin();
+    let mut r = exchange::worker::builtin_sources();
     r.register(STAGE_SOURCE, Arc::new(source::StageSource::default()));
     r.register_reducer(online::PARTIAL_FOLD, Arc::new(online::PartialFold));
     r.register_combiner(

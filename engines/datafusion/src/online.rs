@@ -26,19 +26,13 @@ use crate::source::StageTask;
 use crate::writer::ShuffleWriterExec;
 use crate::{Error, Result, STAGE_SOURCE};
 use arrow::datatypes::SchemaRef;
-use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
+use datafusion::common::tree_node::{Transformed, TreeNode};
 use datafusion::datasource::listing::PartitionedFile;
-use datafusion::datasource::physical_plan::parquet::ParquetRowSelection;
-use datafusion::datasource::physical_plan::{FileGroup, FileScanConfigBuilder, ParquetSource};
+use datafusion::datasource::physical_plan::ParquetSource;
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::DataFusionError;
-use datafusion::execution::{SendableRecordBatchStream, TaskContext};
-use datafusion::parquet::arrow::arrow_reader::{RowSelection, RowSelector};
-use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
-use datafusion::physical_plan::{
-    DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PlanProperties,
-};
+use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 use datafusion_proto::bytes::physical_plan_to_bytes_with_extension_codec;
 use exchange::driver::{MapInput, ShuffleSpec};
 use exchange::proto;
@@ -46,132 +40,14 @@ use exchange::strategy::streaming::{self, Partial, StreamingJob};
 use futures::future::BoxFuture;
 use prost::Message;
 use std::collections::HashSet;
-use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
 
 pub use crate::fold::{EmitTop, PartialFold, PARTIAL_FOLD};
 
-/// One split of the fact table: rows `start..start + rows` of one Parquet file, counted over
-/// the whole file in row-group order.
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct FactSplit {
-    #[prost(string, tag = "1")]
-    pub path: String,
-    /// The file's size in bytes.
-    #[prost(uint64, tag = "2")]
-    pub size: u64,
-    /// Rows in the whole file.
-    #[prost(uint64, tag = "3")]
-    pub file_rows: u64,
-    #[prost(uint64, tag = "4")]
-    pub start: u64,
-    #[prost(uint64, tag = "5")]
-    pub rows: u64,
-}
-
-fn plan_err(what: impl fmt::Display) -> Error {
-    Error::DataFusion(DataFusionError::Plan(format!("online aggregation: {what}")))
-}
-
-/// A Parquet scan whose partition i reads split i only. It wraps the `DataSourceExec` that
-/// does the reading because `datafusion-proto` does not carry a file's row selection: the
-/// splits travel beside the scan and are attached again where the plan is decoded.
-#[derive(Debug)]
-pub struct SplitScanExec {
-    scan: Arc<DataSourceExec>,
-    pub splits: Arc<Vec<FactSplit>>,
-}
-
-impl SplitScanExec {
-    /// `template` (a Parquet scan of the split files) reading one split per partition.
-    pub fn try_new(template: &DataSourceExec, splits: Vec<FactSplit>) -> Result<Self> {
-        let (config, _) = template
-            .downcast_to_file_source::<ParquetSource>()
-            .ok_or_else(|| plan_err("the fact table's scan is not a Parquet scan"))?;
-        let groups = splits
-            .iter()
-            .map(|s| Ok(FileGroup::new(vec![split_file(s)?])))
-            .collect::<Result<Vec<_>>>()?;
-        let config = FileScanConfigBuilder::from(config.clone())
-            .with_file_groups(groups)
-            .build();
-        Ok(SplitScanExec {
-            scan: DataSourceExec::from_data_source(config),
-            splits: Arc::new(splits),
-        })
-    }
-
-    /// The wrapped scan (to encode it).
-    pub fn scan(&self) -> Arc<dyn ExecutionPlan> {
-        self.scan.clone()
-    }
-}
-
-/// One split as a file of a scan: the whole file with a row selection of the split's rows.
-fn split_file(s: &FactSplit) -> Result<PartitionedFile> {
-    let end = s.start.checked_add(s.rows).filter(|&e| e <= s.file_rows);
-    let Some(end) = end else {
-        return Err(plan_err(format!(
-            "split rows {}+{} are outside the {} rows of {}",
-            s.start, s.rows, s.file_rows, s.path
-        )));
-    };
-    let selectors: Vec<RowSelector> = [
-        RowSelector::skip(s.start as usize),
-        RowSelector::select(s.rows as usize),
-        RowSelector::skip((s.file_rows - end) as usize),
-    ]
-    .into_iter()
-    .filter(|r| r.row_count > 0)
-    .collect();
-    let selection = ParquetRowSelection::new(RowSelection::from(selectors));
-    Ok(PartitionedFile::new(s.path.clone(), s.size).with_extension(selection))
-}
-
-impl DisplayAs for SplitScanExec {
-    fn fmt_as(&self, t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
-        write!(f, "SplitScanExec: {} splits, ", self.splits.len())?;
-        self.scan.fmt_as(t, f)
-    }
-}
-
-impl ExecutionPlan for SplitScanExec {
-    fn name(&self) -> &str {
-        "SplitScanExec"
-    }
-
-    fn properties(&self) -> &Arc<PlanProperties> {
-        self.scan.properties()
-    }
-
-    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
-        vec![]
-    }
-
-    fn apply_expressions(
-        &self,
-        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> datafusion::error::Result<TreeNodeRecursion>,
-    ) -> datafusion::error::Result<TreeNodeRecursion> {
-        Ok(TreeNodeRecursion::Continue)
-    }
-
-    fn with_new_children(
-        self: Arc<Self>,
-        _children: Vec<Arc<dyn ExecutionPlan>>,
-    ) -> datafusion::error::Result<Arc<dyn ExecutionPlan>> {
-        Ok(self)
-    }
-
-    fn execute(
-        &self,
-        partition: usize,
-        context: Arc<TaskContext>,
-    ) -> datafusion::error::Result<SendableRecordBatchStream> {
-        self.scan.execute(partition, context)
-    }
-}
+use crate::split::plan_err;
+pub use crate::split::{FactSplit, SplitScanExec};
 
 /// Why a query has no fact stage to stream: its inputs are small (it runs whole on the
 /// driver), or its answer comes from file statistics. Callers run it whole instead.
@@ -547,50 +423,4 @@ fn split_tasks(ctx: &DistributedContext, writer: &Arc<ShuffleWriterExec>) -> Res
             })
         })
         .collect())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn split(start: u64, rows: u64, file_rows: u64) -> FactSplit {
-        FactSplit {
-            path: "/data/t/part-0.parquet".into(),
-            size: 100,
-            file_rows,
-            start,
-            rows,
-        }
-    }
-
-    #[test]
-    fn a_split_selects_exactly_its_rows_of_the_whole_file() {
-        for (start, rows, file_rows) in [(0, 10, 10), (0, 3, 10), (7, 3, 10), (4, 2, 10)] {
-            let f = split_file(&split(start, rows, file_rows)).unwrap();
-            let sel = f
-                .extensions
-                .get::<ParquetRowSelection>()
-                .unwrap()
-                .selection();
-            let selectors: Vec<RowSelector> = sel.iter().copied().collect();
-            let total: usize = selectors.iter().map(|s| s.row_count).sum();
-            let selected: usize = selectors
-                .iter()
-                .filter(|s| !s.skip)
-                .map(|s| s.row_count)
-                .sum();
-            assert_eq!((total, selected), (file_rows as usize, rows as usize));
-            let first = selectors.iter().position(|s| !s.skip).unwrap();
-            let before: usize = selectors[..first].iter().map(|s| s.row_count).sum();
-            assert_eq!(before, start as usize);
-        }
-    }
-
-    #[test]
-    fn a_split_outside_its_file_is_a_clear_error() {
-        for (start, rows) in [(8, 3), (11, 0), (u64::MAX, 2)] {
-            let e = split_file(&split(start, rows, 10)).unwrap_err().to_string();
-            assert!(e.contains("outside the 10 rows"), "{e}");
-        }
-    }
 }

@@ -197,7 +197,7 @@ mod tests {
     use datafusion::physical_plan::{collect, ExecutionPlan};
     use datafusion::prelude::{SessionConfig, SessionContext};
     use exchange::combine::CombinerKind;
-    use exchange::task::Reducer;
+    use exchange::source::Reducer;
     use proptest::prelude::*;
     use prost::Message;
 

@@ -20,7 +20,7 @@ use datafusion::execution::runtime_env::RuntimeEnvBuilder;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use datafusion_proto::bytes::physical_plan_from_bytes_with_extension_codec;
-use exchange::task::{BatchSource, BatchStream, TaskContext};
+use exchange::source::{BatchSource, BatchStream, TaskContext};
 use exchange::{Error, ShuffleId};
 use futures::{StreamExt, TryStreamExt};
 use prost::Message;

@@ -2,9 +2,7 @@
 
 fn main() {
     let argv: Vec<String> = std::env::args().collect();
-    if let Err(e) =
-        exchange::worker::main_with_args(argv, exchange::task::SourceRegistry::with_builtin())
-    {
+    if let Err(e) = exchange::worker::main_with_args(argv, exchange::worker::builtin_sources()) {
         eprintln!("flightshuffle-worker: {e}");
         std::process::exit(2);
     }

@@ -82,7 +82,7 @@ impl Driver {
         group: u32,
         worker: usize,
         maps: Vec<u32>,
-        placement: crate::strategy::Placement,
+        placement: super::placement::Placement,
     ) -> Result<MapDone> {
         let client = self.worker(worker)?;
         let n = self.num_workers();

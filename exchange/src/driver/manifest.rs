@@ -6,9 +6,10 @@
 //! held; readers check what they read against it ([`crate::driver::Driver::expected_rows`]).
 //! Dropping a shuffle removes its entry, in one step.
 
-use super::{BlockRef, Driver, Lineage};
+use super::placement::Placement;
+use super::spec::{BlockRef, Lineage};
+use crate::block::ShuffleId;
 use crate::proto;
-use crate::strategy::Placement;
 use arrow::datatypes::SchemaRef;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -28,10 +29,11 @@ pub(crate) struct Made {
 
 impl Made {
     /// The first holder whose process is gone (its slot's generation moved on), if any.
-    pub fn lost_holder(&self, driver: &Driver) -> Option<usize> {
+    /// `generation` gives a slot's generation now.
+    pub fn lost_holder(&self, generation: impl Fn(usize) -> u64) -> Option<usize> {
         self.holders
             .iter()
-            .find(|(slot, g)| driver.generation(*slot) != *g)
+            .find(|(slot, g)| generation(*slot) != *g)
             .map(|(slot, _)| *slot)
     }
 
@@ -79,4 +81,21 @@ pub(crate) struct ShuffleEntry {
     /// Maps whose claimed attempt's commit outcome stayed unknown on a live worker (its reply
     /// lost): it may have committed there, so no other attempt may ever claim them.
     pub uncertain: HashSet<u32>,
+}
+
+/// A committed map of a parity shuffle: its attempt, every slot's generation when it was
+/// submitted, and its parity blocks.
+#[derive(Debug, Clone, Default)]
+pub struct Coded {
+    pub attempt: u32,
+    pub generations: Vec<u64>,
+    pub parity: Vec<BlockRef>,
+}
+
+/// Parity shuffles and their committed maps.
+#[derive(Debug, Default)]
+pub struct ParityState {
+    pub(super) shuffles: HashMap<ShuffleId, u32>,
+    pub(super) maps: HashMap<(ShuffleId, u32), Coded>,
+    pub(super) rebuilt_blocks: u64,
 }

@@ -20,22 +20,7 @@ use futures::{StreamExt, TryStreamExt};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// A committed map of a parity shuffle: its attempt, every slot's generation when it was
-/// submitted, and its parity blocks.
-#[derive(Debug, Clone, Default)]
-pub struct Coded {
-    pub attempt: u32,
-    pub generations: Vec<u64>,
-    pub parity: Vec<BlockRef>,
-}
-
-/// Parity shuffles and their committed maps.
-#[derive(Debug, Default)]
-pub struct ParityState {
-    shuffles: HashMap<ShuffleId, u32>,
-    maps: HashMap<(ShuffleId, u32), Coded>,
-    rebuilt_blocks: u64,
-}
+pub use super::manifest::Coded;
 
 impl Driver {
     /// Protect `shuffle` with `r` parity shards per stripe (0: none). Its maps then push to

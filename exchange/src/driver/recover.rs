@@ -15,11 +15,11 @@
 //! parity ([`Driver::rebuild`]). Under push and two-level every map left blocks on every
 //! worker, so a lost worker lost a piece of every map: the caller reruns such a shuffle whole.
 
+use super::placement::Placement;
 use super::{Driver, Lineage, MapInput, REPLACE_TIMEOUT};
 use crate::block::ShuffleId;
 use crate::error::{Error, Result};
 use crate::proto;
-use crate::strategy::Placement;
 use futures::future::BoxFuture;
 use futures::StreamExt;
 use prost::Message;
@@ -41,7 +41,7 @@ impl Driver {
                 e.outputs
                     .iter()
                     .filter_map(|(m, made)| {
-                        let slot = made.lost_holder(self)?;
+                        let slot = made.lost_holder(|slot| self.generation(slot))?;
                         Some((*m, slot, made.lineage.clone()))
                     })
                     .collect()

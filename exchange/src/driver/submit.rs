@@ -4,12 +4,12 @@
 //! every holder it pushed to, its rows per partition and its lineage. The first attempt of a
 //! map to finish claims it; another is cancelled ([`Error::Superseded`]).
 
+use super::placement::Placement;
 use super::{Driver, Lineage, Made, MapDone, MapInput};
 use crate::block::ShuffleId;
 use crate::checksum::Checksum;
 use crate::error::{Error, Result};
 use crate::proto;
-use crate::strategy::Placement;
 use arrow::datatypes::SchemaRef;
 use std::sync::Arc;
 

@@ -22,7 +22,7 @@
 //! runs again whole too (its surviving maps read the old deal), and so on downstream; a
 //! hash-partitioned stage puts every row where it was, which stops the spread.
 
-use super::{lock, report, Stage, StageReport};
+use super::stage::{lock, report, Stage, StageReport};
 use crate::block::ShuffleId;
 use crate::driver::{Driver, REPLACE_TIMEOUT};
 use crate::error::{Error, Result};

@@ -52,6 +52,31 @@ pub struct ShuffleInfo {
 }
 
 impl ShuffleInfo {
+    /// Check a batch against the shuffle's schema; equal columns with other field metadata or
+    /// nullability are relabelled with the shuffle's schema.
+    pub fn conform(&self, batch: arrow::array::RecordBatch) -> Result<arrow::array::RecordBatch> {
+        if batch.schema() == self.schema {
+            return Ok(batch);
+        }
+        if !crate::block::same_columns(&batch.schema(), &self.schema) {
+            return Err(Error::SchemaMismatch {
+                shuffle: self.id,
+                expected: crate::block::schema_summary(&self.schema),
+                found: crate::block::schema_summary(&batch.schema()),
+            });
+        }
+        crate::block::batch_with(
+            self.schema.clone(),
+            batch.columns().to_vec(),
+            batch.num_rows(),
+        )
+        .map_err(|e| Error::SchemaMismatch {
+            shuffle: self.id,
+            expected: crate::block::schema_summary(&self.schema),
+            found: format!("{} ({e})", crate::block::schema_summary(&batch.schema())),
+        })
+    }
+
     /// Where this shuffle's tasks stand in the worker's admission.
     pub fn rank(&self) -> crate::admission::Rank {
         crate::admission::Rank {
@@ -73,8 +98,8 @@ struct Entry {
     location: Location,
     /// Put as an [`EncodedBlock`]: decoded without re-validation once its CRC matches.
     encoded_here: bool,
-    /// A packed block's partition ends ([`crate::packed`]).
-    ends: Option<crate::packed::Ends>,
+    /// A packed block's partition ends ([`crate::block::packed`]).
+    ends: Option<crate::block::packed::Ends>,
 }
 
 struct ShuffleState {
@@ -137,13 +162,7 @@ pub struct BlockStore {
     made_dir: bool,
 }
 
-/// Map ids from here on name merge groups (merging strategies), not map tasks.
-pub const MERGE_GROUP_BASE: u32 = 1 << 31;
-
-/// Merge group ids from here on name forwards ([`crate::forward`]): maps moved unmerged to
-/// their holders, which merge them again like the maps there. Merges count up from
-/// [`MERGE_GROUP_BASE`] below it.
-pub const FORWARD_GROUP_BASE: u32 = MERGE_GROUP_BASE + (1 << 30);
+pub use crate::ids::{FORWARD_GROUP_BASE, MERGE_GROUP_BASE};
 
 /// A merge group's id, not a map's or a forward's: not merged again.
 fn is_merge_group(id: u32) -> bool {
@@ -277,7 +296,7 @@ impl BlockStore {
         id: BlockId,
         rows: u64,
         block: EncodedBlock,
-        ends: Option<crate::packed::Ends>,
+        ends: Option<crate::block::packed::Ends>,
     ) -> Result<(BlockMeta, bool)> {
         self.insert(id, rows, block.into_bytes(), true, ends)
     }
@@ -289,7 +308,7 @@ impl BlockStore {
         rows: u64,
         data: Bytes,
         encoded_here: bool,
-        ends: Option<crate::packed::Ends>,
+        ends: Option<crate::block::packed::Ends>,
     ) -> Result<(BlockMeta, bool)> {
         let meta = BlockMeta {
             id,
@@ -305,10 +324,12 @@ impl BlockStore {
             check_put(sh, &id)?;
             sh.info.partitions
         };
-        let ends = match (id.partition == crate::packed::PACKED, ends) {
+        let ends = match (id.partition == crate::ids::PACKED, ends) {
             (false, _) => None,
             (true, Some(e)) => Some(e),
-            (true, None) => Some(crate::packed::Ends::of_block(&data, partitions, rows)?),
+            (true, None) => Some(crate::block::packed::Ends::of_block(
+                &data, partitions, rows,
+            )?),
         };
         let share = self.memory_share();
         let fits = self
@@ -710,7 +731,7 @@ impl BlockStore {
 /// Whether `id` may be put into `sh` now.
 fn check_put(sh: &ShuffleState, id: &BlockId) -> Result<()> {
     if id.partition >= sh.info.partitions
-        && id.partition != crate::packed::PACKED
+        && id.partition != crate::ids::PACKED
         && id.partition != crate::parity::PARITY
     {
         return Err(Error::invalid(format!(

@@ -18,7 +18,7 @@ struct Checked {
     /// Encoded here and read from memory: decoded without re-validation.
     trusted: bool,
     /// A packed block's ends, and the shuffle's schema its batches are relabelled with.
-    packed: Option<(crate::packed::Ends, arrow::datatypes::SchemaRef)>,
+    packed: Option<(crate::block::packed::Ends, arrow::datatypes::SchemaRef)>,
 }
 
 impl BlockStore {
@@ -56,13 +56,16 @@ impl BlockStore {
     pub fn read_part(&self, id: &BlockId, partition: Option<u32>) -> Result<Vec<RecordBatch>> {
         let (batches, ends) = self.decode(id)?;
         Ok(match (ends, partition) {
-            (Some(ends), Some(p)) => crate::packed::slice_partition(&batches, &ends, p),
+            (Some(ends), Some(p)) => crate::block::packed::slice_partition(&batches, &ends, p),
             _ => batches,
         })
     }
 
     /// A packed block's batches and partition ends (a merge task's input).
-    pub fn read_packed(&self, id: &BlockId) -> Result<(Vec<RecordBatch>, crate::packed::Ends)> {
+    pub fn read_packed(
+        &self,
+        id: &BlockId,
+    ) -> Result<(Vec<RecordBatch>, crate::block::packed::Ends)> {
         match self.decode(id)? {
             (batches, Some(ends)) => Ok((batches, ends)),
             (_, None) => Err(Error::invalid(format!("block {id} is not packed"))),
@@ -72,7 +75,7 @@ impl BlockStore {
     /// The bytes a reader of `partition` gets for block `id`: the stored bytes, or for a
     /// packed block the rows of that partition encoded again (without compression).
     pub fn get_part(&self, id: &BlockId, partition: Option<u32>) -> Result<Bytes> {
-        if id.partition != crate::packed::PACKED || partition.is_none() {
+        if id.partition != crate::ids::PACKED || partition.is_none() {
             return self.get(id);
         }
         let batches = self.read_part(id, partition)?;
@@ -82,7 +85,10 @@ impl BlockStore {
 
     /// Decode a checked block; a packed block's batches carry the shuffle's schema (not the
     /// block's, whose metadata holds the ends).
-    fn decode(&self, id: &BlockId) -> Result<(Vec<RecordBatch>, Option<crate::packed::Ends>)> {
+    fn decode(
+        &self,
+        id: &BlockId,
+    ) -> Result<(Vec<RecordBatch>, Option<crate::block::packed::Ends>)> {
         let c = self.get_checked(id)?;
         let batches = if c.trusted {
             self.unvalidated_decodes.fetch_add(1, Ordering::Relaxed);

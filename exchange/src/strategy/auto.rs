@@ -15,8 +15,10 @@
 //!
 //! The model itself is [`crate::cost`].
 
-use super::{merged, pull, Placement, Strategy, StrategyOptions};
+use super::options::{Strategy, StrategyOptions};
+use super::{merged, pull};
 use crate::cost::{ranking, Shape};
+use crate::driver::Placement;
 use crate::driver::{Driver, MapDone, MapInput, ShuffleSpec};
 use crate::error::{Error, Result};
 use futures::{Stream, StreamExt};
@@ -129,7 +131,7 @@ pub async fn map_side(
     // unpacked (each R blocks) are the first wave only.
     let n = driver.num_workers();
     let (decided, choice) = tokio::sync::watch::channel(false);
-    let inputs = super::held_after(inputs, n, choice)
+    let inputs = super::maps::held_after(inputs, n, choice)
         .inspect(move |_| {
             counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         })

@@ -13,7 +13,8 @@
 //! readers stream during the map side (pipelined SQL stages), the first merge is refused before
 //! it does any work and the strategy stops merging: it then reads like `pull`.
 
-use super::{pull, StrategyOptions};
+use super::options::StrategyOptions;
+use super::pull;
 use crate::driver::{Driver, MapDone, MapInput, ShuffleSpec};
 use crate::error::{Error, Result};
 use crate::store::MERGE_GROUP_BASE;

@@ -2,51 +2,12 @@
 //! of the worker it ran on; once all maps are done the shuffle is sealed and each reducer
 //! pulls its partition — one column of the M×R block matrix — from every worker.
 
-use super::StrategyOptions;
-use crate::checksum::Checksum;
-use crate::driver::{Driver, MapDone, MapInput, ShuffleSpec};
+use super::options::StrategyOptions;
+use crate::driver::{Driver, MapInput, ShuffleSpec};
 use crate::error::Result;
 use crate::proto;
 use futures::{Stream, StreamExt};
 use std::sync::Arc;
-
-/// The map side's outcome: every map's blocks and the checksum of all input rows.
-#[derive(Debug, Clone)]
-pub struct Mapped {
-    pub maps: Vec<MapDone>,
-    pub input: Checksum,
-    pub input_bytes: u64,
-    /// When the first map output was committed.
-    pub first_commit: Option<std::time::Instant>,
-    /// Merge groups committed by the merging strategies (merged, push, two-level, `auto`
-    /// picking one), each with the maps (or forwards) whose blocks it replaced on its worker;
-    /// empty for pull.
-    pub merges: Vec<(MapDone, Vec<u32>)>,
-}
-
-impl Mapped {
-    /// Bytes of the largest reduce partition and the median partition's (skew shows as a
-    /// largest partition far above the median).
-    pub fn partition_bytes(&self, partitions: u32) -> (u64, u64) {
-        let mut bytes = self.bytes_per_partition(partitions);
-        bytes.sort_unstable();
-        let max = bytes.last().copied().unwrap_or(0);
-        let median = bytes.get(bytes.len() / 2).copied().unwrap_or(0);
-        (max, median)
-    }
-
-    /// Bytes of each reduce partition, summed over the committed maps' blocks (packed blocks,
-    /// whose split by partition only their holder knows, are not counted).
-    pub fn bytes_per_partition(&self, partitions: u32) -> Vec<u64> {
-        let mut bytes = vec![0u64; partitions as usize];
-        for b in self.maps.iter().flat_map(|m| &m.blocks) {
-            if let Some(p) = bytes.get_mut(b.meta.id.partition as usize) {
-                *p += b.meta.bytes;
-            }
-        }
-        bytes
-    }
-}
 
 /// Run map tasks for every input (spread over the least-loaded workers, at most
 /// `maps_per_worker` each at once), then seal the shuffle. Fails on the first failed map.
@@ -72,7 +33,7 @@ pub async fn run_maps(
     run_maps_observed(driver, spec, inputs, first_map, opts, |_| {}).await
 }
 
-pub use crate::driver::maps::run_maps_observed;
+pub use super::maps::{run_maps_observed, Mapped};
 
 /// Reduce every partition on the workers (partition p on worker p mod N), each reducer pulling
 /// its blocks from all workers into `sink`. Returns the results in partition order.
@@ -102,7 +63,9 @@ pub async fn reduce_on_workers(
 mod tests {
     use super::*;
     use crate::block::{BlockId, BlockMeta, ShuffleId};
+    use crate::checksum::Checksum;
     use crate::driver::BlockRef;
+    use crate::driver::MapDone;
 
     fn done(map: u32, sizes: &[(u32, u64)]) -> MapDone {
         let blocks = sizes

@@ -6,7 +6,9 @@
 //! backpressure). Reducers then read their own store only: one local read per partition
 //! instead of one request per worker, and the transfer overlaps the map side.
 
-use super::{merged, pull, Placement, StrategyOptions};
+use super::options::StrategyOptions;
+use super::{merged, pull};
+use crate::driver::Placement;
 use crate::driver::{Driver, MapInput, ShuffleSpec};
 use crate::error::Result;
 use futures::Stream;

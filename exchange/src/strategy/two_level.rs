@@ -6,7 +6,9 @@
 //! and a reducer reads from about √N, so requests grow as N√N rather than N² — the saving that
 //! matters at hundreds of workers; on a few it costs a second hop for nothing (see `auto`).
 
-use super::{merged, pull, Placement, StrategyOptions};
+use super::options::StrategyOptions;
+use super::{merged, pull};
+use crate::driver::Placement;
 use crate::driver::{Driver, MapInput, ShuffleSpec};
 use crate::error::Result;
 use futures::Stream;
@@ -26,7 +28,7 @@ pub async fn map_side(
 
 #[cfg(test)]
 mod tests {
-    use super::Placement;
+    use crate::driver::Placement;
 
     #[test]
     fn grid_holders_are_in_the_mappers_row_and_the_owners_column() {

@@ -8,7 +8,7 @@ use super::{
 use crate::block::BlockId;
 use crate::error::{Error, Result};
 use crate::proto;
-use crate::task::BatchStream;
+use crate::source::BatchStream;
 use arrow::datatypes::SchemaRef;
 use arrow_flight::decode::FlightRecordBatchStream;
 use arrow_flight::encode::FlightDataEncoderBuilder;
@@ -454,7 +454,7 @@ impl WorkerClient {
         let cmd = proto::PutCommand {
             kind: Some(proto::put_command::Kind::Block(meta.id.into())),
         };
-        let mut messages = super::server::raw_pieces(&meta, &data);
+        let mut messages = super::raw_pieces(&meta, &data);
         messages[0].flight_descriptor = Some(FlightDescriptor::new_cmd(cmd.encode_to_vec()));
         let mut client = self.client.clone();
         let call = async move {

@@ -5,7 +5,6 @@
 pub mod client;
 pub mod listen;
 pub mod peers;
-pub mod server;
 pub mod tls;
 
 use crate::error::{Error, Result};
@@ -151,6 +150,25 @@ fn proc_status_bytes(field: &str) -> u64 {
         })
         .map(|kb| kb * 1024)
         .unwrap_or(0)
+}
+
+/// Pieces a raw block is sent in (well under the message size limit).
+pub const RAW_PIECE: usize = 1 << 20;
+
+/// A raw block as Flight messages: its metadata with the first piece, then the other pieces.
+pub(crate) fn raw_pieces(meta: &crate::block::BlockMeta, data: &bytes::Bytes) -> Vec<FlightData> {
+    let head: crate::proto::BlockMeta = meta.into();
+    (0..data.len().div_ceil(RAW_PIECE).max(1))
+        .map(|i| FlightData {
+            app_metadata: if i == 0 {
+                prost::Message::encode_to_vec(&head).into()
+            } else {
+                Default::default()
+            },
+            data_body: data.slice(i * RAW_PIECE..((i + 1) * RAW_PIECE).min(data.len())),
+            ..Default::default()
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -2,10 +2,13 @@
 //! then, once the first round is folded, every other map; the maps folded in rounds as they
 //! commit.
 
-use super::{fold_round, input_weights, FoldSpec, Partial, RoundInfo, StreamingJob};
+use super::round::{
+    fold_round, input_weights, round_ranges, FoldSpec, Partial, RoundInfo, StreamingJob,
+};
 use crate::driver::{Driver, MapDone};
 use crate::error::{Error, Result};
-use crate::strategy::{pull, StrategyOptions};
+use crate::strategy::options::StrategyOptions;
+use crate::strategy::pull;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
@@ -44,7 +47,7 @@ pub(super) async fn completion_rounds(
     // not sharing their cores with the next maps.
     let (folded_first, first_folded) = tokio::sync::watch::channel(false);
     let first_wave = driver.num_workers().clamp(1, total_maps);
-    let inputs = Box::pin(crate::strategy::held_after(
+    let inputs = Box::pin(crate::strategy::maps::held_after(
         futures::stream::iter(job.inputs),
         first_wave,
         first_folded,
@@ -101,11 +104,7 @@ fn round_sizes(maps: usize, workers: usize, rounds: usize) -> Vec<usize> {
     let rounds = rounds.max(1);
     let first = maps.div_ceil(rounds).min(workers.max(1)).min(maps);
     let mut sizes = vec![first];
-    sizes.extend(
-        super::round_ranges(maps - first, rounds)
-            .iter()
-            .map(|r| r.len()),
-    );
+    sizes.extend(round_ranges(maps - first, rounds).iter().map(|r| r.len()));
     sizes.retain(|&s| s > 0);
     sizes
 }

@@ -17,60 +17,20 @@
 
 mod completion;
 mod recover;
+mod round;
 
-use super::{pull, AbortOnDrop, StrategyOptions};
-use crate::driver::{Driver, MapDone, MapInput, ShuffleSpec};
+use super::options::StrategyOptions;
+use super::pull;
+use crate::compute::AbortOnDrop;
+use crate::driver::{Driver, MapDone, MapInput};
 use crate::error::{Error, Result};
-use arrow::array::RecordBatch;
-use arrow::datatypes::SchemaRef;
 use completion::completion_rounds;
 use recover::fold_round_recovering;
+use round::{input_weights, join, FoldSpec, RoundInfo};
+pub use round::{round_ranges, Partial, StreamingJob};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
-
-/// A streaming shuffle to run.
-pub struct StreamingJob {
-    pub spec: ShuffleSpec,
-    /// Map inputs in the order they are read (callers randomise it for online aggregation).
-    pub inputs: Vec<MapInput>,
-    /// Size of each input (e.g. rows), for progress; empty = every input weighs 1.
-    pub weights: Vec<u64>,
-    /// Number of rounds (clamped to 1..=inputs; by completion, after the early first one).
-    pub rounds: usize,
-    /// Rounds by completion rather than fixed rounds (see the module doc).
-    pub by_completion: bool,
-    /// Reducer kind registered on the workers and its description.
-    pub reducer: String,
-    pub payload: Vec<u8>,
-}
-
-/// The partial result after one round.
-#[derive(Debug, Clone)]
-pub struct Partial {
-    /// 0-based round whose blocks were folded last.
-    pub round: usize,
-    pub rounds: usize,
-    /// Share of the input weight folded into the states (0..=1).
-    pub progress: f64,
-    /// Map tasks finished when this partial was sent, of `maps_total`.
-    pub maps_done: usize,
-    pub maps_total: usize,
-    pub is_final: bool,
-    pub schema: SchemaRef,
-    /// Each reduce partition's partial result, in partition order.
-    pub partitions: Vec<Vec<RecordBatch>>,
-    /// Rows folded in this round, over all partitions.
-    pub rows_folded: u64,
-    /// Seconds since the job started.
-    pub elapsed: f64,
-}
-
-/// Split `n` inputs into `rounds` consecutive, nearly equal ranges.
-pub fn round_ranges(n: usize, rounds: usize) -> Vec<std::ops::Range<usize>> {
-    let k = rounds.clamp(1, n.max(1));
-    (0..k).map(|r| r * n / k..(r + 1) * n / k).collect()
-}
 
 /// Run the job, sending one [`Partial`] per round to `out` (the last has `is_final`), or the
 /// error that stopped it. The shuffle is dropped on every worker when the job ends.
@@ -175,71 +135,6 @@ async fn rounds(
     }
     Ok(())
 }
-/// Each input's weight (1 each when the job gives none, or not one per input) and their sum.
-fn input_weights(given: &[u64], inputs: usize) -> (Vec<u64>, f64) {
-    let weights = if given.len() == inputs {
-        given.to_vec()
-    } else {
-        vec![1; inputs]
-    };
-    let total = weights.iter().sum::<u64>().max(1) as f64;
-    (weights, total)
-}
-
-async fn join(h: tokio::task::JoinHandle<Result<()>>) -> Result<()> {
-    h.await
-        .map_err(|e| Error::Cluster(format!("fold round panicked: {e}")))?
-}
-
-struct FoldSpec {
-    spec: ShuffleSpec,
-    reducer: String,
-    payload: Vec<u8>,
-    total_maps: usize,
-}
-
-struct RoundInfo {
-    round: usize,
-    /// Rounds in all (by completion: as expected when this round was cut).
-    rounds: usize,
-    is_final: bool,
-    maps_done: usize,
-    progress: f64,
-    start: Instant,
-}
-
-/// Fold one round's blocks: partition p on worker p mod N, all partitions at once.
-async fn fold_round(
-    driver: &Arc<Driver>,
-    f: &FoldSpec,
-    round: &RoundInfo,
-    maps: Vec<MapDone>,
-) -> Result<Partial> {
-    let folds = (0..f.spec.partitions)
-        .map(|p| driver.fold_partition(f.spec.id, p, round.round, &maps, &f.reducer, &f.payload));
-    let results = futures::future::try_join_all(folds).await?;
-    let mut schema = None;
-    let mut partitions = Vec::with_capacity(results.len());
-    let mut rows_folded = 0;
-    for (s, batches, r) in results {
-        schema.get_or_insert(s);
-        partitions.push(batches);
-        rows_folded += r.rows_folded;
-    }
-    Ok(Partial {
-        round: round.round,
-        rounds: round.rounds,
-        progress: round.progress,
-        maps_done: round.maps_done,
-        maps_total: f.total_maps,
-        is_final: round.is_final,
-        schema: schema.unwrap_or_else(|| f.spec.schema.clone()),
-        partitions,
-        rows_folded,
-        elapsed: round.start.elapsed().as_secs_f64(),
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::round_ranges;

@@ -1,7 +1,7 @@
 //! Fixed rounds after a lost worker: map outputs run again and fold states rebuilt on the
 //! replacement by folding the earlier rounds again.
 
-use super::{fold_round, FoldSpec, Partial, RoundInfo};
+use super::round::{fold_round, FoldSpec, Partial, RoundInfo};
 use crate::driver::{Driver, MapDone};
 use crate::error::{Error, Result};
 use std::sync::Arc;

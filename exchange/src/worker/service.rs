@@ -2,11 +2,11 @@
 //! input and pushed blocks, `do_action` runs tasks and answers control messages. Every
 //! message is validated on receipt; a bad one is `InvalidArgument`, never a panic.
 
-use super::{actions, client::decode, ipc_to_flight};
+use super::state::WorkerState;
 use crate::block::{BlockId, ShuffleId, Slice};
 use crate::error::{Error, Result};
 use crate::proto;
-use crate::worker::WorkerState;
+use crate::transport::{actions, client::decode, ipc_to_flight};
 use arrow::ipc::writer::IpcWriteOptions;
 use arrow_flight::decode::FlightRecordBatchStream;
 use arrow_flight::flight_service_server::FlightService;
@@ -112,7 +112,7 @@ impl WorkerService {
                 ))),
             });
         self.state
-            .run_map(task, Box::pin(input), crate::task::TaskStop::default())
+            .run_map(task, Box::pin(input), crate::source::TaskStop::default())
             .await
     }
 
@@ -216,27 +216,13 @@ fn uncompressed(m: &FlightData) -> Result<()> {
 /// The largest raw block a worker takes (blocks are far smaller: a map flushes at a few MiB).
 pub const RAW_BLOCK_LIMIT: u64 = 1 << 30;
 
-/// Pieces a raw block is sent in (well under the message size limit).
-pub const RAW_PIECE: usize = 1 << 20;
-
-/// A raw block as Flight messages: its metadata with the first piece, then the other pieces.
-pub(crate) fn raw_pieces(meta: &crate::block::BlockMeta, data: &bytes::Bytes) -> Vec<FlightData> {
-    let head: proto::BlockMeta = meta.into();
-    (0..data.len().div_ceil(RAW_PIECE).max(1))
-        .map(|i| FlightData {
-            app_metadata: if i == 0 {
-                head.encode_to_vec().into()
-            } else {
-                Default::default()
-            },
-            data_body: data.slice(i * RAW_PIECE..((i + 1) * RAW_PIECE).min(data.len())),
-            ..Default::default()
-        })
-        .collect()
-}
-
 fn raw_messages(meta: crate::block::BlockMeta, data: bytes::Bytes) -> Stream<FlightData> {
-    futures::stream::iter(raw_pieces(&meta, &data).into_iter().map(Ok)).boxed()
+    futures::stream::iter(
+        crate::transport::raw_pieces(&meta, &data)
+            .into_iter()
+            .map(Ok),
+    )
+    .boxed()
 }
 
 impl WorkerService {

@@ -1,7 +1,10 @@
-//! Block identity and metadata, and the Arrow IPC codec blocks are stored in.
+//! Block metadata, and the Arrow IPC codec blocks are stored in (block identity is in
+//! [`crate::ids`], re-exported here).
 //!
 //! A block is one Arrow IPC stream (schema message, batch messages, end marker), optionally with
 //! LZ4-frame or ZSTD buffer compression, plus its row count, byte size and CRC32C.
+
+pub mod packed;
 
 use crate::error::{Error, Result};
 use crate::proto;
@@ -14,31 +17,7 @@ use bytes::Bytes;
 use std::fmt;
 use std::sync::Arc;
 
-/// Names one shuffle across the cluster.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ShuffleId(pub u64);
-
-impl fmt::Display for ShuffleId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:016x}", self.0)
-    }
-}
-
-impl ShuffleId {
-    pub fn random() -> Self {
-        ShuffleId(rand::random::<u64>())
-    }
-}
-
-/// (shuffle, map or merge group, reduce partition, attempt, sequence within the attempt).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct BlockId {
-    pub shuffle: ShuffleId,
-    pub map: u32,
-    pub partition: u32,
-    pub attempt: u32,
-    pub seq: u32,
-}
+pub use crate::ids::{BlockId, ShuffleId};
 
 /// A part of one reduce partition for a skew split: the reader of slice `index` of `count`
 /// reads only the blocks [`Slice::contains`] assigns to it, so `count` readers of the same
@@ -55,10 +34,10 @@ impl Slice {
     pub const WHOLE: Slice = Slice { index: 0, count: 1 };
 
     /// Slice `index` of `count`; an index outside `0..count` is an error.
-    pub fn new(index: u32, count: u32) -> crate::Result<Slice> {
+    pub fn new(index: u32, count: u32) -> Result<Slice> {
         let count = count.max(1);
         if index >= count {
-            return Err(crate::Error::invalid(format!(
+            return Err(Error::invalid(format!(
                 "slice {index} of {count}: the index must be below the count"
             )));
         }
@@ -72,40 +51,6 @@ impl Slice {
     /// Whether block `id` belongs to this slice.
     pub fn contains(&self, id: &BlockId) -> bool {
         self.is_whole() || id.map.wrapping_add(id.seq) % self.count == self.index
-    }
-}
-
-impl fmt::Display for BlockId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "shuffle={} map={} partition={} attempt={} seq={}",
-            self.shuffle, self.map, self.partition, self.attempt, self.seq
-        )
-    }
-}
-
-impl From<&proto::BlockKey> for BlockId {
-    fn from(k: &proto::BlockKey) -> Self {
-        BlockId {
-            shuffle: ShuffleId(k.shuffle_id),
-            map: k.map_id,
-            partition: k.partition,
-            attempt: k.attempt,
-            seq: k.seq,
-        }
-    }
-}
-
-impl From<BlockId> for proto::BlockKey {
-    fn from(b: BlockId) -> Self {
-        proto::BlockKey {
-            shuffle_id: b.shuffle.0,
-            map_id: b.map,
-            partition: b.partition,
-            attempt: b.attempt,
-            seq: b.seq,
-        }
     }
 }
 
@@ -331,6 +276,33 @@ pub fn compact_views(batch: &RecordBatch) -> Result<RecordBatch> {
         })
         .collect();
     Ok(batch_with(batch.schema(), cols, batch.num_rows())?)
+}
+
+/// `batch` cast to `schema` where a column's type differs (dictionaries to their values).
+pub fn cast_to(batch: RecordBatch, schema: &SchemaRef) -> Result<RecordBatch> {
+    if batch.schema() == *schema {
+        return Ok(batch);
+    }
+    if batch.num_columns() != schema.fields().len() {
+        return Err(Error::invalid(format!(
+            "a batch has {} columns, the shuffle's schema {}",
+            batch.num_columns(),
+            schema.fields().len()
+        )));
+    }
+    let cols = batch
+        .columns()
+        .iter()
+        .zip(schema.fields())
+        .map(|(c, f)| {
+            if c.data_type() == f.data_type() {
+                Ok(c.clone())
+            } else {
+                arrow::compute::cast(c, f.data_type()).map_err(Error::from)
+            }
+        })
+        .collect::<Result<Vec<arrow::array::ArrayRef>>>()?;
+    Ok(batch_with(schema.clone(), cols, batch.num_rows())?)
 }
 
 /// `columns` under `schema`, keeping the row count also when there are no columns (a

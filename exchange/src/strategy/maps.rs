@@ -4,22 +4,84 @@
 //! run again in place. Strategies decide what happens to the committed outputs
 //! ([`crate::strategy`]); this module only runs the tasks.
 
+use super::options::StrategyOptions;
+use super::speculation::Speculator;
 use crate::checksum::Checksum;
+use crate::compute::AbortOnDrop;
 use crate::driver::{Driver, MapDone, MapInput, ShuffleSpec};
 use crate::error::Result;
-use crate::strategy::pull::Mapped;
-use crate::strategy::speculation::Speculator;
-use crate::strategy::{AbortOnDrop, StrategyOptions};
 use futures::stream::FuturesUnordered;
 use futures::{Stream, StreamExt};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
+/// The map side's outcome: every map's blocks and the checksum of all input rows.
+#[derive(Debug, Clone)]
+pub struct Mapped {
+    pub maps: Vec<MapDone>,
+    pub input: Checksum,
+    pub input_bytes: u64,
+    /// When the first map output was committed.
+    pub first_commit: Option<std::time::Instant>,
+    /// Merge groups committed by the merging strategies (merged, push, two-level, `auto`
+    /// picking one), each with the maps (or forwards) whose blocks it replaced on its worker;
+    /// empty for pull.
+    pub merges: Vec<(MapDone, Vec<u32>)>,
+}
+
+impl Mapped {
+    /// Bytes of the largest reduce partition and the median partition's (skew shows as a
+    /// largest partition far above the median).
+    pub fn partition_bytes(&self, partitions: u32) -> (u64, u64) {
+        let mut bytes = self.bytes_per_partition(partitions);
+        bytes.sort_unstable();
+        let max = bytes.last().copied().unwrap_or(0);
+        let median = bytes.get(bytes.len() / 2).copied().unwrap_or(0);
+        (max, median)
+    }
+
+    /// Bytes of each reduce partition, summed over the committed maps' blocks (packed blocks,
+    /// whose split by partition only their holder knows, are not counted).
+    pub fn bytes_per_partition(&self, partitions: u32) -> Vec<u64> {
+        let mut bytes = vec![0u64; partitions as usize];
+        for b in self.maps.iter().flat_map(|m| &m.blocks) {
+            if let Some(p) = bytes.get_mut(b.meta.id.partition as usize) {
+                *p += b.meta.bytes;
+            }
+        }
+        bytes
+    }
+}
+
+/// `inputs` in order, those from the `first`-th on only once `gate` reads true (or its sender
+/// is gone). `auto` holds the maps after its first wave until it has chosen; online rounds by
+/// completion hold the maps after their first wave until the first round is folded.
+pub(crate) fn held_after<S>(
+    inputs: S,
+    first: usize,
+    gate: tokio::sync::watch::Receiver<bool>,
+) -> impl futures::Stream<Item = S::Item>
+where
+    S: futures::Stream,
+{
+    use futures::StreamExt;
+    inputs.enumerate().then(move |(i, input)| {
+        let mut gate = gate.clone();
+        async move {
+            if i >= first {
+                // A closed gate (its sender dropped) lets every input through.
+                let _ = gate.wait_for(|open| *open).await;
+            }
+            input
+        }
+    })
+}
+
 /// Times one map side runs maps again after lost workers before it gives up.
 const MAX_RERUNS: usize = 3;
 
-/// [`crate::strategy::pull::run_maps`], calling `on_commit` with each map output as the driver commits it.
+/// [`super::pull::run_maps`], calling `on_commit` with each map output as the driver commits it.
 ///
 /// With `opts.recover` (readers start after the seal) and a driver that replaces lost
 /// workers, a lost worker does not fail the map side: an attempt that failed with its worker
@@ -267,4 +329,27 @@ pub async fn run_maps_observed(
         out.input_bytes += d.input_bytes;
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::held_after;
+    use futures::{FutureExt, StreamExt};
+
+    #[tokio::test]
+    async fn the_inputs_after_the_first_wait_for_the_gate() {
+        let (open, gate) = tokio::sync::watch::channel(false);
+        let mut held = Box::pin(held_after(futures::stream::iter(0..5u8), 2, gate));
+        for want in 0..2 {
+            assert_eq!(held.next().now_or_never(), Some(Some(want)));
+        }
+        assert!(held.next().now_or_never().is_none(), "the third waits");
+        open.send(true).unwrap();
+        assert_eq!(held.collect::<Vec<_>>().await, vec![2, 3, 4]);
+        // A gate whose sender is gone holds nothing back.
+        let (open, gate) = tokio::sync::watch::channel(false);
+        drop(open);
+        let all = held_after(futures::stream::iter(0..3u8), 1, gate);
+        assert_eq!(all.collect::<Vec<_>>().now_or_never(), Some(vec![0, 1, 2]));
+    }
 }
