@@ -280,7 +280,17 @@ async fn parity_rebuilds_committed_outputs_when_a_worker_dies_while_mapping() {
     // lost worker rebuilt from parity; those running then run again from the kept inputs.
     let opts = options(6, with_parity(1));
     let job = start_job(&cluster, &input, &opts, Duration::from_millis(10)).await;
-    tokio::time::sleep(Duration::from_millis(900)).await;
+    // Killed once some map is committed (its blocks, at their owners, include worker 1's) and
+    // while the producer still feeds others: not after a fixed time, which on a loaded
+    // machine could come before any commit.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while cluster.driver.live_blocks(job.id) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no map committed within 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     cluster.kill_worker(1).unwrap();
     let mut parts = Vec::new();
     read_rest(&job, 0, &mut parts).await;
