@@ -466,9 +466,7 @@ impl NativeCluster {
     /// Per-worker block store statistics, as a JSON list.
     fn stats_json(&self, py: Python<'_>) -> PyResult<String> {
         let driver = self.driver()?;
-        let stats = py
-            .detach(|| self.rt.block_on(driver.stats()))
-            .map_err(to_py)?;
+        let stats = wait(py, &self.rt, driver.stats())?.map_err(to_py)?;
         let list: Vec<serde_json::Value> = stats
             .iter()
             .map(|s| {
@@ -527,26 +525,24 @@ impl NativeCluster {
     /// Register a Parquet file or directory as a SQL table.
     fn register_parquet(&self, py: Python<'_>, name: String, path: String) -> PyResult<()> {
         let ctx = self.sql_context()?;
-        py.detach(|| {
-            self.rt.block_on(async {
-                sql::register(&ctx, &name, &path).await?;
-                exchange_datafusion::context::replace_parquet(&self.local, &name, &path)
-                    .await
-                    .map_err(sql::df_err)
-            })
-        })
+        let local = &self.local;
+        wait(py, &self.rt, async {
+            sql::register(&ctx, &name, &path).await?;
+            exchange_datafusion::context::replace_parquet(local, &name, &path)
+                .await
+                .map_err(sql::df_err)
+        })?
     }
 
     /// Run a query on single-process DataFusion in this process over the same registered
     /// tables (a baseline); returns (pyarrow.Table, seconds).
     fn sql_single_process(&self, py: Python<'_>, query: String) -> PyResult<(Py<PyAny>, f64)> {
         let start = std::time::Instant::now();
-        let batches = py
-            .detach(|| {
-                self.rt
-                    .block_on(async { self.local.sql(&query).await?.collect().await })
-            })
-            .map_err(|e| sql::df_err(e.into()))?;
+        let local = &self.local;
+        let batches = wait(py, &self.rt, async {
+            local.sql(&query).await?.collect().await
+        })?
+        .map_err(|e| sql::df_err(e.into()))?;
         let seconds = start.elapsed().as_secs_f64();
         let schema = batches
             .first()
@@ -589,9 +585,7 @@ impl NativeCluster {
     /// This machine's calibration for the `auto` strategy (measured on first use), as JSON.
     fn calibration_json(&self, py: Python<'_>) -> PyResult<String> {
         let driver = self.driver()?;
-        let c = py
-            .detach(|| self.rt.block_on(driver.calibration()))
-            .map_err(to_py)?;
+        let c = wait(py, &self.rt, driver.calibration())?.map_err(to_py)?;
         Ok(exchange::calibrate::to_json(&c).to_string())
     }
 
