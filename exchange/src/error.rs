@@ -131,7 +131,13 @@ impl Error {
             Error::Timeout { .. } => tonic::Status::deadline_exceeded(msg),
             Error::Cancelled(_) => tonic::Status::cancelled(msg),
             Error::Precondition(_) => tonic::Status::failed_precondition(msg),
-            Error::Io { source, .. } if source.raw_os_error() == Some(28) => {
+            // A full disk or a spent quota (ENOSPC, EDQUOT): resources, not a bug.
+            Error::Io { source, .. }
+                if matches!(
+                    source.kind(),
+                    std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+                ) =>
+            {
                 tonic::Status::resource_exhausted(msg)
             }
             Error::Remote { code, .. } => tonic::Status::new(*code, msg),
@@ -143,5 +149,23 @@ impl Error {
 impl From<Error> for tonic::Status {
     fn from(e: Error) -> Self {
         e.to_status()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A full disk (ENOSPC) or a spent quota (EDQUOT) is `ResourceExhausted` for the caller, any
+    /// other I/O failure `Internal`.
+    #[test]
+    fn a_full_disk_or_quota_is_resource_exhausted() {
+        let io = |errno| Error::Io {
+            path: "/spill/segment".into(),
+            source: std::io::Error::from_raw_os_error(errno),
+        };
+        assert_eq!(io(28).to_status().code(), tonic::Code::ResourceExhausted);
+        assert_eq!(io(122).to_status().code(), tonic::Code::ResourceExhausted);
+        assert_eq!(io(5).to_status().code(), tonic::Code::Internal);
     }
 }
