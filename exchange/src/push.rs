@@ -150,7 +150,7 @@ impl Pusher {
     pub async fn finish(
         mut self,
         store: &crate::store::BlockStore,
-        out: &mut crate::task::MapOutput,
+        out: &mut crate::map_config::MapOutput,
     ) -> Result<()> {
         self.send_parity(store, out).await?;
         let mut waits = Vec::new();
@@ -176,7 +176,7 @@ impl Pusher {
     async fn send_parity(
         &mut self,
         store: &crate::store::BlockStore,
-        out: &mut crate::task::MapOutput,
+        out: &mut crate::map_config::MapOutput,
     ) -> Result<()> {
         let r = std::mem::take(&mut self.parity);
         if r == 0 {

@@ -439,3 +439,133 @@ mod tests {
         }
     }
 }
+
+/// The running aggregate ([`crate::running`]) through the fold path.
+#[cfg(test)]
+mod running_tests {
+    use super::*;
+    use crate::combine::{partial_reduce, PartialReduceKind};
+    use arrow::array::{Int32Array, Int64Array, StringArray, StringViewArray};
+    use arrow::datatypes::{DataType, Field, Schema};
+    use arrow::util::pretty::pretty_format_batches;
+    use datafusion::datasource::MemTable;
+    use datafusion::physical_plan::{collect, ExecutionPlan};
+    use datafusion::prelude::{SessionConfig, SessionContext};
+    use exchange::combine::CombinerKind;
+    use exchange::source::Reducer;
+    use proptest::prelude::*;
+    use prost::Message;
+
+    type Row = (Option<u8>, i64, Option<i32>);
+
+    fn input(rows: &[Row], view: bool) -> RecordBatch {
+        let kind = if view {
+            DataType::Utf8View
+        } else {
+            DataType::Utf8
+        };
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("k", kind, true),
+            Field::new("g", DataType::Int64, false),
+            Field::new("x", DataType::Int32, true),
+        ]));
+        // Long enough that views point into the data buffer.
+        let keys = rows
+            .iter()
+            .map(|r| r.0.map(|v| format!("key number {v} of the test")));
+        let k: ArrayRef = if view {
+            Arc::new(keys.collect::<StringViewArray>())
+        } else {
+            Arc::new(keys.collect::<StringArray>())
+        };
+        let g: Int64Array = rows.iter().map(|r| r.1).collect();
+        let x: Int32Array = rows.iter().map(|r| r.2).collect();
+        RecordBatch::try_new(schema, vec![k, Arc::new(g), Arc::new(x)]).unwrap()
+    }
+
+    fn partial(plan: &Arc<dyn ExecutionPlan>) -> Option<Arc<dyn ExecutionPlan>> {
+        if let Some(a) = plan.downcast_ref::<AggregateExec>() {
+            if *a.mode() == datafusion::physical_plan::aggregates::AggregateMode::Partial {
+                return Some(plan.clone());
+            }
+        }
+        plan.children().into_iter().find_map(partial)
+    }
+
+    /// Sorted lines of the rows (group order differs between the two ways).
+    fn lines(batches: &[RecordBatch]) -> Vec<String> {
+        let text = pretty_format_batches(batches).unwrap().to_string();
+        let mut out: Vec<String> = text.lines().skip(3).map(str::to_string).collect();
+        out.sort();
+        out
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(40))]
+        /// Folding partial states batch by batch, snapshotting after each round, ends where
+        /// combining all of them at once does (SUM, COUNT, MIN, MAX, AVG; null keys and
+        /// values; one key or two, Utf8 or Utf8View), and every snapshot is the combination
+        /// of what was added so far; a batch of other columns is an error.
+        #[test]
+        fn folding_round_by_round_equals_combining_at_once(
+            rows in proptest::collection::vec(
+                (prop::option::of(0u8..5), 0i64..3, prop::option::of(-50i32..50)), 4..200),
+            parts in 2usize..5,
+            rounds in 1usize..4,
+            view: bool,
+            one_key: bool,
+        ) {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(async {
+                let chunk = rows.len().div_ceil(parts).max(1);
+                let batches: Vec<Vec<RecordBatch>> =
+                    rows.chunks(chunk).map(|c| vec![input(c, view)]).collect();
+                let ctx = SessionContext::new_with_config(
+                    SessionConfig::new().with_target_partitions(batches.len().max(2)),
+                );
+                let table = MemTable::try_new(batches[0][0].schema(), batches).unwrap();
+                ctx.register_table("t", Arc::new(table)).unwrap();
+                let keys = if one_key { "k" } else { "k, g" };
+                let sql = format!(
+                    "SELECT {keys}, SUM(x), COUNT(x), COUNT(*), MIN(x), MAX(k), AVG(x) \
+                     FROM t GROUP BY {keys}"
+                );
+                let plan = ctx.sql(&sql).await.unwrap().create_physical_plan().await.unwrap();
+                let agg_plan = partial(&plan).expect("a partial aggregate");
+                let agg = agg_plan.downcast_ref::<AggregateExec>().unwrap();
+                let states = collect(agg_plan.clone(), ctx.task_ctx()).await.unwrap();
+                let schema = agg_plan.schema();
+                let payload = partial_reduce(agg).unwrap().expect("a PartialReduce plan");
+                let (plan, _) = crate::combine::decode(&payload, &schema).unwrap();
+                let reduce = plan.downcast_ref::<AggregateExec>().unwrap();
+                let combiner = PartialReduceKind.open(&payload, &schema).unwrap();
+                let mut running = Running::try_new(reduce, schema.clone()).unwrap().unwrap();
+                let per_round = states.len().div_ceil(rounds).max(1);
+                let mut added = Vec::new();
+                // The same rounds through the reducer the workers run.
+                let fold_payload = FoldPayload { plan: payload.clone(), top: None }.encode_to_vec();
+                let mut folded = None;
+                for round in states.chunks(per_round) {
+                    for b in round {
+                        running.add(b).unwrap();
+                    }
+                    added.extend(round.iter().cloned());
+                    let got = running.snapshot().unwrap();
+                    let want = tokio::task::block_in_place(|| combiner.combine(&added)).unwrap();
+                    prop_assert_eq!(lines(&got), lines(&want));
+                    let state = PartialFold
+                        .fold(&fold_payload, folded.take(), round.to_vec(), schema.clone())
+                        .unwrap();
+                    prop_assert!(super::is_running(&state), "the fold took the running path");
+                    let (_, emitted) = PartialFold.emit(&fold_payload, &state).unwrap();
+                    prop_assert_eq!(lines(&emitted), lines(&want));
+                    folded = Some(state);
+                }
+                let all = tokio::task::block_in_place(|| combiner.combine(&states)).unwrap();
+                prop_assert_eq!(running.len(), lines(&all).len() - 1);
+                prop_assert!(running.add(&input(&rows, view)).is_err());
+                Ok(())
+            })?;
+        }
+    }
+}
