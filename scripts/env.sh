@@ -30,3 +30,8 @@ export PATH="$VENV/bin:$PATH"
 export VIRTUAL_ENV="$VENV"
 # Build the extension against this interpreter both under cargo and maturin (no rebuild flip-flop).
 export PYO3_PYTHON="$VENV/bin/python"
+# The benchmarks and trials (bench/flightshuffle_bench, `flightshuffle-bench`): a package of this
+# checkout, never in the wheel, installed editable once per venv and checkout.
+if ! "$VENV/bin/python" -c "import sys, flightshuffle_bench as b; sys.exit(not b.__file__.startswith('$ROOT/'))" 2>/dev/null; then
+  quiet "$VENV/bin/python" -m pip install --no-deps -e "$ROOT/bench"
+fi

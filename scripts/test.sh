@@ -14,7 +14,8 @@ quiet bash scripts/slt.sh --baseline docs/slt/ci-baseline.json aggregate.slt joi
 echo "== python: build (maturin develop), ruff, pytest"
 echo "== building the extension (maturin develop; output shown only on failure)"
 quiet maturin develop
-ruff check python tests
-ruff format --check python tests
+ruff check python bench tests
+ruff format --check python bench tests
+mkdocs build --strict --quiet
 python -m pytest -q tests
 echo "== all tests passed in $((SECONDS - start)) s"

@@ -8,7 +8,7 @@ import os
 import flightshuffle as fs
 import polars as pl
 import pytest
-from flightshuffle import tpch
+from flightshuffle_bench import tpch
 
 TPCH_SF = 0.1
 TPCH_DATA = os.environ.get(

@@ -10,7 +10,7 @@ import flightshuffle as fs
 import polars as pl
 import pytest
 from conftest import assert_keys_not_split, assert_same_multiset
-from flightshuffle import tpch
+from flightshuffle_bench import tpch
 
 SF = 0.1
 DATA = os.environ.get(

@@ -296,7 +296,7 @@ def test_dataset_pipeline_with_a_worker_killed_at_a_random_moment_matches_one_pr
     aggregate) with one worker SIGKILLed at a seeded random moment: a stage that lost a worker
     while mapping runs again, a lost stage's outputs are recomputed from their splits, and the
     answer equals one process's."""
-    from flightshuffle import tpch
+    from flightshuffle_bench import tpch
 
     data = os.environ.get(
         "FLIGHTSHUFFLE_TPCH_DATA",

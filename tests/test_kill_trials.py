@@ -6,7 +6,7 @@ during the job and end exact or in a clear error, never with a wrong answer."""
 from __future__ import annotations
 
 import pytest
-from flightshuffle import killtrials
+from flightshuffle_bench import killtrials
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,8 @@ import duckdb
 import flightshuffle as fs
 import polars as pl
 import pytest
-from flightshuffle import tpch
-from flightshuffle.tpch import Q1_LIKE
+from flightshuffle_bench import tpch
+from flightshuffle_bench.tpch import Q1_LIKE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -178,6 +178,8 @@ def test_cli_online_draws_the_plot(lineitem, tmp_path):
             "-m",
             "flightshuffle.cli",
             "online",
+            "--sql",
+            Q1_LIKE,
             "--table",
             f"lineitem={lineitem}",
             "--rounds",

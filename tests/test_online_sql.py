@@ -11,7 +11,7 @@ import polars as pl
 import pyarrow as pa
 import pytest
 from conftest import TPCH_SF
-from flightshuffle import tpch
+from flightshuffle_bench import tpch
 
 SF = TPCH_SF
 
@@ -400,7 +400,7 @@ def test_online_bound_counts_draws_within_and_the_whole_table_is_exact(tpch_data
     import json
 
     import polars as pl
-    from flightshuffle import samplebound
+    from flightshuffle_bench import samplebound
 
     lineitem = pl.read_parquet(tpch.table_paths(tpch_data)["lineitem"], columns=samplebound.COLUMNS)
     exact = samplebound.q1(lineitem, 1.0)

@@ -12,7 +12,7 @@ import flightshuffle as fs
 import polars as pl
 import pytest
 from conftest import TPCH_SF, alive, assert_same_multiset
-from flightshuffle import tpch
+from flightshuffle_bench import tpch
 
 ray = pytest.importorskip(
     "ray", reason='Ray is not installed: pip install "flightshuffle[ray]" to run these tests'

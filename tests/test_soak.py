@@ -3,7 +3,7 @@ shuffles, dataset pipelines and online aggregations, every answer checked, no wo
 
 from __future__ import annotations
 
-from flightshuffle import soak
+from flightshuffle_bench import soak
 
 
 def test_eight_threads_of_mixed_jobs_are_all_exact_and_lose_no_worker():

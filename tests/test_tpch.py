@@ -13,7 +13,7 @@ import time
 import flightshuffle as fs
 import pytest
 from conftest import alive
-from flightshuffle import tpch
+from flightshuffle_bench import tpch
 
 SF = 0.1
 DATA = os.environ.get(

@@ -23,6 +23,7 @@
 //! (Without this, TPC-H at a 64 MiB budget stalled 1 s for the overdraft in about one run in
 //! two: four consumer tasks held every grant, waiting on a producer task queued behind them.)
 
+use crate::sync::lock;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -270,10 +271,6 @@ impl Admission {
     pub fn metrics(&self) -> AdmissionMetrics {
         lock(&self.inner).metrics
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 #[cfg(test)]

@@ -134,7 +134,7 @@ async fn probe(
 ) -> Result<ProbeRead> {
     let spec = ShuffleSpec {
         id: ShuffleId::random(),
-        schema: crate::gen::lineitem_schema(),
+        schema: crate::synthetic::lineitem_schema(),
         partitions,
         partitioner: crate::partitioner::hash(&["l_orderkey"]),
         checksum_inputs: false,
@@ -159,7 +159,7 @@ async fn probe_run(
     driver.create_shuffle(spec).await?;
     let mut input_bytes = 0;
     for m in 0..maps {
-        let slice = crate::gen::LineitemSlice {
+        let slice = crate::synthetic::LineitemSlice {
             first_attempt_delay_ms: 0,
             first: m * rows,
             rows,
@@ -167,7 +167,7 @@ async fn probe_run(
             batch_rows: rows as usize,
         };
         let source = proto::TaskSource {
-            kind: crate::gen::LINEITEM_SOURCE.into(),
+            kind: crate::synthetic::LINEITEM_SOURCE.into(),
             payload: serde_json::to_vec(&slice).unwrap_or_default(),
         };
         let done = driver

@@ -5,6 +5,7 @@
 
 use crate::driver::{Driver, DriverConfig};
 use crate::error::{Error, Result};
+use crate::sync::lock;
 use crate::worker::{READY_LINE, TOKEN_ENV};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
@@ -224,10 +225,6 @@ impl Launcher {
         tracing::info!(worker = i, generation = g, %addr, "replacement worker started");
         Ok(addr)
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// In a default spill root, the pid of the process that owns it.

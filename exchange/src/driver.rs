@@ -23,6 +23,7 @@ use crate::block::{BlockId, ShuffleId, Slice};
 use crate::error::{Error, Result};
 use crate::proto;
 use crate::source::BatchStream;
+use crate::sync::lock;
 use crate::transport::actions;
 use crate::transport::client::WorkerClient;
 use arrow::datatypes::SchemaRef;
@@ -93,10 +94,6 @@ pub struct Driver {
     reruns: std::sync::atomic::AtomicU64,
     /// Shuffles created so far: the next one's `CreateShuffle.order`.
     shuffle_order: std::sync::atomic::AtomicU64,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Driver {

@@ -18,6 +18,7 @@ use crate::checksum::Checksum;
 use crate::driver::{Driver, MapInput, ShuffleSpec};
 use crate::error::{Error, Result};
 use crate::strategy::{self, pull::Mapped, StrategyOptions};
+use crate::sync::lock;
 use crate::{partitioner, proto};
 use arrow::array::{RecordBatch, UInt32Array};
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
@@ -188,10 +189,6 @@ pub struct ShuffleJob {
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// The runtime the job runs on (a drop outside it still frees the shuffle there).
     runtime: tokio::runtime::Handle,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl ShuffleJob {

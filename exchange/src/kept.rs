@@ -17,6 +17,7 @@
 
 use crate::error::{Error, Result};
 use crate::source::BatchStream;
+use crate::sync::lock;
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use std::path::PathBuf;
@@ -43,6 +44,7 @@ fn keep_memory() -> u64 {
 }
 
 /// Set the bytes of kept inputs held in memory in this process (see [`KEEP_MEMORY`]).
+#[cfg(test)]
 pub fn set_keep_memory(bytes: u64) {
     LIMIT.store(bytes.min(u64::MAX - 1), Ordering::SeqCst);
 }
@@ -141,10 +143,6 @@ impl std::fmt::Debug for KeptInput {
             .field("ended", &st.ended)
             .finish_non_exhaustive()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl KeptInput {

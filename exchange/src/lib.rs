@@ -4,43 +4,49 @@
 //! every strategy; strategies in [`strategy`] only decide which task runs where and when.
 //! This crate does not depend on any query engine.
 
-pub mod admission;
-pub mod allocator;
-pub mod bench;
+mod admission;
+mod allocator;
 pub mod block;
-pub mod calibrate;
+mod calibrate;
 pub mod checksum;
 pub mod cluster;
 pub mod combine;
-pub mod compute;
-pub mod cost;
+mod compute;
+mod cost;
 pub mod driver;
-pub mod error;
-pub mod forward;
-pub mod gen;
+mod error;
+mod forward;
 pub mod ids;
 pub mod job;
-pub mod kept;
-pub mod map_config;
-pub mod packed;
-pub mod parity;
+mod kept;
+mod map_config;
+mod packed;
+mod parity;
 pub mod partitioner;
-pub mod private;
-pub mod push;
+mod private;
+mod push;
 pub mod scheduler;
 pub mod source;
-pub mod store;
+mod store;
 pub mod strategy;
-pub mod task;
+pub mod sync;
+pub mod synthetic;
+mod task;
 pub mod transport;
 pub mod worker;
 
 /// Protobuf messages of the Flight protocol (tickets, put commands, actions).
+#[allow(missing_docs)]
 pub mod proto {
     include!(concat!(env!("OUT_DIR"), "/flightshuffle.rs"));
 }
 
+pub use admission::enabled as admission_enabled;
 pub use block::{BlockId, BlockMeta, Compression, ShuffleId};
+pub use calibrate::to_json as calibration_json;
 pub use error::{Error, Result};
+pub use kept::in_memory as kept_in_memory;
+pub use map_config::MapConfig;
+pub use parity::check as check_parity;
 /// gRPC status codes, as carried by [`Error::Remote`].
 pub use tonic as transport_code;

@@ -20,7 +20,7 @@ use arrow::array::{RecordBatch, UInt32Array};
 use arrow::compute::take_record_batch;
 use futures::StreamExt;
 
-pub use crate::block::packed::{encode, slice_partition, Ends, PACKED};
+pub use crate::block::packed::{encode, Ends, PACKED};
 
 /// A flush is packed only when its non-empty partitions average fewer bytes than this: larger
 /// pieces are blocks of their own, which readers read whole and merges would not take anyway.
@@ -259,6 +259,7 @@ impl Writer<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::block::packed::slice_partition;
     use crate::checksum::Checksum;
     use arrow::array::{Int64Array, StringArray};
     use arrow::datatypes::Schema;

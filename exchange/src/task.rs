@@ -5,7 +5,7 @@ use crate::block::{BlockId, BlockMeta, EncodedBlock};
 use crate::error::{Error, Result};
 pub use crate::map_config::{MapConfig, MapOutput};
 use crate::partitioner::Partitioner;
-pub use crate::source::{BatchSource, BatchStream, ShuffleReader, SourceRegistry, TaskContext};
+pub use crate::source::BatchStream;
 use crate::store::{BlockStore, ShuffleInfo};
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;

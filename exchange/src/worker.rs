@@ -1,37 +1,38 @@
-//! The worker: a block store, a Flight server and the tasks it runs. Hosted by the
-//! `flightshuffle-worker` binary and by `python -m flightshuffle.worker`; both parse the same
-//! command line ([`WorkerArgs`]) and print one ready line with the bound address.
+//! The worker: a block store, a Flight server and the tasks it runs, as one unit. Its state
+//! ([`WorkerState`]) is built from a [`WorkerConfig`]; its Flight service ([`flight_service`]) is
+//! a tonic service a host adds to a server of its own; [`main_with_args`] is the one process
+//! entry that every worker program calls (the `flightshuffle-worker` and
+//! `flightshuffle-sql-worker` binaries, `python -m flightshuffle.worker`, the `tpch` and
+//! `flightshuffle-slt` runners): it parses the command line ([`WorkerArgs`]), serves, and
+//! prints one ready line with the bound address.
 
 mod args;
+mod config;
 pub mod probe;
 mod service;
 mod state;
 
-use crate::admission::Admission;
-use crate::block::Compression;
 use crate::error::{Error, Result};
 use crate::source::SourceRegistry;
-use crate::store::{BlockStore, StoreConfig};
-use crate::task::MapConfig;
-use crate::transport::peers::PeerReader;
+use crate::store::BlockStore;
 use crate::transport::{bearer, CONNECTION_WINDOW, MAX_MESSAGE_BYTES, STREAM_WINDOW, TOKEN_HEADER};
 pub use args::WorkerArgs;
 use arrow_flight::flight_service_server::FlightServiceServer;
-use service::WorkerService;
+pub use config::WorkerConfig;
+pub use service::WorkerService;
 pub use state::{WorkerState, READY_LINE, TOKEN_ENV};
-use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::Arc;
 use subtle::ConstantTimeEq;
+use tonic::service::interceptor::InterceptedService;
 
 /// The sources and reducers every worker knows: the lineitem generator and the checksum
 /// reducer (engines add theirs).
 pub fn builtin_sources() -> SourceRegistry {
     let mut r = SourceRegistry::default();
     r.register(
-        crate::gen::LINEITEM_SOURCE,
-        Arc::new(crate::gen::LineitemSource),
+        crate::synthetic::LINEITEM_SOURCE,
+        Arc::new(crate::synthetic::LineitemSource),
     );
     r.register_reducer(
         crate::source::CHECKSUM_REDUCER,
@@ -40,54 +41,56 @@ pub fn builtin_sources() -> SourceRegistry {
     r
 }
 
-/// Build the worker state from its arguments, the token and the address it advertises.
-pub fn build_state(
-    args: &WorkerArgs,
-    creds: &crate::transport::Credentials,
-    sources: SourceRegistry,
-    addr: String,
-) -> Result<WorkerState> {
-    let compression: Compression = args.compression.parse()?;
-    let store = BlockStore::new(StoreConfig {
-        memory_budget: args.memory_budget,
-        spill_dir: args.spill_dir.clone(),
-        segment_bytes: args.segment_bytes.max(1),
-    })?;
-    let (admission, store) = if !crate::admission::enabled() {
-        (Admission::new(u64::MAX), store)
-    } else {
-        // Map buffers are at least 4 MiB whatever the budget: under four tasks' grants (a
-        // budget set tiny to make the store spill) the tasks would run one at a time.
-        let grant = MapConfig::for_budget(args.memory_budget).task_grant();
-        let a = Admission::new(args.memory_budget.max(4 * grant));
-        (a.clone(), store.sharing(a))
-    };
-    let store = Arc::new(store);
-    let timeout = Duration::from_secs(args.timeout_secs.max(1));
-    let reader = Arc::new(PeerReader::new(
-        creds,
-        timeout,
-        Some((addr.clone(), store.clone())),
-    ));
-    Ok(WorkerState {
-        id: args.id.clone(),
-        store,
-        addr,
-        reader,
-        sources,
-        map_cfg: MapConfig {
-            compression,
-            ..MapConfig::for_budget(args.memory_budget)
-        },
-        admission,
-        read_timeout: Duration::from_secs(args.timeout_secs.max(1)),
-        rpcs: std::sync::atomic::AtomicU64::new(0),
-        tasks: Mutex::new(HashMap::new()),
-        fold_states: Default::default(),
-        fold_rounds: Default::default(),
-        folding: Default::default(),
-        lose_commit_replies: args.fault_lose_commit_replies.into(),
+/// A worker's Flight service over `state`, every call checked for the cluster `token` (in
+/// constant time) and counted: what a host adds to its own tonic server, beside services of
+/// its own.
+pub fn flight_service(state: Arc<WorkerState>, token: &str) -> WorkerFlightService {
+    let flight = FlightServiceServer::new(WorkerService {
+        state: state.clone(),
     })
+    .max_decoding_message_size(MAX_MESSAGE_BYTES)
+    .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    InterceptedService::new(
+        flight,
+        TokenCheck {
+            expected: bearer(token),
+            state,
+        },
+    )
+}
+
+/// The type of [`flight_service`].
+pub type WorkerFlightService = InterceptedService<FlightServiceServer<WorkerService>, TokenCheck>;
+
+/// Lets a call through when it carries the cluster token; counts the calls.
+#[derive(Clone)]
+pub struct TokenCheck {
+    expected: String,
+    state: Arc<WorkerState>,
+}
+
+impl std::fmt::Debug for TokenCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TokenCheck { .. }") // never the token
+    }
+}
+
+impl tonic::service::Interceptor for TokenCheck {
+    fn call(&mut self, req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        self.state
+            .rpcs
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        match req
+            .metadata()
+            .get(TOKEN_HEADER)
+            .and_then(|v| v.to_str().ok())
+        {
+            // In constant time: how long a wrong token takes to refuse tells nothing of it.
+            Some(v) if bool::from(v.as_bytes().ct_eq(self.expected.as_bytes())) => Ok(req),
+            Some(_) => Err(tonic::Status::unauthenticated("wrong cluster token")),
+            None => Err(tonic::Status::unauthenticated("missing cluster token")),
+        }
+    }
 }
 
 /// Serve Flight on `args.listen` until the process ends; `ready` gets the bound address.
@@ -120,31 +123,14 @@ pub async fn serve(
     let addr = listener
         .local_addr()
         .map_err(|e| Error::Cluster(format!("no local address: {e}")))?;
-    let state = Arc::new(build_state(&args, &creds, sources, addr.to_string())?);
+    let state = Arc::new(WorkerState::new(
+        &args.config()?,
+        &creds,
+        sources,
+        addr.to_string(),
+    )?);
     tokio::spawn(crate::allocator::trim_when_idle(state.admission.clone()));
-    let expected = bearer(&token);
-    let counted = state.clone();
-    let check = move |req: tonic::Request<()>| -> Result<tonic::Request<()>, tonic::Status> {
-        counted
-            .rpcs
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        match req
-            .metadata()
-            .get(TOKEN_HEADER)
-            .and_then(|v| v.to_str().ok())
-        {
-            // In constant time: how long a wrong token takes to refuse tells nothing of it.
-            Some(v) if bool::from(v.as_bytes().ct_eq(expected.as_bytes())) => Ok(req),
-            Some(_) => Err(tonic::Status::unauthenticated("wrong cluster token")),
-            None => Err(tonic::Status::unauthenticated("missing cluster token")),
-        }
-    };
-    let flight = FlightServiceServer::new(WorkerService {
-        state: state.clone(),
-    })
-    .max_decoding_message_size(MAX_MESSAGE_BYTES)
-    .max_encoding_message_size(MAX_MESSAGE_BYTES);
-    let service = tonic::service::interceptor::InterceptedService::new(flight, check);
+    let service = flight_service(state.clone(), &token);
     ready(addr, &state);
     let incoming = crate::transport::listen::capped(listener, args.max_connections);
     let mut server = tonic::transport::Server::builder();
@@ -181,7 +167,15 @@ pub fn init_logging() {
 /// runtime, serve, and print the ready line. Returns when the server stops.
 pub fn main_with_args(argv: Vec<String>, sources: SourceRegistry) -> Result<()> {
     use clap::Parser;
-    let args = WorkerArgs::try_parse_from(argv).map_err(|e| Error::invalid(e.to_string()))?;
+    let args = match WorkerArgs::try_parse_from(argv) {
+        Ok(args) => args,
+        // `--help`: the help on stdout, and a clean exit.
+        Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelp => {
+            print!("{e}");
+            return Ok(());
+        }
+        Err(e) => return Err(Error::invalid(e.to_string())),
+    };
     crate::allocator::limit_malloc_arenas();
     init_logging();
     let token = if args.token_stdin {

@@ -4,12 +4,12 @@ use arrow::array::{Array, Int64Array, RecordBatch, StringArray};
 use arrow::datatypes::{DataType, Field, Schema};
 use arrow_flight::flight_service_client::FlightServiceClient;
 use arrow_flight::{Action, Ticket};
-use exchange::block::Slice;
-use exchange::checksum::Checksum;
-use exchange::cluster::LocalCluster;
-use exchange::driver::{MapInput, ShuffleSpec};
-use exchange::strategy::{pull, StrategyOptions};
-use exchange::{partitioner, proto, Error, ShuffleId};
+use flightshuffle::block::Slice;
+use flightshuffle::checksum::Checksum;
+use flightshuffle::cluster::LocalCluster;
+use flightshuffle::driver::{MapInput, ShuffleSpec};
+use flightshuffle::strategy::{pull, StrategyOptions};
+use flightshuffle::{partitioner, proto, Error, ShuffleId};
 use futures::TryStreamExt;
 use prost::Message;
 use std::sync::Arc;
@@ -45,7 +45,7 @@ async fn killed_worker_fails_the_shuffle_quickly_names_it_and_is_replaced() {
     let driver = cluster.driver.clone();
     let spec = ShuffleSpec {
         id: ShuffleId::random(),
-        schema: exchange::gen::lineitem_schema(),
+        schema: flightshuffle::synthetic::lineitem_schema(),
         partitions: 8,
         partitioner: partitioner::hash(&["l_orderkey"]),
         checksum_inputs: true,
@@ -53,7 +53,7 @@ async fn killed_worker_fails_the_shuffle_quickly_names_it_and_is_replaced() {
     };
     driver.create_shuffle(&spec).await.unwrap();
     let inputs = (0..60u64).map(|m| {
-        let slice = exchange::gen::LineitemSlice {
+        let slice = flightshuffle::synthetic::LineitemSlice {
             first_attempt_delay_ms: 0,
             first: m * 200_000,
             rows: 200_000,
@@ -61,7 +61,7 @@ async fn killed_worker_fails_the_shuffle_quickly_names_it_and_is_replaced() {
             batch_rows: 8192,
         };
         MapInput::Source(proto::TaskSource {
-            kind: exchange::gen::LINEITEM_SOURCE.into(),
+            kind: flightshuffle::synthetic::LINEITEM_SOURCE.into(),
             payload: serde_json::to_vec(&slice).unwrap(),
         })
     });
@@ -100,7 +100,7 @@ async fn killed_worker_fails_the_shuffle_quickly_names_it_and_is_replaced() {
     // The lost worker is replaced by a new process in its slot (its spill dir removed), and
     // the cluster works again: the next shuffle waits for the replacement and is exact.
     driver
-        .wait_all_live(exchange::driver::REPLACE_TIMEOUT)
+        .wait_all_live(flightshuffle::driver::REPLACE_TIMEOUT)
         .await
         .unwrap();
     assert_ne!(cluster.pids()[1], victim_pid);
@@ -113,7 +113,7 @@ async fn killed_worker_fails_the_shuffle_quickly_names_it_and_is_replaced() {
     };
     driver.create_shuffle(&again).await.unwrap();
     let inputs = (0..6u64).map(|m| {
-        let slice = exchange::gen::LineitemSlice {
+        let slice = flightshuffle::synthetic::LineitemSlice {
             first_attempt_delay_ms: 0,
             first: m * 10_000,
             rows: 10_000,
@@ -121,7 +121,7 @@ async fn killed_worker_fails_the_shuffle_quickly_names_it_and_is_replaced() {
             batch_rows: 4096,
         };
         MapInput::Source(proto::TaskSource {
-            kind: exchange::gen::LINEITEM_SOURCE.into(),
+            kind: flightshuffle::synthetic::LINEITEM_SOURCE.into(),
             payload: serde_json::to_vec(&slice).unwrap(),
         })
     });
@@ -133,11 +133,11 @@ async fn killed_worker_fails_the_shuffle_quickly_names_it_and_is_replaced() {
     )
     .await
     .unwrap();
-    let mut out = exchange::checksum::Checksum::default();
+    let mut out = flightshuffle::checksum::Checksum::default();
     for p in 0..again.partitions {
         let s = driver.read_partition(again.id, p, true).await.unwrap();
         for b in s.try_collect::<Vec<_>>().await.unwrap() {
-            out.add(exchange::checksum::Checksum::of_batch(&b).unwrap());
+            out.add(flightshuffle::checksum::Checksum::of_batch(&b).unwrap());
         }
     }
     assert_eq!((out, out.rows), (mapped.input, 60_000));
@@ -299,7 +299,9 @@ async fn bad_requests_get_clear_statuses() {
         order: 1,
         group: 0,
     };
-    let schema_ipc = exchange::block::encode_schema(&schema()).unwrap().to_vec();
+    let schema_ipc = flightshuffle::block::encode_schema(&schema())
+        .unwrap()
+        .to_vec();
     let err = w
         .create_shuffle(&create(u32::MAX, schema_ipc))
         .await
@@ -386,8 +388,8 @@ async fn streaming_rounds_by_completion_fold_every_map_once() {
 async fn streaming_partials(
     by_completion: bool,
     rounds: usize,
-) -> Vec<exchange::strategy::streaming::Partial> {
-    use exchange::strategy::streaming::{self, StreamingJob};
+) -> Vec<flightshuffle::strategy::streaming::Partial> {
+    use flightshuffle::strategy::streaming::{self, StreamingJob};
     let mut cluster = LocalCluster::start(config(2, 1 << 30)).await.unwrap();
     let input = batches(12, 500);
     let expected = checksum(&input);
@@ -401,7 +403,7 @@ async fn streaming_partials(
         inputs,
         rounds,
         by_completion,
-        reducer: exchange::source::CHECKSUM_REDUCER.to_string(),
+        reducer: flightshuffle::source::CHECKSUM_REDUCER.to_string(),
         payload: vec![],
     };
     let (tx, mut rx) = tokio::sync::mpsc::channel(8);
@@ -483,7 +485,10 @@ async fn map_tasks_checksum_only_when_the_shuffle_asks() {
     assert_eq!(seen[1], 0, "a map told to skip the checksum computes none");
 }
 
-async fn rows_visible(w: &exchange::transport::client::WorkerClient, spec: &ShuffleSpec) -> usize {
+async fn rows_visible(
+    w: &flightshuffle::transport::client::WorkerClient,
+    spec: &ShuffleSpec,
+) -> usize {
     let mut rows = 0;
     for p in 0..spec.partitions {
         let s = w
@@ -594,11 +599,11 @@ async fn a_reducer_reads_its_own_workers_blocks_without_a_call() {
     assert_eq!(rows, done.input.rows);
 }
 
-/// A user shuffle job (`exchange::job`, what the bindings run) keeps the multiset with every
+/// A user shuffle job (`flightshuffle::job`, what the bindings run) keeps the multiset with every
 /// partitioner, range partitions come back ordered, and bad options are clear errors.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shuffle_jobs_keep_the_multiset_with_every_partitioner() {
-    use exchange::job::{self, ShuffleJob, ShuffleOptions};
+    use flightshuffle::job::{self, ShuffleJob, ShuffleOptions};
     let cluster = LocalCluster::start(config(2, 1 << 30)).await.unwrap();
     let input = batches(12, 500);
     let want = checksum(&input);
@@ -665,7 +670,9 @@ async fn shuffle_jobs_keep_the_multiset_with_every_partitioner() {
         vec![Arc::new(Int64Array::from(vec![1]))],
     )
     .unwrap();
-    let err = exchange::block::cast_to(narrow, &schema()).err().unwrap();
+    let err = flightshuffle::block::cast_to(narrow, &schema())
+        .err()
+        .unwrap();
     assert!(err.to_string().contains("columns"), "{err}");
 }
 
@@ -687,8 +694,8 @@ async fn health_through(endpoint: tonic::transport::Endpoint, token: &str) -> Re
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_is_on_by_default_and_refuses_plaintext_and_other_cas() {
-    use exchange::cluster::TlsSetting;
-    use exchange::transport::tls::{ClientTls, LocalTls};
+    use flightshuffle::cluster::TlsSetting;
+    use flightshuffle::transport::tls::{ClientTls, LocalTls};
     use tonic::transport::Endpoint;
     let cluster = LocalCluster::start(config(1, 1 << 20)).await.unwrap();
     let tls = cluster

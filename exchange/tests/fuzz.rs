@@ -9,10 +9,10 @@
 
 use arrow::array::{Int64Array, RecordBatch, StringArray};
 use arrow_flight::{FlightData, FlightDescriptor, Ticket};
-use exchange::cluster::LocalCluster;
-use exchange::driver::ShuffleSpec;
-use exchange::transport::actions;
-use exchange::{partitioner, proto, ShuffleId};
+use flightshuffle::cluster::LocalCluster;
+use flightshuffle::driver::ShuffleSpec;
+use flightshuffle::transport::actions;
+use flightshuffle::{partitioner, proto, ShuffleId};
 use futures::TryStreamExt;
 use prost::Message;
 use rand::rngs::SmallRng;
@@ -103,7 +103,9 @@ async fn a_worker_survives_fuzzed_actions_tickets_and_puts() {
             actions::CREATE_SHUFFLE,
             proto::CreateShuffle {
                 shuffle_id: 78,
-                schema_ipc: exchange::block::encode_schema(&schema()).unwrap().to_vec(),
+                schema_ipc: flightshuffle::block::encode_schema(&schema())
+                    .unwrap()
+                    .to_vec(),
                 partitions: 4,
                 partitioner: Some(partitioner::hash(&["k"])),
                 combine: None,
@@ -332,10 +334,10 @@ async fn a_worker_survives_fuzzed_actions_tickets_and_puts() {
     eprintln!("fuzz: {} cases x 3 calls, seed {seed}: {statuses:?}", cases);
 }
 
-fn outcome<T>(r: &exchange::Result<T>) -> String {
+fn outcome<T>(r: &flightshuffle::Result<T>) -> String {
     match r {
         Ok(_) => "ok".into(),
-        Err(exchange::Error::Remote { code, .. }) => format!("{code:?}"),
+        Err(flightshuffle::Error::Remote { code, .. }) => format!("{code:?}"),
         Err(e) => format!(
             "local:{}",
             e.to_string().chars().take(24).collect::<String>()

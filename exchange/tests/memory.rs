@@ -2,7 +2,7 @@
 //! worker's budget through task admission, and calibrating for `auto` stays small.
 
 use arrow::array::RecordBatch;
-use exchange::cluster::LocalCluster;
+use flightshuffle::cluster::LocalCluster;
 
 mod common;
 use common::*;
@@ -12,7 +12,7 @@ async fn concurrent_shuffles_share_each_workers_budget() {
     // 64 MiB: map buffers of 8 MiB, so grants of 16 MiB and four tasks at once per worker,
     // where four concurrent shuffles ask for eight.
     let budget = 64u64 << 20;
-    let grant = exchange::task::MapConfig::for_budget(budget).task_grant();
+    let grant = flightshuffle::MapConfig::for_budget(budget).task_grant();
     assert_eq!(grant, 16 << 20);
     let cluster = LocalCluster::start(config(2, budget)).await.unwrap();
     let input = batches(24, 2_000);

@@ -3,9 +3,9 @@
 //! runs again, where every map pushed blocks to it), and the job's output stays exact.
 
 use arrow::array::RecordBatch;
-use exchange::cluster::LocalCluster;
-use exchange::job::{self, ShuffleJob, ShuffleOptions};
-use exchange::strategy::StrategyOptions;
+use flightshuffle::cluster::LocalCluster;
+use flightshuffle::job::{self, ShuffleJob, ShuffleOptions};
+use flightshuffle::strategy::StrategyOptions;
 use std::time::Duration;
 
 mod common;
@@ -168,7 +168,7 @@ async fn a_worker_killed_while_mapping_or_under_push_reruns_the_shuffle_exactly(
     drop(job);
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(
-        exchange::kept::in_memory(),
+        flightshuffle::kept_in_memory(),
         0,
         "kept inputs freed with their jobs"
     );
@@ -176,16 +176,16 @@ async fn a_worker_killed_while_mapping_or_under_push_reruns_the_shuffle_exactly(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_seal_after_an_unnoticed_loss_fails_and_repair_makes_it_whole() {
-    use exchange::driver::{MapInput, ShuffleSpec};
-    use exchange::strategy::pull;
-    use exchange::{partitioner, Error, ShuffleId};
+    use flightshuffle::driver::{MapInput, ShuffleSpec};
+    use flightshuffle::strategy::pull;
+    use flightshuffle::{partitioner, Error, ShuffleId};
     use futures::TryStreamExt;
     let _serial = SERIAL.lock().await;
     let mut cluster = LocalCluster::start(config(3, 1 << 30)).await.unwrap();
     let driver = cluster.driver.clone();
     let spec = ShuffleSpec {
         id: ShuffleId::random(),
-        schema: exchange::gen::lineitem_schema(),
+        schema: flightshuffle::synthetic::lineitem_schema(),
         partitions: 6,
         partitioner: partitioner::hash(&["l_orderkey"]),
         checksum_inputs: true,
@@ -209,7 +209,7 @@ async fn a_seal_after_an_unnoticed_loss_fails_and_repair_makes_it_whole() {
     cluster.kill_worker(1).unwrap();
     assert!(driver.check_health().await.is_err());
     driver
-        .wait_all_live(exchange::driver::REPLACE_TIMEOUT)
+        .wait_all_live(flightshuffle::driver::REPLACE_TIMEOUT)
         .await
         .unwrap();
     match driver.seal(spec.id).await {
@@ -219,11 +219,11 @@ async fn a_seal_after_an_unnoticed_loss_fails_and_repair_makes_it_whole() {
     // Repair recomputes the lost maps on the replacement and seals: every row, once.
     let n = driver.repair(spec.id).await.unwrap();
     assert_eq!(n, mapped.maps.iter().filter(|d| d.worker == 1).count());
-    let mut got = exchange::checksum::Checksum::default();
+    let mut got = flightshuffle::checksum::Checksum::default();
     for p in 0..spec.partitions {
         let s = driver.read_partition(spec.id, p, true).await.unwrap();
         for b in s.try_collect::<Vec<_>>().await.unwrap() {
-            got.add(exchange::checksum::Checksum::of_batch(&b).unwrap());
+            got.add(flightshuffle::checksum::Checksum::of_batch(&b).unwrap());
         }
     }
     assert_eq!(got, mapped.input);
@@ -338,14 +338,17 @@ async fn without_replacements_a_paused_worker_is_suspected_then_cleared() {
                 parts.push(p?.1);
             }
             job.close().await?;
-            Ok::<_, exchange::Error>(parts)
+            Ok::<_, flightshuffle::Error>(parts)
         }
     };
     let failed = tokio::time::timeout(Duration::from_secs(60), run(input.clone()))
         .await
         .expect("the job ends within 60 s");
     assert!(
-        matches!(failed, Err(exchange::Error::WorkerLost { worker: 1, .. })),
+        matches!(
+            failed,
+            Err(flightshuffle::Error::WorkerLost { worker: 1, .. })
+        ),
         "{failed:?}"
     );
     assert!(!cluster.driver.is_alive(1), "suspected");
@@ -371,7 +374,7 @@ async fn without_replacements_a_paused_worker_is_suspected_then_cleared() {
 /// failed with its claim released and the second committed too: every row twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_commit_reply_never_lets_a_second_attempt_commit() {
-    use exchange::driver::MapInput;
+    use flightshuffle::driver::MapInput;
     use futures::TryStreamExt;
     let _serial = SERIAL.lock().await;
     let mut cfg = config(2, 1 << 30);
@@ -395,7 +398,7 @@ async fn a_lost_commit_reply_never_lets_a_second_attempt_commit() {
         .unwrap();
     assert!(first.is_ok(), "the commit took effect: {first:?}");
     assert!(
-        matches!(second, Err(exchange::Error::Superseded { .. })),
+        matches!(second, Err(flightshuffle::Error::Superseded { .. })),
         "a second attempt of a committed map is refused: {second:?}"
     );
     driver.seal(spec.id).await.unwrap();

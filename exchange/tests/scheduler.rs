@@ -4,12 +4,12 @@
 //! worker, and an online query's maps after its first round wait for its fold.
 
 use arrow::array::RecordBatch;
-use exchange::checksum::Checksum;
-use exchange::cluster::LocalCluster;
-use exchange::driver::{Driver, MapInput, ShuffleSpec};
-use exchange::gen::LineitemSlice;
-use exchange::scheduler::{run_pipelined, StageRun};
-use exchange::strategy::{Strategy, StrategyOptions};
+use flightshuffle::checksum::Checksum;
+use flightshuffle::cluster::LocalCluster;
+use flightshuffle::driver::{Driver, MapInput, ShuffleSpec};
+use flightshuffle::scheduler::{run_pipelined, StageRun};
+use flightshuffle::strategy::{Strategy, StrategyOptions};
+use flightshuffle::synthetic::LineitemSlice;
 use futures::TryStreamExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -53,7 +53,7 @@ fn stage(first: u64, delay_ms: u64) -> (StageRun, Checksum) {
     (run, want)
 }
 
-async fn read_all(driver: &Arc<Driver>, spec: &ShuffleSpec) -> exchange::Result<Checksum> {
+async fn read_all(driver: &Arc<Driver>, spec: &ShuffleSpec) -> flightshuffle::Result<Checksum> {
     let mut sum = Checksum::default();
     for p in 0..spec.partitions {
         let stream = driver.read_partition(spec.id, p, true).await?;
@@ -139,7 +139,7 @@ async fn a_worker_lost_mid_run_reruns_only_the_missing_maps() {
 /// first 2 commit, up to 4 run; every map commits once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_first_wave_runs_one_map_per_worker() {
-    use exchange::strategy::pull;
+    use flightshuffle::strategy::pull;
     let cluster = LocalCluster::start(config(2, 1 << 30)).await.unwrap();
     let driver = cluster.driver.clone();
     let g = gated(&driver, 8).await;
@@ -204,14 +204,14 @@ async fn the_maps_after_the_first_online_round_wait_for_its_fold() {
 /// `workers` workers, folding with the checksum reducer (`works`: the final must be exact) or
 /// an unknown one (the first fold must fail); the maps that started.
 async fn online_first_wave(workers: usize, maps: usize, works: bool) -> usize {
-    use exchange::strategy::streaming::{self, StreamingJob};
+    use flightshuffle::strategy::streaming::{self, StreamingJob};
     let cluster = LocalCluster::start(config(workers, 1 << 30)).await.unwrap();
     let driver = cluster.driver.clone();
     let g = gated(&driver, maps).await;
     driver.drop_shuffle(g.spec.id).await.unwrap();
     g.permits.add_permits(maps);
     let reducer = match works {
-        true => exchange::source::CHECKSUM_REDUCER,
+        true => flightshuffle::source::CHECKSUM_REDUCER,
         false => "no-such-reducer",
     };
     let job = StreamingJob {

@@ -1,10 +1,10 @@
 //! End-to-end tests of the exchange strategies (merged, push, two-level, auto, speculation)
 //! with real worker processes on loopback.
 
-use exchange::checksum::Checksum;
-use exchange::cluster::LocalCluster;
-use exchange::driver::{MapInput, ShuffleSpec};
-use exchange::strategy::{pull, StrategyOptions};
+use flightshuffle::checksum::Checksum;
+use flightshuffle::cluster::LocalCluster;
+use flightshuffle::driver::{MapInput, ShuffleSpec};
+use flightshuffle::strategy::{pull, StrategyOptions};
 use futures::TryStreamExt;
 use std::collections::HashMap;
 
@@ -15,7 +15,7 @@ use common::*;
 /// larger blocks than with pull: each worker's small map outputs became a few per partition.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn merged_shuffle_reads_fewer_blocks_and_keeps_the_multiset() {
-    use exchange::job::{self, ShuffleJob, ShuffleOptions};
+    use flightshuffle::job::{self, ShuffleJob, ShuffleOptions};
     let input = batches(48, 400);
     let want = checksum(&input);
     for budget in [1 << 30, 64 << 10] {
@@ -96,7 +96,7 @@ async fn a_straggling_map_is_copied_and_the_first_commit_wins() {
 /// partition's owner; two-level: in the owner's grid column), merged into fewer blocks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn every_strategy_keeps_the_multiset_and_places_its_blocks() {
-    use exchange::strategy::{map_side, Placement};
+    use flightshuffle::strategy::{map_side, Placement};
     use futures::StreamExt;
     let cluster = LocalCluster::start(config(3, 1 << 30)).await.unwrap();
     let driver = cluster.driver.clone();
@@ -140,14 +140,14 @@ async fn every_strategy_keeps_the_multiset_and_places_its_blocks() {
     }
 }
 
-/// Packed map blocks ([`exchange::packed`]): the maps of merged, push and two-level shuffles
+/// Packed map blocks: the maps of merged, push and two-level shuffles
 /// write one block per holder, not one per partition, and the output multiset is exact both
 /// when merges cut them by partition and when best-effort merging gives up at once (a zero
 /// merge timeout), so readers get each partition's rows sliced out of the packed blocks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn packed_map_blocks_keep_the_multiset_merged_or_not() {
-    use exchange::packed::PACKED;
-    use exchange::strategy::map_side;
+    use flightshuffle::ids::PACKED;
+    use flightshuffle::strategy::map_side;
     use futures::StreamExt;
     let cluster = LocalCluster::start(config(3, 1 << 30)).await.unwrap();
     let driver = cluster.driver.clone();
@@ -225,7 +225,8 @@ async fn auto_starts_the_maps_after_its_first_wave_once_it_has_chosen() {
         let (driver, spec) = (driver.clone(), spec.clone());
         let opts = StrategyOptions::named("auto").unwrap();
         tokio::spawn(async move {
-            exchange::strategy::map_side(&driver, &spec, futures::stream::iter(inputs), opts).await
+            flightshuffle::strategy::map_side(&driver, &spec, futures::stream::iter(inputs), opts)
+                .await
         })
     };
     until("the first wave started", || {
@@ -260,7 +261,7 @@ async fn auto_starts_the_maps_after_its_first_wave_once_it_has_chosen() {
 
 /// Read every partition of `spec` (the driver's readers, as placed) into one checksum.
 async fn read_all(
-    driver: &std::sync::Arc<exchange::driver::Driver>,
+    driver: &std::sync::Arc<flightshuffle::driver::Driver>,
     spec: &ShuffleSpec,
 ) -> Checksum {
     use futures::StreamExt;
@@ -274,14 +275,14 @@ async fn read_all(
     out
 }
 
-/// A forward ([`exchange::forward`]) moves maps that ran in place to the holders a placement
+/// A forward moves maps that ran in place to the holders a placement
 /// names: every block is then on its holder (push: the owner; two-level: the owner's grid
 /// column), readers that read the holders only get every row once, and the maps' own blocks
 /// are retired. A forward after the seal is refused and leaves the maps readable in place.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_forward_moves_maps_run_in_place_to_their_holders() {
-    use exchange::forward::FORWARD_GROUP_BASE;
-    use exchange::strategy::Placement;
+    use flightshuffle::ids::FORWARD_GROUP_BASE;
+    use flightshuffle::strategy::Placement;
     let cluster = LocalCluster::start(config(3, 1 << 30)).await.unwrap();
     let driver = cluster.driver.clone();
     for placement in [Placement::Owner, Placement::Grid] {
@@ -364,7 +365,7 @@ async fn a_forward_moves_maps_run_in_place_to_their_holders() {
         )
         .await;
     assert!(
-        matches!(late, Err(ref e) if !matches!(e, exchange::error::Error::PartialCommit { .. })),
+        matches!(late, Err(ref e) if !matches!(e, flightshuffle::Error::PartialCommit { .. })),
         "{late:?}"
     );
     assert_eq!(read_all(&driver, &spec).await, mapped.input);
@@ -374,8 +375,8 @@ async fn a_forward_moves_maps_run_in_place_to_their_holders() {
 
 /// A calibration under which push wins for certain: a slow network, whose transfer push
 /// overlaps with the map side.
-fn push_wins() -> exchange::proto::Calibration {
-    exchange::proto::Calibration {
+fn push_wins() -> flightshuffle::proto::Calibration {
+    flightshuffle::proto::Calibration {
         partition_bytes_per_s: 1e9,
         encode_bytes_per_s: 1e9,
         decode_bytes_per_s: 1e9,
@@ -397,7 +398,7 @@ fn push_wins() -> exchange::proto::Calibration {
 /// reading every worker, and every row still arrives once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn auto_picking_push_forwards_its_first_wave_unless_readers_stream() {
-    use exchange::strategy::{map_side, Placement};
+    use flightshuffle::strategy::{map_side, Placement};
     use futures::StreamExt;
     let cluster = LocalCluster::start(config(3, 1 << 30)).await.unwrap();
     let driver = cluster.driver.clone();
@@ -459,7 +460,7 @@ async fn auto_picking_push_forwards_its_first_wave_unless_readers_stream() {
             }
             // The holders merged the forwards with the maps pushed there, and the driver's
             // refs of what they merged are gone with them.
-            let forward = exchange::forward::FORWARD_GROUP_BASE;
+            let forward = flightshuffle::ids::FORWARD_GROUP_BASE;
             assert!(
                 mapped
                     .merges

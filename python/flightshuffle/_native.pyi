@@ -12,17 +12,12 @@ class NativeShuffle:
 
 class NativeCluster:
     def __init__(
-        self,
-        workers: int,
-        memory_budget: int,
-        spill_dir: str | None,
-        compression: str,
-        worker_command: list[str],
-        timeout_secs: float,
-        speculation: float | None = None,
-        strategy: str = "pull",
-        parity: int = 0,
+        self, workers: int, worker_command: list[str], options: dict[str, Any]
     ) -> None: ...
+    @staticmethod
+    def connect(
+        addresses: list[str], token: str, replace: Any, options: dict[str, Any]
+    ) -> NativeCluster: ...
     def worker_pids(self) -> list[int]: ...
     def recovery(self) -> tuple[int, int, int]: ...
     def token(self) -> str | None: ...
@@ -71,23 +66,4 @@ class NativeStream:
     def close(self) -> None: ...
 
 def datafusion_query(query: str, tables: dict[str, Any]) -> Any: ...
-
-TPCH_TABLES: list[str]
-
-def tpch_generate(sf: float, out: str, progress: bool) -> None: ...
-def tpch_query(n: int, sf: float) -> tuple[str, bool]: ...
 def run_worker(argv: list[str]) -> None: ...
-def shuffle_bench(
-    rows: int,
-    workers: int,
-    partitions: int,
-    memory_budget: int,
-    maps: int,
-    batch_rows: int,
-    seed: int,
-    compression: str,
-    worker_command: list[str],
-    sequential: bool = False,
-    strategy: str = "pull",
-    parity: int = 0,
-) -> str: ...

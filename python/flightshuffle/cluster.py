@@ -215,25 +215,22 @@ class Cluster:
             raise ValueError(f'runtime must be "local" or "ray", not {runtime!r}')
         self.runtime = runtime
         self._ray: Any = None
+        # What the native cluster is made with (NativeCluster's ClusterOptions).
+        options = {
+            "memory_budget": parse_bytes(memory_budget),
+            "spill_dir": None if spill_dir is None else str(spill_dir),
+            "compression": compression,
+            "timeout_secs": float(timeout),
+            "speculation": None if speculation is None else float(speculation),
+            "strategy": strategy,
+            "parity": int(parity),
+            "tls": tls_mode,
+            "tls_files": tls_files,
+        }
         if runtime == "ray":
-            self._native = self._start_on_ray(
-                workers, memory_budget, spill_dir, compression, timeout, speculation, strategy,
-                parity, tls, ray_address, ray_resources,
-            )  # fmt: skip
+            self._native = self._start_on_ray(workers, options, tls, ray_address, ray_resources)
         else:
-            self._native = NativeCluster(
-                workers,
-                parse_bytes(memory_budget),
-                None if spill_dir is None else str(spill_dir),
-                compression,
-                worker_command(),
-                float(timeout),
-                None if speculation is None else float(speculation),
-                strategy,
-                int(parity),
-                tls_mode,
-                tls_files,
-            )
+            self._native = NativeCluster(workers, worker_command(), options)
         self.strategy = strategy
         self.parity = parity
         self.workers = workers
@@ -247,51 +244,37 @@ class Cluster:
     def _start_on_ray(
         self,
         workers: int,
-        memory_budget: int | str,
-        spill_dir: str | None,
-        compression: str,
-        timeout: float,
-        speculation: float | None,
-        strategy: str,
-        parity: int,
+        options: dict[str, Any],
         tls: Any,
         ray_address: str | None,
         ray_resources: dict[str, float] | None,
-    ) -> Any:
-        """Start ``workers`` worker actors on Ray and a driver that dials them."""
+    ) -> NativeCluster:
         from flightshuffle.ray_runtime import RayWorkers
 
         _tls_setting(tls)  # validated before any actor starts
+        parity = options["parity"]
         if parity > 0 and workers < parity + 1:
             raise ValueError(f"parity={parity} needs at least {parity + 1} workers")
+        timeout = options["timeout_secs"]
         # Placing and starting workers waits at most `timeout` (and never over 2 minutes).
-        startup = min(float(timeout), 120.0)
+        startup = min(timeout, 120.0)
         self._ray = ray = RayWorkers(workers, ray_address, ray_resources, tls, startup)
         try:
+            compression = options["compression"]
             if compression == "auto":  # LZ4 pays off between machines, not on one (FACTS.md)
                 compression = "none" if len(ray.node_ips) <= 1 else "lz4"
             addresses = ray.start(
                 [
                     "--memory-budget",
-                    str(parse_bytes(memory_budget)),
+                    str(options["memory_budget"]),
                     "--compression",
                     compression,
                     "--timeout-secs",
                     str(max(1, int(timeout))),
                 ]
             )
-            return NativeCluster.connect(
-                addresses,
-                ray.token,
-                ray.replace,
-                float(timeout),
-                None if spill_dir is None else str(spill_dir),
-                None if speculation is None else float(speculation),
-                strategy,
-                int(parity),
-                ray.tls_mode,
-                ray.tls_files,
-            )
+            options = {**options, "tls": ray.tls_mode, "tls_files": ray.tls_files}
+            return NativeCluster.connect(addresses, ray.token, ray.replace, options)
         except BaseException:
             ray.stop()
             raise
@@ -465,12 +448,12 @@ class Cluster:
                     "online aggregation supports sum, mean, count, len, min and max of "
                     "row-wise expressions"
                 )
-            if any(node.op is None for node in query.base._chain):
+            if any(node.op is None for node in query.base.operators):
                 raise ValueError("online aggregation cannot follow a repartition")
             base = query.base
-            files = sorted({s.path for s in base._source.splits})
+            files = sorted({s.path for s in base.source.splits})
             splits, _ = make_splits(files, want)
-            pre = [node.op for node in base._chain]
+            pre = [node.op for node in base.operators]
             aggs = [ol.AggRef(a.name, a.kind) for a in query.aggs]
             stats: Any = ol.PolarsStats(query.keys, query.aggs)
             keys, columns, order, limit = query.keys, None, None, None
@@ -617,6 +600,12 @@ class Cluster:
     @property
     def spill_root(self) -> str | None:
         return self._native.spill_root()
+
+    @property
+    def native(self) -> NativeCluster:
+        """The native driver of this cluster (``flightshuffle._native.NativeCluster``): what the
+        dataset and online modules drive; its calls block without ``wait()``'s Ctrl-C."""
+        return self._native
 
     def close(self) -> None:
         """Stop every worker process (and, on Ray, every worker actor)."""

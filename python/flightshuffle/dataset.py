@@ -107,6 +107,16 @@ class Dataset:
     def num_splits(self) -> int:
         return len(self._source.splits)
 
+    @property
+    def source(self) -> Source:
+        """What the dataset reads: its schema and file splits."""
+        return self._source
+
+    @property
+    def operators(self) -> list[Node]:
+        """The operators applied to the source, in order (a repartition has ``op`` None)."""
+        return list(self._chain)
+
     def repartition(self, n: int, by: str | Sequence[str] | None = None) -> Dataset:
         """Exchange rows into ``n`` partitions: hashed on ``by`` (equal keys meet), or dealt
         round-robin without ``by``."""
@@ -159,7 +169,7 @@ class Dataset:
         return stages
 
     def _execute(self) -> list[pa.Table]:
-        native = self._cluster._native
+        native = self._cluster.native
         schema = self._source.schema
         previous: tuple[int, int] | None = None  # (stage id, partitions)
         created: list[int] = []

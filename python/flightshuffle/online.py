@@ -466,7 +466,7 @@ def run(
     weights = [s.rows for s in splits]
     reducer = cloudpickle.dumps(StatsReducer(keys, aggs))
     partitions = cluster.workers if keys else 1
-    native = cluster._native.stream(schema, partitions, keys, tasks, weights, rounds, reducer)
+    native = cluster.native.stream(schema, partitions, keys, tasks, weights, rounds, reducer)
     shape = Shape(keys, aggs, order, limit)
     if plan is not None:
         shape = Shape(keys, aggs, order, limit, plan.having, plan.hidden, plan.selected)
@@ -512,7 +512,7 @@ def run_sql(
     total = sum(s[4] for s in splits)
     expand = lambda t: expand_stats(t, plan)
     try:
-        native, cluster.last_online_plan = cluster._native.online_sql(
+        native, cluster.last_online_plan = cluster.native.online_sql(
             plan.stats,
             [(t, tables[t], footers.version(files[t])) for t in plan.tables],
             splits,

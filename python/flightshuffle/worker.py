@@ -29,11 +29,12 @@ def _limit_malloc_arenas(arenas: int = 2) -> None:
         ctypes.CDLL("libc.so.6").mallopt(m_arena_max, arenas)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Run the worker with ``argv`` (default: this process's arguments) until it is stopped."""
     _limit_malloc_arenas()
     threading.Thread(target=_warm_up, name="warm-up", daemon=True).start()
     try:
-        run_worker(["flightshuffle-worker", *sys.argv[1:]])
+        run_worker(["flightshuffle-worker", *(sys.argv[1:] if argv is None else argv)])
     except KeyboardInterrupt:
         pass
     except Exception as e:  # noqa: BLE001 - report any startup failure plainly

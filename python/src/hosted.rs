@@ -3,10 +3,10 @@
 //! Python package, `flightshuffle.ray`), which the driver dials and replaces through a Python
 //! callable; and the certificates made for hosted workers.
 
-use exchange::cluster::{HostedCluster, LocalCluster, TlsSetting};
-use exchange::driver::{Driver, Replacer};
-use exchange::transport::tls::LocalTls;
-use exchange::Error;
+use flightshuffle::cluster::{HostedCluster, LocalCluster, TlsSetting};
+use flightshuffle::driver::{Driver, Replacer};
+use flightshuffle::transport::tls::LocalTls;
+use flightshuffle::Error;
 use pyo3::prelude::*;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -73,8 +73,10 @@ pub fn make_tls(
 /// certificate request naming `hosts`, for the driver to sign ([`sign_cert_request`]).
 #[pyfunction]
 pub fn make_cert_request(py: Python<'_>, key_path: String, hosts: Vec<String>) -> PyResult<String> {
-    py.detach(|| exchange::transport::tls::make_request(std::path::Path::new(&key_path), &hosts))
-        .map_err(crate::to_py)
+    py.detach(|| {
+        flightshuffle::transport::tls::make_request(std::path::Path::new(&key_path), &hosts)
+    })
+    .map_err(crate::to_py)
 }
 
 /// On the driver: sign a worker's certificate request with the CA `make_tls` made in `dir`
@@ -92,12 +94,15 @@ pub fn sign_cert_request(
         cert: dir.join("worker.pem"),
         key: dir.join("worker.key"),
     };
-    py.detach(|| exchange::transport::tls::sign_request(&tls, &request, &hosts))
+    py.detach(|| flightshuffle::transport::tls::sign_request(&tls, &request, &hosts))
         .map_err(crate::to_py)
 }
 
 /// How the driver dials hosted workers that serve the certificate files in `tls`.
-pub fn credentials(token: String, tls: TlsSetting) -> PyResult<exchange::transport::Credentials> {
+pub fn credentials(
+    token: String,
+    tls: TlsSetting,
+) -> PyResult<flightshuffle::transport::Credentials> {
     let tls = match tls {
         TlsSetting::Off => None,
         TlsSetting::Files {
@@ -116,5 +121,5 @@ pub fn credentials(token: String, tls: TlsSetting) -> PyResult<exchange::transpo
             ))
         }
     };
-    Ok(exchange::transport::Credentials { token, tls })
+    Ok(flightshuffle::transport::Credentials { token, tls })
 }

@@ -1,13 +1,13 @@
-//! One shuffle started from Python: a thin wrapper over [`exchange::job::ShuffleJob`] that
+//! One shuffle started from Python: a thin wrapper over [`flightshuffle::job::ShuffleJob`] that
 //! converts the input to a batch iterator and hands each partition to Python as a
 //! pyarrow Table.
 
 use crate::to_py;
 use arrow::array::RecordBatchReader;
-use exchange::driver::Driver;
-use exchange::job::{self, ShuffleJob, ShuffleOptions};
-use exchange::strategy::StrategyOptions;
-use exchange::Error;
+use flightshuffle::driver::Driver;
+use flightshuffle::job::{self, ShuffleJob, ShuffleOptions};
+use flightshuffle::strategy::StrategyOptions;
+use flightshuffle::Error;
 use pyo3::prelude::*;
 use pyo3_arrow::PyTable;
 use std::sync::Arc;
@@ -21,12 +21,12 @@ pub struct JobOptions {
     pub speculation: Option<f64>,
     /// The input's size in bytes where Python knows it (a table), for `auto`'s M.
     pub input_bytes: Option<usize>,
-    /// Parity shards per stripe ([`exchange::parity`]).
+    /// Parity shards per stripe ([`flightshuffle::check_parity`]).
     pub parity: u32,
 }
 
 impl JobOptions {
-    fn parse(self) -> exchange::Result<ShuffleOptions> {
+    fn parse(self) -> flightshuffle::Result<ShuffleOptions> {
         Ok(ShuffleOptions {
             by: self.by,
             partitions: self.partitions,

@@ -10,9 +10,9 @@ mod script;
 mod sql;
 mod stage;
 
-use exchange::cluster::{HostedCluster, LocalCluster, LocalClusterConfig, TlsSetting};
-use exchange::strategy::StrategyOptions;
-use exchange::Error;
+use flightshuffle::cluster::{HostedCluster, LocalCluster, LocalClusterConfig, TlsSetting};
+use flightshuffle::strategy::StrategyOptions;
+use flightshuffle::Error;
 use hosted::Workers;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -49,10 +49,12 @@ pub fn to_py_ref(e: &Error) -> PyErr {
     match e {
         Error::WorkerLost { .. } => WorkerLostError::new_err(msg),
         Error::Checksum { .. } => ChecksumError::new_err(msg),
-        Error::Remote { code, .. } if *code == exchange::transport_code::Code::DataLoss => {
+        Error::Remote { code, .. } if *code == flightshuffle::transport_code::Code::DataLoss => {
             ChecksumError::new_err(msg)
         }
-        Error::Remote { code, .. } if *code == exchange::transport_code::Code::InvalidArgument => {
+        Error::Remote { code, .. }
+            if *code == flightshuffle::transport_code::Code::InvalidArgument =>
+        {
             pyo3::exceptions::PyValueError::new_err(msg)
         }
         Error::InvalidArgument(_) | Error::SchemaMismatch { .. } => {
@@ -112,7 +114,7 @@ impl Drop for Rt {
 struct NativeCluster {
     rt: Arc<Rt>,
     cluster: Arc<Mutex<Option<Workers>>>,
-    sql: Mutex<Option<Arc<exchange_datafusion::DistributedContext>>>,
+    sql: Mutex<Option<Arc<flightshuffle_datafusion::DistributedContext>>>,
     /// The context of online SQL and its tables.
     online: Arc<online::Sessions>,
     /// Single-process DataFusion over the same tables: the baseline of benchmarks.
@@ -120,7 +122,7 @@ struct NativeCluster {
     /// Output shuffles of Python map stages (datasets), by id.
     stages: stage::Stages,
     /// Strategy knobs of every shuffle, stage and query of this cluster (speculation).
-    strategy: exchange::strategy::StrategyOptions,
+    strategy: flightshuffle::strategy::StrategyOptions,
 }
 
 pub(crate) fn runtime() -> PyResult<Rt> {
@@ -189,8 +191,8 @@ fn strategy_options(
     parity: u32,
     speculation: Option<f64>,
 ) -> PyResult<StrategyOptions> {
-    let strategy: exchange::strategy::Strategy = strategy.parse().map_err(to_py)?;
-    exchange::parity::check(workers, parity)
+    let strategy: flightshuffle::strategy::Strategy = strategy.parse().map_err(to_py)?;
+    flightshuffle::check_parity(workers, parity)
         .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
     if speculation.is_some_and(|k| !(k.is_finite() && k > 1.0)) {
         return Err(pyo3::exceptions::PyValueError::new_err(
@@ -206,12 +208,42 @@ fn strategy_options(
     })
 }
 
+/// A cluster's options, from the dict `Cluster` passes (its keys are these field names).
+#[derive(FromPyObject)]
+#[pyo3(from_item_all)]
+struct ClusterOptions {
+    /// Bytes per worker.
+    memory_budget: u64,
+    /// Parent of the workers' spill directories (local), the driver's scratch (hosted).
+    spill_dir: Option<String>,
+    /// none, lz4, zstd or auto.
+    compression: String,
+    /// Seconds a driver call may take.
+    timeout_secs: f64,
+    /// A map slower than this factor of the median gets a backup attempt.
+    speculation: Option<f64>,
+    /// The exchange strategy of every shuffle.
+    strategy: String,
+    /// Parity shards per stripe.
+    parity: u32,
+    /// "on", "mutual" or "off".
+    tls: String,
+    /// (ca, cert, key) files of your own.
+    tls_files: Option<(String, String, String)>,
+}
+
+impl ClusterOptions {
+    fn strategy_options(&self, workers: usize) -> PyResult<StrategyOptions> {
+        strategy_options(workers, &self.strategy, self.parity, self.speculation)
+    }
+}
+
 /// With `auto` as the cluster's default, calibrate the machine now, not in the first exchange.
 async fn calibrate_for(
-    driver: &Arc<exchange::driver::Driver>,
+    driver: &Arc<flightshuffle::driver::Driver>,
     opts: &StrategyOptions,
-) -> exchange::Result<()> {
-    if opts.strategy == exchange::strategy::Strategy::Auto {
+) -> flightshuffle::Result<()> {
+    if opts.strategy == flightshuffle::strategy::Strategy::Auto {
         driver.calibration().await?;
     }
     Ok(())
@@ -219,41 +251,32 @@ async fn calibrate_for(
 
 #[pymethods]
 impl NativeCluster {
+    /// Start a local cluster of `workers` processes, each started by `worker_command`.
     #[new]
-    #[pyo3(signature = (workers, memory_budget, spill_dir, compression, worker_command, timeout_secs, speculation=None, strategy="pull".to_string(), parity=0, tls="on".to_string(), tls_files=None))]
-    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         workers: usize,
-        memory_budget: u64,
-        spill_dir: Option<String>,
-        compression: String,
         worker_command: Vec<String>,
-        timeout_secs: f64,
-        speculation: Option<f64>,
-        strategy: String,
-        parity: u32,
-        tls: String,
-        tls_files: Option<(String, String, String)>,
+        options: ClusterOptions,
     ) -> PyResult<Self> {
-        let opts = strategy_options(workers, &strategy, parity, speculation)?;
+        let opts = options.strategy_options(workers)?;
         let rt = runtime()?;
         let cfg = cluster_config(
             workers,
-            memory_budget,
-            spill_dir,
-            compression,
+            options.memory_budget,
+            options.spill_dir,
+            options.compression,
             worker_command,
-            timeout_secs,
-            &tls,
-            tls_files,
+            options.timeout_secs,
+            &options.tls,
+            options.tls_files,
         )?;
         let cluster = py
             .detach(|| {
                 rt.block_on(async {
                     let cluster = LocalCluster::start(cfg).await?;
                     calibrate_for(&cluster.driver, &opts).await?;
-                    Ok::<_, exchange::Error>(cluster)
+                    Ok::<_, flightshuffle::Error>(cluster)
                 })
             })
             .map_err(to_py)?;
@@ -261,30 +284,24 @@ impl NativeCluster {
     }
 
     /// A driver for workers hosted elsewhere (Ray actors) at `addresses`; `replace(slot)`
-    /// starts a lost worker's replacement and returns its address. `tls_files` (ca, cert,
-    /// key) are the files the workers serve, `tls` "on", "mutual" or "off".
+    /// starts a lost worker's replacement and returns its address. In `options`, `tls_files`
+    /// (ca, cert, key) are the files the workers serve, `tls` "on", "mutual" or "off", and
+    /// `spill_dir` the driver's scratch directory.
     #[staticmethod]
-    #[pyo3(signature = (addresses, token, replace, timeout_secs, scratch=None, speculation=None, strategy="pull".to_string(), parity=0, tls="on".to_string(), tls_files=None))]
-    #[allow(clippy::too_many_arguments)]
     fn connect(
         py: Python<'_>,
         addresses: Vec<String>,
         token: String,
         replace: Py<PyAny>,
-        timeout_secs: f64,
-        scratch: Option<String>,
-        speculation: Option<f64>,
-        strategy: String,
-        parity: u32,
-        tls: String,
-        tls_files: Option<(String, String, String)>,
+        options: ClusterOptions,
     ) -> PyResult<Self> {
-        let opts = strategy_options(addresses.len(), &strategy, parity, speculation)?;
-        let creds = hosted::credentials(token, tls_setting(&tls, tls_files)?)?;
-        let cfg = exchange::driver::DriverConfig {
-            rpc_timeout: Duration::from_secs_f64(timeout_secs.max(1.0)),
+        let opts = options.strategy_options(addresses.len())?;
+        let creds = hosted::credentials(token, tls_setting(&options.tls, options.tls_files)?)?;
+        let cfg = flightshuffle::driver::DriverConfig {
+            rpc_timeout: Duration::from_secs_f64(options.timeout_secs.max(1.0)),
             ..Default::default()
         };
+        let scratch = options.spill_dir;
         let rt = runtime()?;
         let hosted = py
             .detach(|| {
@@ -298,7 +315,7 @@ impl NativeCluster {
                     )
                     .await?;
                     calibrate_for(&c.driver, &opts).await?;
-                    Ok::<_, exchange::Error>(c)
+                    Ok::<_, flightshuffle::Error>(c)
                 })
             })
             .map_err(to_py)?;
@@ -506,7 +523,7 @@ impl NativeCluster {
         let strategy = strategy.unwrap_or_else(|| self.strategy.strategy.to_string());
         let driver = self.driver()?;
         let parity = parity.unwrap_or(self.strategy.parity);
-        exchange::parity::check(driver.num_workers(), parity)
+        flightshuffle::check_parity(driver.num_workers(), parity)
             .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
         let reader = data.into_reader()?;
         let opts = job::JobOptions {
@@ -528,7 +545,7 @@ impl NativeCluster {
         let local = &self.local;
         wait(py, &self.rt, async {
             sql::register(&ctx, &name, &path).await?;
-            exchange_datafusion::context::replace_parquet(local, &name, &path)
+            flightshuffle_datafusion::context::replace_parquet(local, &name, &path)
                 .await
                 .map_err(sql::df_err)
         })?
@@ -586,7 +603,7 @@ impl NativeCluster {
     fn calibration_json(&self, py: Python<'_>) -> PyResult<String> {
         let driver = self.driver()?;
         let c = wait(py, &self.rt, driver.calibration())?.map_err(to_py)?;
-        Ok(exchange::calibrate::to_json(&c).to_string())
+        Ok(flightshuffle::calibration_json(&c).to_string())
     }
 
     /// Stop every worker process. Safe to call more than once.
@@ -627,20 +644,21 @@ impl NativeCluster {
             .map(f)
     }
 
-    fn sql_context(&self) -> PyResult<Arc<exchange_datafusion::DistributedContext>> {
+    fn sql_context(&self) -> PyResult<Arc<flightshuffle_datafusion::DistributedContext>> {
         let mut slot = self.sql.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(ctx) = slot.as_ref() {
             return Ok(ctx.clone());
         }
         let driver = self.driver()?;
         let _runtime = self.rt.enter();
-        let config = exchange_datafusion::DistributedContext::default_config(driver.num_workers());
+        let config =
+            flightshuffle_datafusion::DistributedContext::default_config(driver.num_workers());
         let ctx = Arc::new(
-            exchange_datafusion::DistributedContext::new(driver, config)
+            flightshuffle_datafusion::DistributedContext::new(driver, config)
                 .map_err(sql::df_err)?
                 // SQL stages recover from lineage (every stage input can be read again);
                 // parity protects shuffles and dataset stages.
-                .with_strategy_options(exchange::strategy::StrategyOptions {
+                .with_strategy_options(flightshuffle::strategy::StrategyOptions {
                     parity: 0,
                     ..self.strategy
                 }),
@@ -649,14 +667,14 @@ impl NativeCluster {
         Ok(ctx)
     }
 
-    fn driver(&self) -> PyResult<Arc<exchange::driver::Driver>> {
+    fn driver(&self) -> PyResult<Arc<flightshuffle::driver::Driver>> {
         self.with(|c| c.driver().clone())
             .ok_or_else(|| ShuffleError::new_err("the cluster is closed"))
     }
 }
 
 /// A strategy name from Python (None: the cluster's default).
-fn parse_strategy(name: Option<String>) -> PyResult<Option<exchange::strategy::Strategy>> {
+fn parse_strategy(name: Option<String>) -> PyResult<Option<flightshuffle::strategy::Strategy>> {
     name.map(|s| s.parse().map_err(to_py)).transpose()
 }
 
@@ -665,14 +683,14 @@ fn parse_strategy(name: Option<String>) -> PyResult<Option<exchange::strategy::S
 type PyTask = (Vec<u8>, Option<u64>, u32, Option<PySplit>);
 type PySplit = (String, u32, u64, u64, Vec<String>);
 
-fn stage_tasks(tasks: Vec<PyTask>) -> Vec<stage::StageTask> {
+fn stage_tasks(tasks: Vec<PyTask>) -> Vec<stage::DatasetTask> {
     tasks
         .into_iter()
-        .map(|(body, shuffle, partition, split)| stage::StageTask {
+        .map(|(body, shuffle, partition, split)| stage::DatasetTask {
             body,
             input: shuffle.map(|s| (s, partition)),
             split: split.map(|(path, row_group, start, rows, columns)| {
-                exchange::proto::FileSplit {
+                flightshuffle::proto::FileSplit {
                     path,
                     row_group,
                     start,
@@ -686,10 +704,7 @@ fn stage_tasks(tasks: Vec<PyTask>) -> Vec<stage::StageTask> {
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    exchange::worker::init_logging();
-    m.add_function(wrap_pyfunction!(functions::tpch_generate, m)?)?;
-    m.add_function(wrap_pyfunction!(functions::tpch_query, m)?)?;
-    m.add("TPCH_TABLES", tpch::TABLES.to_vec())?;
+    flightshuffle::worker::init_logging();
     m.add_class::<NativeCluster>()?;
     m.add_class::<job::NativeShuffle>()?;
     m.add_class::<stage::NativeStream>()?;
@@ -698,7 +713,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hosted::make_tls, m)?)?;
     m.add_function(wrap_pyfunction!(hosted::make_cert_request, m)?)?;
     m.add_function(wrap_pyfunction!(hosted::sign_cert_request, m)?)?;
-    m.add_function(wrap_pyfunction!(functions::shuffle_bench, m)?)?;
     m.add("ShuffleError", m.py().get_type::<ShuffleError>())?;
     m.add("WorkerLostError", m.py().get_type::<WorkerLostError>())?;
     m.add("ChecksumError", m.py().get_type::<ChecksumError>())?;

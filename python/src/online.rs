@@ -1,12 +1,12 @@
-//! Online aggregation of SQL with the native map side (`exchange_datafusion::online`): the
+//! Online aggregation of SQL with the native map side (`flightshuffle_datafusion::online`): the
 //! statistics query is planned once here and its fact stage streams, one split per map task.
 
 use crate::sql::df_err;
 use crate::stage::NativeStream;
-use exchange::driver::Driver;
-use exchange::strategy::StrategyOptions;
-use exchange_datafusion::online::{self, EmitTop, FactSplit};
-use exchange_datafusion::DistributedContext;
+use flightshuffle::driver::Driver;
+use flightshuffle::strategy::StrategyOptions;
+use flightshuffle_datafusion::online::{self, EmitTop, FactSplit};
+use flightshuffle_datafusion::DistributedContext;
 use pyo3::prelude::*;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -48,7 +48,7 @@ impl Sessions {
         sql: &str,
         splits: Vec<FactSplit>,
         top: Option<EmitTop>,
-    ) -> exchange_datafusion::Result<(Arc<DistributedContext>, online::OnlinePlan)> {
+    ) -> flightshuffle_datafusion::Result<(Arc<DistributedContext>, online::OnlinePlan)> {
         let mut state = self.state.lock().await;
         let session = match state.take() {
             Some(session) => state.insert(session),

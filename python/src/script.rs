@@ -7,12 +7,12 @@
 
 use arrow::array::{RecordBatch, RecordBatchReader};
 use arrow::datatypes::SchemaRef;
-use exchange::block::decode_schema;
-use exchange::source::{
+use flightshuffle::block::decode_schema;
+use flightshuffle::source::{
     BatchSource, BatchStream, ReduceState, Reducer, ShuffleReader, TaskContext,
 };
-use exchange::transport::client::decode;
-use exchange::{proto, Error, Result, ShuffleId};
+use flightshuffle::transport::client::decode;
+use flightshuffle::{proto, Error, Result, ShuffleId};
 use futures::{StreamExt, TryStreamExt};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;

@@ -1,19 +1,19 @@
 //! Distributed SQL from Python: tables registered from Parquet paths (Arrow objects are written
 //! to Parquet by the Python layer first), queries run by
-//! `exchange_datafusion::DistributedContext`.
+//! `flightshuffle_datafusion::DistributedContext`.
 
 use crate::{to_py, to_py_ref, ShuffleError};
-use exchange_datafusion::{DistributedContext, QueryResult};
+use flightshuffle_datafusion::{DistributedContext, QueryResult};
 use pyo3::prelude::*;
 use std::path::Path;
 
-pub fn df_err(e: exchange_datafusion::Error) -> PyErr {
+pub fn df_err(e: flightshuffle_datafusion::Error) -> PyErr {
     match e {
-        exchange_datafusion::Error::Exchange(e) => to_py(e),
-        exchange_datafusion::Error::DataFusion(e) => {
+        flightshuffle_datafusion::Error::Exchange(e) => to_py(e),
+        flightshuffle_datafusion::Error::DataFusion(e) => {
             // Errors that came out of the exchange keep their Python type.
             if let datafusion::error::DataFusionError::External(inner) = e.find_root() {
-                if let Some(x) = inner.downcast_ref::<exchange::Error>() {
+                if let Some(x) = inner.downcast_ref::<flightshuffle::Error>() {
                     return to_py_ref(x);
                 }
             }

@@ -1,5 +1,5 @@
 //! Stages of Python work on the cluster: a map stage runs Python map tasks (file splits or
-//! partitions of an earlier stage) into a new shuffle ([`exchange::job::run_stage`]); a streaming job
+//! partitions of an earlier stage) into a new shuffle ([`flightshuffle::job::run_stage`]); a streaming job
 //! runs them in rounds with the streaming strategy and a Python reducer, handing each round's
 //! partial result to Python while later rounds run.
 
@@ -8,12 +8,13 @@ use crate::to_py;
 use arrow::array::RecordBatch;
 use arrow::compute::concat_batches;
 use arrow::datatypes::SchemaRef;
-use exchange::block::{encode_schema, ShuffleId};
-use exchange::driver::{Driver, MapInput};
-use exchange::job;
-use exchange::strategy::streaming::{self, Partial, StreamingJob};
-use exchange::strategy::StrategyOptions;
-use exchange::{proto, Error, Result};
+use flightshuffle::block::{encode_schema, ShuffleId};
+use flightshuffle::driver::{Driver, MapInput};
+use flightshuffle::job;
+use flightshuffle::strategy::streaming::{self, Partial, StreamingJob};
+use flightshuffle::strategy::StrategyOptions;
+use flightshuffle::sync::lock;
+use flightshuffle::{proto, Error, Result};
 use prost::Message;
 use pyo3::prelude::*;
 use pyo3_arrow::PyTable;
@@ -21,10 +22,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc;
 
-/// One map task of a stage: the Python task description and its input, the partition of an
+/// One map task of a dataset stage: the Python task description and its input, the partition of an
 /// earlier stage or a file split.
 #[derive(Clone)]
-pub struct StageTask {
+pub struct DatasetTask {
     pub body: Vec<u8>,
     pub input: Option<(u64, u32)>,
     pub split: Option<proto::FileSplit>,
@@ -33,11 +34,7 @@ pub struct StageTask {
 /// Output shuffles of the stages run so far: schema and partition count.
 pub type Stages = Mutex<HashMap<u64, (SchemaRef, u32)>>;
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn inputs(driver: &Driver, stages: &Stages, tasks: Vec<StageTask>) -> Result<Vec<MapInput>> {
+fn inputs(driver: &Driver, stages: &Stages, tasks: Vec<DatasetTask>) -> Result<Vec<MapInput>> {
     let peers = driver.addresses();
     tasks
         .into_iter()
@@ -89,7 +86,7 @@ pub async fn run_stage(
     schema: SchemaRef,
     partitions: u32,
     keys: Vec<String>,
-    tasks: Vec<StageTask>,
+    tasks: Vec<DatasetTask>,
     opts: StrategyOptions,
 ) -> Result<(u64, u64)> {
     let upstream: std::collections::BTreeSet<u64> = tasks
@@ -105,7 +102,7 @@ pub async fn run_stage(
             // and the earlier stages they read must have every map output (a no-op when none
             // was lost). A worker lost meanwhile is recovered like one lost while mapping.
             driver
-                .wait_all_live(exchange::driver::REPLACE_TIMEOUT)
+                .wait_all_live(flightshuffle::driver::REPLACE_TIMEOUT)
                 .await?;
             for &s in &upstream {
                 driver.repair(ShuffleId(s)).await?;
@@ -174,7 +171,7 @@ pub fn start_stream(
     schema: SchemaRef,
     partitions: u32,
     keys: Vec<String>,
-    tasks: Vec<StageTask>,
+    tasks: Vec<DatasetTask>,
     weights: Vec<u64>,
     rounds: usize,
     reducer_payload: Vec<u8>,

@@ -7,7 +7,7 @@
 //! workers (in-memory tables travel inside the stage plans), every gather is a stage, and a
 //! plan without any exchange runs as one task on a worker; the driver only reads the last
 //! stage and runs what is above it. Queries counted "on the driver" ran whole there because a
-//! stage plan would not reach the workers unchanged (`exchange_datafusion::sendable`); the
+//! stage plan would not reach the workers unchanged (`flightshuffle_datafusion::sendable`); the
 //! report gives the reasons (`on_driver_why`). Other statements (`CREATE TABLE`, `INSERT`, `SET`)
 //! define the session and run on the driver's session. `EXPLAIN` records differ by design
 //! and are skipped and counted, as are records a `skipif`/`onlyif` condition leaves out for
@@ -26,8 +26,8 @@ use arrow::datatypes::{DataType, SchemaRef};
 use arrow::util::display::{ArrayFormatter, FormatOptions};
 use clap::Parser;
 use datafusion::prelude::SessionContext;
-use exchange::cluster::{LocalCluster, LocalClusterConfig};
-use exchange_datafusion::DistributedContext;
+use flightshuffle::cluster::{LocalCluster, LocalClusterConfig};
+use flightshuffle_datafusion::DistributedContext;
 use sqllogictest::{AsyncDB, Condition, DBOutput, Record};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -293,9 +293,9 @@ async fn run_records<D: AsyncDB<ColumnType = Col> + Send + 'static>(
 fn main() -> std::process::ExitCode {
     let argv: Vec<String> = std::env::args().collect();
     if argv.get(1).map(String::as_str) == Some("worker") {
-        let worker = exchange::worker::main_with_args(
+        let worker = flightshuffle::worker::main_with_args(
             argv[1..].to_vec(),
-            exchange_datafusion::worker_sources(),
+            flightshuffle_datafusion::worker_sources(),
         );
         return match worker {
             Ok(()) => std::process::ExitCode::SUCCESS,

@@ -3,8 +3,8 @@
 
 use clap::{Parser, Subcommand};
 use datafusion::prelude::{SessionConfig, SessionContext};
-use exchange::cluster::{LocalCluster, LocalClusterConfig};
-use exchange_datafusion::DistributedContext;
+use flightshuffle::cluster::{LocalCluster, LocalClusterConfig};
+use flightshuffle_datafusion::DistributedContext;
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -70,13 +70,13 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
-    exchange::worker::init_logging();
+    flightshuffle::worker::init_logging();
     if let Command::Worker { args } = &cli.command {
         let argv = std::iter::once("tpch-worker".to_string())
             .chain(args.iter().cloned())
             .collect();
         if let Err(e) =
-            exchange::worker::main_with_args(argv, exchange_datafusion::worker_sources())
+            flightshuffle::worker::main_with_args(argv, flightshuffle_datafusion::worker_sources())
         {
             eprintln!("tpch worker: {e}");
             std::process::exit(2);

@@ -9,8 +9,8 @@
 //! DataFusion's; joins whose build rows are emitted at the end are not split, and are exact too.
 
 use datafusion::prelude::{SessionConfig, SessionContext};
-use exchange::cluster::{LocalCluster, LocalClusterConfig};
-use exchange_datafusion::DistributedContext;
+use flightshuffle::cluster::{LocalCluster, LocalClusterConfig};
+use flightshuffle_datafusion::DistributedContext;
 use std::path::{Path, PathBuf};
 
 /// Four fact files (so four map tasks) of 250k rows, key 7 on two rows of three; 5000 dim rows.
@@ -111,7 +111,7 @@ const QUERIES: [(&str, bool); 5] = [
     ),
 ];
 
-fn split_note(stages: &[exchange_datafusion::StageMetrics]) -> Option<String> {
+fn split_note(stages: &[flightshuffle_datafusion::StageMetrics]) -> Option<String> {
     stages
         .iter()
         .map(|s| s.strategy.clone())

@@ -12,10 +12,10 @@ use datafusion_proto::bytes::{
     physical_plan_from_bytes_with_extension_codec, physical_plan_to_bytes_with_extension_codec,
 };
 use datafusion_proto::physical_plan::{PhysicalExtensionCodec, PhysicalProtoConverterExtension};
-use exchange::block::Slice;
-use exchange::block::{decode_schema, encode_schema};
-use exchange::strategy::Strategy;
-use exchange::ShuffleId;
+use flightshuffle::block::Slice;
+use flightshuffle::block::{decode_schema, encode_schema};
+use flightshuffle::strategy::Strategy;
+use flightshuffle::ShuffleId;
 use prost::Message;
 use std::sync::Arc;
 
@@ -138,7 +138,7 @@ impl PhysicalExtensionCodec for ExchangeCodec {
             } else {
                 w.strategy
                     .parse()
-                    .map_err(|e: exchange::Error| bad(&e.to_string()))?
+                    .map_err(|e: flightshuffle::Error| bad(&e.to_string()))?
             };
             return Ok(Arc::new(
                 ShuffleWriterExec::new(

@@ -1,4 +1,4 @@
-//! DataFusion's combiner for in-exchange combining (see `exchange::combine`): a hash exchange
+//! DataFusion's combiner for in-exchange combining (see `flightshuffle::combine`): a hash exchange
 //! whose rows are a partial aggregate's output, hashed on its group columns, carries an
 //! `AggregateExec` in `PartialReduce` mode (partial states in, partial states out). Workers
 //! run it over a map task's buffer of one partition, and over the blocks a merge task merges,
@@ -21,8 +21,8 @@ use datafusion::prelude::SessionContext;
 use datafusion_proto::bytes::{
     physical_plan_from_bytes_with_extension_codec, physical_plan_to_bytes_with_extension_codec,
 };
-use exchange::combine::{Combiner, CombinerKind};
-use exchange::proto;
+use flightshuffle::combine::{Combiner, CombinerKind};
+use flightshuffle::proto;
 use std::sync::Arc;
 
 /// Combiner kind of a partial aggregate's exchange.
@@ -79,7 +79,7 @@ fn same_columns(a: &SchemaRef, b: &SchemaRef) -> bool {
 pub struct PartialReduceKind;
 
 impl CombinerKind for PartialReduceKind {
-    fn open(&self, payload: &[u8], schema: &SchemaRef) -> exchange::Result<Arc<dyn Combiner>> {
+    fn open(&self, payload: &[u8], schema: &SchemaRef) -> flightshuffle::Result<Arc<dyn Combiner>> {
         let (plan, ctx) = decode(payload, schema)?;
         let input = plan.children()[0].schema();
         Ok(Arc::new(PartialReduce { plan, input, ctx }))
@@ -91,8 +91,8 @@ impl CombinerKind for PartialReduceKind {
 pub fn decode(
     payload: &[u8],
     schema: &SchemaRef,
-) -> exchange::Result<(Arc<dyn ExecutionPlan>, Arc<TaskContext>)> {
-    let bad = |what: String| exchange::Error::invalid(format!("combiner plan: {what}"));
+) -> flightshuffle::Result<(Arc<dyn ExecutionPlan>, Arc<TaskContext>)> {
+    let bad = |what: String| flightshuffle::Error::invalid(format!("combiner plan: {what}"));
     let session = SessionContext::new();
     session.register_udf(crate::double::udf());
     let ctx = session.task_ctx();
@@ -118,12 +118,16 @@ struct PartialReduce {
 }
 
 impl Combiner for PartialReduce {
-    fn combine(&self, batches: &[RecordBatch]) -> exchange::Result<Vec<RecordBatch>> {
-        let err = |e: datafusion::error::DataFusionError| exchange::Error::Task(e.to_string());
+    fn combine(&self, batches: &[RecordBatch]) -> flightshuffle::Result<Vec<RecordBatch>> {
+        let err = |e: datafusion::error::DataFusionError| flightshuffle::Error::Task(e.to_string());
         let batches = batches
             .iter()
             .map(|b| {
-                exchange::block::batch_with(self.input.clone(), b.columns().to_vec(), b.num_rows())
+                flightshuffle::block::batch_with(
+                    self.input.clone(),
+                    b.columns().to_vec(),
+                    b.num_rows(),
+                )
             })
             .collect::<Result<Vec<_>, _>>()?;
         let source =

@@ -1,7 +1,7 @@
 //! `DistributedContext`: a DataFusion session whose queries run on a flightshuffle cluster.
 //! `sql()` plans with DataFusion, cuts the plan into stages and runs them all at once on the
 //! workers, pipelined (a consumer stage reads each committed map output of its producers as it
-//! arrives; see `exchange::scheduler`), together with the final single-partition step on the
+//! arrives; see `flightshuffle::scheduler`), together with the final single-partition step on the
 //! driver, which reads the last exchange. `EXPLAIN` / `EXPLAIN ANALYZE` print the stages.
 
 use crate::broadcast::BroadcastJoins;
@@ -19,10 +19,10 @@ use datafusion::physical_optimizer::optimizer::PhysicalOptimizer;
 use datafusion::physical_plan::{collect, ExecutionPlan};
 use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
 use datafusion_proto::bytes::physical_plan_to_bytes_with_extension_codec;
-use exchange::driver::{Driver, MapInput, ShuffleSpec};
-use exchange::proto;
-use exchange::scheduler::{run_pipelined, Deferred, StageRun};
-use exchange::strategy::{Strategy, StrategyOptions};
+use flightshuffle::driver::{Driver, MapInput, ShuffleSpec};
+use flightshuffle::proto;
+use flightshuffle::scheduler::{run_pipelined, Deferred, StageRun};
+use flightshuffle::strategy::{Strategy, StrategyOptions};
 use prost::Message;
 use std::sync::Arc;
 use std::time::Instant;
@@ -273,7 +273,7 @@ impl DistributedContext {
             return self.set(sql, start).await;
         }
         // A worker lost while the stages run is recovered by the scheduler (only the missing
-        // maps run again, see `exchange::scheduler`). If that fails too (lost again and
+        // maps run again, see `flightshuffle::scheduler`). If that fails too (lost again and
         // again, or while planning), the query runs again, whole, once the lost worker's
         // replacement is up: it reads its inputs again, so nothing is counted twice. At most
         // QUERY_RETRIES times.
@@ -282,7 +282,7 @@ impl DistributedContext {
             // Plans and tasks name the workers' addresses: a lost worker's replacement (found
             // lost after the last query, say) must be in place before they are made.
             self.driver
-                .wait_all_live(exchange::driver::REPLACE_TIMEOUT)
+                .wait_all_live(flightshuffle::driver::REPLACE_TIMEOUT)
                 .await?;
             let replacements = self.driver.replacements();
             let run = async {
@@ -316,7 +316,7 @@ impl DistributedContext {
     /// before the failure is looked at).
     fn recoverable(&self, e: &Error, replacements_before: u64) -> bool {
         self.driver.replaces_workers()
-            && (matches!(e.exchange(), Some(exchange::Error::WorkerLost { .. }))
+            && (matches!(e.exchange(), Some(flightshuffle::Error::WorkerLost { .. }))
                 || self.driver.replacements() != replacements_before)
     }
 
@@ -387,7 +387,7 @@ impl DistributedContext {
     }
 
     /// Run every stage and the driver's part at once (pipelined, see
-    /// [`exchange::scheduler`]); frees every shuffle, whatever the outcome.
+    /// [`flightshuffle::scheduler`]); frees every shuffle, whatever the outcome.
     pub async fn execute(
         &self,
         staged: &StagedPlan,
@@ -397,7 +397,7 @@ impl DistributedContext {
         if staged
             .stages
             .iter()
-            .any(|s| s.writer.strategy == exchange::strategy::Strategy::Auto)
+            .any(|s| s.writer.strategy == flightshuffle::strategy::Strategy::Auto)
         {
             self.driver.calibration().await?;
         }
@@ -512,7 +512,7 @@ impl DistributedContext {
         // A sorted-run exchange's readers read each map output as one run: merging runs would
         // break them, so such an exchange moves its blocks with pull whatever it asks for.
         let strategy = match writer.kind {
-            crate::writer::WriterKind::Merge => exchange::strategy::Strategy::Pull,
+            crate::writer::WriterKind::Merge => flightshuffle::strategy::Strategy::Pull,
             _ => writer.strategy,
         };
         let split = skew.enabled().then(|| skew::candidate(writer)).flatten();
@@ -528,7 +528,7 @@ impl DistributedContext {
         };
         let (writer, skew) = (writer.clone(), *skew);
         let decide = move |bytes: &[u64]| {
-            let task_err = |e: Error| exchange::Error::Task(e.to_string());
+            let task_err = |e: Error| flightshuffle::Error::Task(e.to_string());
             match skew::decide(bytes, &skew) {
                 None => Ok((tasks.inputs(&writer).map_err(task_err)?, String::new())),
                 Some((layout, note)) => {
@@ -638,7 +638,7 @@ pub async fn replace_parquet(ctx: &SessionContext, name: &str, path: &str) -> Re
     ctx.register_parquet(&staging, path, ParquetReadOptions::default())
         .await?;
     let table = ctx.deregister_table(&staging)?.ok_or_else(|| {
-        Error::Exchange(exchange::Error::Cluster(format!(
+        Error::Exchange(flightshuffle::Error::Cluster(format!(
             "table {name} vanished while it was registered"
         )))
     })?;
@@ -650,8 +650,8 @@ pub async fn replace_parquet(ctx: &SessionContext, name: &str, path: &str) -> Re
 /// A failure of the driver's part as an exchange error: a lost worker, a failed call or a
 /// timeout underneath stays one (so the scheduler can tell a loss and recover); anything
 /// else is a task error.
-fn root_error(e: datafusion::error::DataFusionError) -> exchange::Error {
-    use exchange::Error as X;
+fn root_error(e: datafusion::error::DataFusionError) -> flightshuffle::Error {
+    use flightshuffle::Error as X;
     let text = e.to_string();
     let e = Error::from(e);
     match e.exchange() {

@@ -21,8 +21,8 @@ use arrow::compute::kernels::cmp::{gt_eq, lt_eq};
 use arrow::compute::{cast, concat, filter_record_batch, sort_to_indices, SortOptions};
 use arrow::datatypes::{DataType, Float64Type, SchemaRef};
 use datafusion::physical_plan::aggregates::AggregateExec;
-use exchange::combine::{Combiner, CombinerKind};
-use exchange::source::{ReduceState, Reducer};
+use flightshuffle::combine::{Combiner, CombinerKind};
+use flightshuffle::source::{ReduceState, Reducer};
 use prost::Message;
 use std::sync::Arc;
 
@@ -78,12 +78,12 @@ enum Folded {
     },
 }
 
-fn foreign() -> exchange::Error {
-    exchange::Error::invalid("partial fold given a foreign state")
+fn foreign() -> flightshuffle::Error {
+    flightshuffle::Error::invalid("partial fold given a foreign state")
 }
 
-fn task_err(e: datafusion::error::DataFusionError) -> exchange::Error {
-    exchange::Error::Task(format!("online fold: {e}"))
+fn task_err(e: datafusion::error::DataFusionError) -> flightshuffle::Error {
+    flightshuffle::Error::Task(format!("online fold: {e}"))
 }
 
 /// Folds the partial aggregate states of an online query's fact stage into the running
@@ -97,12 +97,13 @@ impl Reducer for PartialFold {
         state: Option<ReduceState>,
         batches: Vec<RecordBatch>,
         schema: SchemaRef,
-    ) -> exchange::Result<ReduceState> {
+    ) -> flightshuffle::Result<ReduceState> {
         let mut state = match state {
             Some(s) => *s.downcast::<FoldState>().map_err(|_| foreign())?,
             None => {
-                let p = FoldPayload::decode(payload)
-                    .map_err(|e| exchange::Error::invalid(format!("partial fold payload: {e}")))?;
+                let p = FoldPayload::decode(payload).map_err(|e| {
+                    flightshuffle::Error::invalid(format!("partial fold payload: {e}"))
+                })?;
                 let (plan, _) = crate::combine::decode(&p.plan, &schema)?;
                 let running = match plan.downcast_ref::<AggregateExec>() {
                     Some(agg) => Running::try_new(agg, schema.clone()).map_err(task_err)?,
@@ -151,7 +152,7 @@ impl Reducer for PartialFold {
         &self,
         _payload: &[u8],
         state: &ReduceState,
-    ) -> exchange::Result<(SchemaRef, Vec<RecordBatch>)> {
+    ) -> flightshuffle::Result<(SchemaRef, Vec<RecordBatch>)> {
         let s = state.downcast_ref::<FoldState>().ok_or_else(foreign)?;
         let all = match &s.folded {
             Folded::Running(_, all) => all.clone(),
@@ -451,8 +452,8 @@ mod running_tests {
     use datafusion::datasource::MemTable;
     use datafusion::physical_plan::{collect, ExecutionPlan};
     use datafusion::prelude::{SessionConfig, SessionContext};
-    use exchange::combine::CombinerKind;
-    use exchange::source::Reducer;
+    use flightshuffle::combine::CombinerKind;
+    use flightshuffle::source::Reducer;
     use proptest::prelude::*;
     use prost::Message;
 

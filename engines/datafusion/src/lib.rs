@@ -1,4 +1,4 @@
-//! `exchange-datafusion`: flightshuffle as the distributed exchange of Apache DataFusion.
+//! `flightshuffle-datafusion`: flightshuffle as the distributed exchange of Apache DataFusion.
 //!
 //! The physical plan DataFusion makes for one process is cut into a DAG of stages at every
 //! boundary where rows move between partitions ([`planner`]); each producing stage is rooted at a
@@ -26,7 +26,7 @@ pub mod split;
 pub mod writer;
 
 use datafusion::prelude::SessionConfig;
-use exchange::source::{ShuffleReader, SourceRegistry};
+use flightshuffle::source::{ShuffleReader, SourceRegistry};
 use std::sync::Arc;
 
 pub use context::{DistributedContext, QueryResult, StageMetrics};
@@ -40,14 +40,14 @@ pub enum Error {
     #[error(transparent)]
     DataFusion(#[from] datafusion::error::DataFusionError),
     #[error(transparent)]
-    Exchange(#[from] exchange::Error),
+    Exchange(#[from] flightshuffle::Error),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     /// The exchange error underneath, if this came out of the exchange.
-    pub fn exchange(&self) -> Option<&exchange::Error> {
+    pub fn exchange(&self) -> Option<&flightshuffle::Error> {
         match self {
             Error::Exchange(e) => Some(e),
             Error::DataFusion(e) => match e.find_root() {
@@ -101,7 +101,7 @@ impl datafusion::config::ConfigExtension for FlightshuffleOptions {
 
 /// A worker's task sources: the exchange's built-ins plus DataFusion stages.
 pub fn worker_sources() -> SourceRegistry {
-    let mut r = exchange::worker::builtin_sources();
+    let mut r = flightshuffle::worker::builtin_sources();
     r.register(STAGE_SOURCE, Arc::new(source::StageSource::default()));
     r.register_reducer(online::PARTIAL_FOLD, Arc::new(online::PartialFold));
     r.register_combiner(
@@ -118,7 +118,7 @@ pub struct ExchangeContext {
     workers: Vec<String>,
     /// On the driver: the workers are the driver's now (a lost worker's slot gets its
     /// replacement's address), not a list fixed when the session was made.
-    driver: Option<Arc<exchange::driver::Driver>>,
+    driver: Option<Arc<flightshuffle::driver::Driver>>,
     pub reader: Arc<dyn ShuffleReader>,
 }
 
@@ -133,7 +133,7 @@ impl ExchangeContext {
     }
 
     /// On the driver: the driver's workers at each use.
-    pub fn of_driver(driver: Arc<exchange::driver::Driver>) -> Self {
+    pub fn of_driver(driver: Arc<flightshuffle::driver::Driver>) -> Self {
         ExchangeContext {
             workers: Vec::new(),
             reader: driver.reader(),
@@ -159,6 +159,6 @@ impl std::fmt::Debug for ExchangeContext {
 }
 
 /// DataFusion errors from exchange errors, keeping the original for callers to inspect.
-pub(crate) fn df_err(e: exchange::Error) -> datafusion::error::DataFusionError {
+pub(crate) fn df_err(e: flightshuffle::Error) -> datafusion::error::DataFusionError {
     datafusion::error::DataFusionError::External(Box::new(e))
 }

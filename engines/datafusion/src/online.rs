@@ -34,9 +34,9 @@ use datafusion::error::DataFusionError;
 use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 use datafusion_proto::bytes::physical_plan_to_bytes_with_extension_codec;
-use exchange::driver::{MapInput, ShuffleSpec};
-use exchange::proto;
-use exchange::strategy::streaming::{self, Partial, StreamingJob};
+use flightshuffle::driver::{MapInput, ShuffleSpec};
+use flightshuffle::proto;
+use flightshuffle::strategy::streaming::{self, Partial, StreamingJob};
 use futures::future::BoxFuture;
 use prost::Message;
 use std::collections::HashSet;
@@ -277,7 +277,7 @@ pub async fn run(
     plan: OnlinePlan,
     rounds: usize,
     weights: Vec<u64>,
-    out: mpsc::Sender<exchange::Result<Partial>>,
+    out: mpsc::Sender<flightshuffle::Result<Partial>>,
     replan: Replan,
 ) {
     let driver = ctx.driver().clone();
@@ -305,7 +305,7 @@ pub async fn run(
         };
         let ((), failure) = tokio::join!(attempt, forward);
         let Some(e) = failure else { return };
-        let lost = matches!(e, exchange::Error::WorkerLost { .. })
+        let lost = matches!(e, flightshuffle::Error::WorkerLost { .. })
             || driver.replacements() != replacements;
         if !(driver.replaces_workers() && lost && retries < crate::context::QUERY_RETRIES) {
             let _ = out.send(Err(e)).await;
@@ -315,7 +315,7 @@ pub async fn run(
         driver.note_rerun();
         tracing::warn!(error = %e, retries, "worker lost during an online query: running it again");
         if let Err(e) = driver
-            .wait_all_live(exchange::driver::REPLACE_TIMEOUT)
+            .wait_all_live(flightshuffle::driver::REPLACE_TIMEOUT)
             .await
         {
             let _ = out.send(Err(e)).await;
@@ -326,7 +326,9 @@ pub async fn run(
         plan = match replan().await {
             Ok(p) => p,
             Err(e) => {
-                let _ = out.send(Err(exchange::Error::Task(e.to_string()))).await;
+                let _ = out
+                    .send(Err(flightshuffle::Error::Task(e.to_string())))
+                    .await;
                 return;
             }
         };
@@ -339,7 +341,7 @@ async fn run_once(
     plan: &OnlinePlan,
     rounds: usize,
     weights: Vec<u64>,
-    out: mpsc::Sender<exchange::Result<Partial>>,
+    out: mpsc::Sender<flightshuffle::Result<Partial>>,
 ) {
     let driver = ctx.driver().clone();
     let dims: Vec<_> = plan.dims.iter().map(|s| s.writer.shuffle).collect();
@@ -362,7 +364,7 @@ async fn run_once(
         let opts = ctx.strategy_options();
         // The build sides, complete before the first split (none for a query over one table).
         if !runs.is_empty() {
-            exchange::scheduler::run_pipelined(
+            flightshuffle::scheduler::run_pipelined(
                 &driver,
                 runs,
                 &dims,
@@ -391,7 +393,7 @@ async fn run_once(
     if let Err(e) = result {
         let e = match e {
             Error::Exchange(e) => e,
-            other => exchange::Error::Task(other.to_string()),
+            other => flightshuffle::Error::Task(other.to_string()),
         };
         let _ = out.send(Err(e)).await;
     }

@@ -47,8 +47,8 @@ use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMerge
 use datafusion::physical_plan::{
     displayable, replace_children_if_necessary, ExecutionPlan, ExecutionPlanProperties,
 };
-use exchange::strategy::Strategy;
-use exchange::ShuffleId;
+use flightshuffle::strategy::Strategy;
+use flightshuffle::ShuffleId;
 use std::sync::Arc;
 
 /// One producing stage: its writer (root) and the stages it reads from.

@@ -13,8 +13,8 @@ use datafusion::physical_expr::{EquivalenceProperties, Partitioning, PhysicalExp
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties};
-use exchange::block::Slice;
-use exchange::ShuffleId;
+use flightshuffle::block::Slice;
+use flightshuffle::ShuffleId;
 use futures::StreamExt;
 use std::fmt;
 use std::sync::Arc;
@@ -133,7 +133,7 @@ impl DisplayAs for ShuffleReaderExec {
 }
 
 /// Keep the reader's columns (drop trailing key columns) under the reader's schema.
-fn conform(batch: RecordBatch, schema: &SchemaRef) -> Result<RecordBatch> {
+fn reader_columns(batch: RecordBatch, schema: &SchemaRef) -> Result<RecordBatch> {
     let n = schema.fields().len();
     let cols = batch.columns().get(..n).ok_or_else(|| {
         DataFusionError::Execution(format!(
@@ -141,7 +141,7 @@ fn conform(batch: RecordBatch, schema: &SchemaRef) -> Result<RecordBatch> {
             batch.num_columns()
         ))
     })?;
-    Ok(exchange::block::batch_with(
+    Ok(flightshuffle::block::batch_with(
         schema.clone(),
         cols.to_vec(),
         batch.num_rows(),
@@ -206,7 +206,8 @@ impl ExecutionPlan for ShuffleReaderExec {
                 .read_map_output(&ectx.workers(), self.shuffle, p),
         };
         let schema = self.schema.clone();
-        let batches = stream.map(move |b| b.map_err(df_err).and_then(|b| conform(b, &schema)));
+        let batches =
+            stream.map(move |b| b.map_err(df_err).and_then(|b| reader_columns(b, &schema)));
         Ok(Box::pin(RecordBatchStreamAdapter::new(
             self.schema.clone(),
             batches,

@@ -101,7 +101,7 @@ impl Running {
     /// Merge one batch of partial states (the shuffle's columns) into the running state.
     pub fn add(&mut self, batch: &RecordBatch) -> Result<()> {
         let columns = batch.columns();
-        if !exchange::block::same_columns(&batch.schema(), &self.schema) {
+        if !flightshuffle::block::same_columns(&batch.schema(), &self.schema) {
             return Err(DataFusionError::Execution(format!(
                 "partial states {:?} for a state of {:?}",
                 batch.schema().fields(),
@@ -164,7 +164,7 @@ impl Running {
             let rows = keys.first().map_or(0, |k| k.len());
             let mut columns = keys.clone();
             columns.extend(states.iter().map(|s| s.slice(at, rows)));
-            out.push(exchange::block::batch_with(
+            out.push(flightshuffle::block::batch_with(
                 self.schema.clone(),
                 columns,
                 rows,

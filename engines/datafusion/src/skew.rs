@@ -5,7 +5,7 @@
 //! the others. When a stage's partition p is the probe side of a join that emits each probe
 //! row on its own (inner, right, right semi/anti/mark: DataFusion builds the left side and
 //! probes with the right), p can be split: each of k tasks reads one slice of p's blocks
-//! ([`exchange::block::Slice`]) and joins it with the *whole* build partition p, which every
+//! ([`flightshuffle::block::Slice`]) and joins it with the *whole* build partition p, which every
 //! split reads. The union of the splits' outputs is the join's output, and no key is split on
 //! the build side, so the result is exact.
 //!
@@ -17,7 +17,7 @@
 //! search: they need all of a partition in one task. Sorted-run stages never split.
 //!
 //! The decision needs the probe producer's partition sizes, so a stage that can split starts
-//! once that producer is sealed (see `exchange::scheduler::Deferred`) instead of pipelining
+//! once that producer is sealed (see `flightshuffle::scheduler::Deferred`) instead of pipelining
 //! with it; splits are then made where a partition is over `factor` × the median and over
 //! `min_bytes` ([`decide`]). A factor of 3 suits, not Spark's 5: a stage has only two
 //! partitions per worker here, so the median is a large share of the total (one key on half
@@ -40,8 +40,8 @@ use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::sorts::sort::SortExec;
 use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMergeExec;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
-use exchange::block::Slice;
-use exchange::ShuffleId;
+use flightshuffle::block::Slice;
+use flightshuffle::ShuffleId;
 use std::sync::Arc;
 
 /// When a partition is skewed.

@@ -20,8 +20,9 @@ use datafusion::execution::runtime_env::RuntimeEnvBuilder;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use datafusion_proto::bytes::physical_plan_from_bytes_with_extension_codec;
-use exchange::source::{BatchSource, BatchStream, TaskContext};
-use exchange::{Error, ShuffleId};
+use flightshuffle::source::{BatchSource, BatchStream, TaskContext};
+use flightshuffle::sync::lock;
+use flightshuffle::{Error, ShuffleId};
 use futures::{StreamExt, TryStreamExt};
 use prost::Message;
 use std::collections::HashMap;
@@ -61,10 +62,6 @@ fn task_err(e: impl std::fmt::Display) -> Error {
     Error::Task(e.to_string())
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 impl StageSource {
     fn session(&self, ctx: &TaskContext, task: &StageTask) -> SessionContext {
         let key = (task.workers.clone(), task.batch_size);
@@ -77,7 +74,7 @@ impl StageSource {
                 if task.batch_size > 0 {
                     config = config.with_batch_size(task.batch_size as usize);
                 }
-                let runtime = if exchange::admission::enabled() {
+                let runtime = if flightshuffle::admission_enabled() {
                     let pool = self.pool.get_or_init(|| {
                         let half = usize::try_from(ctx.memory_budget / 2).unwrap_or(usize::MAX);
                         Arc::new(crate::pool::WorkerPool::new(half))
@@ -102,7 +99,7 @@ impl StageSource {
     }
 
     /// The stage's plan instance on this worker, decoded by its first task.
-    fn plan(&self, ctx: &TaskContext, task: &StageTask) -> exchange::Result<StagePlan> {
+    fn plan(&self, ctx: &TaskContext, task: &StageTask) -> flightshuffle::Result<StagePlan> {
         // Held while decoding so concurrent first tasks of one stage share one instance.
         // A task for other workers (a lost worker replaced since) decodes a fresh instance:
         // one that read from the lost worker may hold its failure (a join's shared build
@@ -134,7 +131,7 @@ impl BatchSource for StageSource {
         ctx: &TaskContext,
         payload: &[u8],
         _schema: SchemaRef,
-    ) -> exchange::Result<BatchStream> {
+    ) -> flightshuffle::Result<BatchStream> {
         let task = StageTask::decode(payload)
             .map_err(|e| Error::invalid(format!("malformed stage task: {e}")))?;
         let (plan, session) = self.plan(ctx, &task)?;
@@ -158,7 +155,7 @@ impl BatchSource for StageSource {
                 plan.execute(p as usize, session.task_ctx())
                     .map_err(task_err)
             })
-            .collect::<exchange::Result<Vec<_>>>()?;
+            .collect::<flightshuffle::Result<Vec<_>>>()?;
         if streams.len() == 1 {
             let only = streams.pop().ok_or_else(|| task_err("no stream"))?;
             return Ok(Box::pin(only.map_err(task_err)));
@@ -181,7 +178,7 @@ impl BatchSource for StageSource {
 /// Drive each stream on its own tokio task (so the partitions use the worker's cores as
 /// separate map tasks would) and interleave their batches; dropping the result stops them.
 /// The tasks start on the first poll: a stage task is opened before the worker admits it
-/// (see `exchange::admission`), and must not scan while it waits.
+/// (see `flightshuffle::admission_enabled`), and must not scan while it waits.
 fn concurrently(streams: Vec<datafusion::execution::SendableRecordBatchStream>) -> BatchStream {
     Box::pin(futures::stream::once(async move { spawned(streams) }).flatten())
 }
@@ -202,7 +199,7 @@ fn spawned(streams: Vec<datafusion::execution::SendableRecordBatchStream>) -> Ba
             })
         })
         .collect();
-    let guard = AbortOnDrop(handles);
+    let guard = PartitionTasks(handles);
     let rx = futures::stream::unfold((rx, guard), |(mut rx, mut guard)| async move {
         if let Some(item) = rx.recv().await {
             return Some((item, (rx, guard)));
@@ -222,10 +219,11 @@ fn spawned(streams: Vec<datafusion::execution::SendableRecordBatchStream>) -> Ba
     Box::pin(rx)
 }
 
-/// Aborts the partition tasks when the map task's stream is dropped (done, failed, aborted).
-struct AbortOnDrop(Vec<tokio::task::JoinHandle<()>>);
+/// The partition tasks of a map task: awaited once every partition is sent (a panic is an
+/// error), aborted when the map task's stream is dropped first (failed, aborted).
+struct PartitionTasks(Vec<tokio::task::JoinHandle<()>>);
 
-impl Drop for AbortOnDrop {
+impl Drop for PartitionTasks {
     fn drop(&mut self) {
         for h in &self.0 {
             h.abort();

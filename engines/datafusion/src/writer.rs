@@ -9,8 +9,8 @@ use datafusion::error::Result;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties};
-use exchange::strategy::Strategy;
-use exchange::{partitioner, proto, ShuffleId};
+use flightshuffle::strategy::Strategy;
+use flightshuffle::{partitioner, proto, ShuffleId};
 use std::fmt;
 use std::sync::Arc;
 

@@ -2,7 +2,9 @@
 
 fn main() {
     let argv: Vec<String> = std::env::args().collect();
-    if let Err(e) = exchange::worker::main_with_args(argv, exchange::worker::builtin_sources()) {
+    if let Err(e) =
+        flightshuffle::worker::main_with_args(argv, flightshuffle::worker::builtin_sources())
+    {
         eprintln!("flightshuffle-worker: {e}");
         std::process::exit(2);
     }

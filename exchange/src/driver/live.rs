@@ -5,8 +5,9 @@
 //! not replace workers a lost worker is only suspected: the job that found it lost fails, and
 //! once it answers a health check again (it was paused or starved) it is cleared.
 
-use super::{lock, Driver, Replacer};
+use super::{Driver, Replacer};
 use crate::error::{Error, Result};
+use crate::sync::lock;
 use crate::transport::client::WorkerClient;
 use std::sync::atomic::Ordering;
 use std::time::Duration;

@@ -11,11 +11,12 @@
 //! shuffle is protected as before. A stripe that lost more shards than its parity covers is
 //! an error: the caller runs the shuffle again from its inputs.
 
-use super::{lock, BlockRef, Driver};
+use super::{BlockRef, Driver};
 use crate::block::{BlockId, BlockMeta, ShuffleId};
 use crate::error::{Error, Result};
 use crate::parity::{self, PARITY};
 use crate::proto;
+use crate::sync::lock;
 use futures::{StreamExt, TryStreamExt};
 use std::collections::HashMap;
 use std::sync::Arc;

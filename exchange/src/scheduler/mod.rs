@@ -33,7 +33,8 @@ use tokio::sync::watch;
 mod recover;
 mod stage;
 
-pub(crate) use stage::{lock, report, Stage};
+use crate::sync::lock;
+pub(crate) use stage::{report, Stage};
 pub use stage::{DecideInputs, Deferred, Refresh, StageReport, StageRun, MAX_RECOVERIES};
 
 /// Run `stages` and the consumer concurrently under one health watch; returns the

@@ -22,11 +22,12 @@
 //! runs again whole too (its surviving maps read the old deal), and so on downstream; a
 //! hash-partitioned stage puts every row where it was, which stops the spread.
 
-use super::stage::{lock, report, Stage, StageReport};
+use super::stage::{report, Stage, StageReport};
 use crate::block::ShuffleId;
 use crate::driver::{Driver, REPLACE_TIMEOUT};
 use crate::error::{Error, Result};
 use crate::strategy::{self, pull::Mapped, Strategy, StrategyOptions};
+use crate::sync::lock;
 use futures::StreamExt;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;

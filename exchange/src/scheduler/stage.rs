@@ -5,6 +5,7 @@ use crate::block::ShuffleId;
 use crate::driver::{Driver, MapInput, ShuffleSpec};
 use crate::error::Result;
 use crate::strategy::{pull::Mapped, Strategy};
+use crate::sync::lock;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -80,10 +81,6 @@ pub(crate) struct Stage {
     /// Sealed by its map side (all its maps committed).
     pub(crate) sealed: AtomicBool,
     pub(crate) report: Mutex<Option<StageReport>>,
-}
-
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Stage {

@@ -16,13 +16,14 @@ pub mod segment;
 use crate::block::{BlockId, BlockMeta, EncodedBlock, ShuffleId};
 use crate::error::{Error, Result};
 use crate::proto;
+use crate::sync::lock;
 use arrow::datatypes::SchemaRef;
 use bytes::Bytes;
 use segment::{Segment, SegmentWriter};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use tokio::sync::watch;
 
 /// Default size at which a spill segment file is closed and a new one started.
@@ -167,12 +168,6 @@ pub use crate::ids::{FORWARD_GROUP_BASE, MERGE_GROUP_BASE};
 /// A merge group's id, not a map's or a forward's: not merged again.
 fn is_merge_group(id: u32) -> bool {
     (MERGE_GROUP_BASE..FORWARD_GROUP_BASE).contains(&id)
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding the lock cannot leave the maps half-updated in a way later
-    // readers could misread (entries are inserted whole), so recover the guard.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl BlockStore {

@@ -2,9 +2,10 @@
 //! sliced to one partition where a reader asks for one), committed metadata, partition streams
 //! that follow commits until the seal, and map outputs.
 
-use super::{lock, BlockStore, Location};
+use super::{BlockStore, Location};
 use crate::block::{BlockId, BlockMeta, ShuffleId};
 use crate::error::{Error, Result};
+use crate::sync::lock;
 use arrow::array::RecordBatch;
 use bytes::Bytes;
 use std::collections::VecDeque;

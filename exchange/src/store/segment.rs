@@ -59,10 +59,6 @@ impl SegmentWriter {
         self.len
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     pub fn segment(&self) -> Arc<Segment> {
         self.segment.clone()
     }

@@ -8,6 +8,7 @@ use crate::block::{BlockId, ShuffleId, Slice};
 use crate::error::{Error, Result};
 use crate::source::{BatchStream, ShuffleReader};
 use crate::store::BlockStore;
+use crate::sync::lock;
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 use std::collections::HashMap;
@@ -207,10 +208,6 @@ fn counted(
     })
     .filter_map(futures::future::ready);
     Box::pin(counting.chain(check))
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 #[cfg(test)]

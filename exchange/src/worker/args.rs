@@ -70,6 +70,19 @@ pub struct WorkerArgs {
 }
 
 impl WorkerArgs {
+    /// The worker these arguments describe.
+    pub fn config(&self) -> Result<super::config::WorkerConfig> {
+        Ok(super::config::WorkerConfig {
+            id: self.id.clone(),
+            memory_budget: self.memory_budget,
+            spill_dir: self.spill_dir.clone(),
+            segment_bytes: self.segment_bytes.max(1),
+            compression: self.compression.parse()?,
+            timeout: std::time::Duration::from_secs(self.timeout_secs.max(1)),
+            lose_commit_replies: self.fault_lose_commit_replies,
+        })
+    }
+
     /// The TLS this worker serves, if any.
     pub fn tls(&self) -> Result<Option<crate::transport::tls::ServerTls>> {
         match (&self.tls_cert, &self.tls_key, &self.tls_ca) {

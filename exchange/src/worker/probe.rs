@@ -7,9 +7,9 @@
 
 use crate::block::{decode_block, BlockId, EncodedBlock, ShuffleId};
 use crate::error::{Error, Result};
-use crate::gen::{lineitem_batch, lineitem_schema};
 use crate::proto;
 use crate::store::{BlockStore, ShuffleInfo, StoreConfig};
+use crate::synthetic::{lineitem_batch, lineitem_schema};
 use std::io::{Read, Write};
 use std::path::Path;
 use std::sync::Arc;

@@ -1,6 +1,6 @@
 //! A worker's state ([`WorkerState`]): its block store, peers, sources, admission, and the
-//! map, merge and fold tasks it runs. Its Flight service ([`super::service`]) serves calls
-//! over it; the process entry ([`super`]) builds it from the command line.
+//! map, merge and fold tasks it runs. It is built from a [`super::config::WorkerConfig`]; its Flight
+//! service ([`super::service`]) serves calls over it.
 
 use crate::admission::Admission;
 use crate::block::{decode_schema, Compression, ShuffleId};
@@ -11,7 +11,8 @@ use crate::proto;
 use crate::source::{
     BatchStream, ReduceState, ShuffleReader, SourceRegistry, TaskContext, TaskStop,
 };
-use crate::store::{BlockStore, ShuffleInfo};
+use crate::store::{BlockStore, ShuffleInfo, StoreConfig};
+use crate::sync::lock;
 use crate::task::{run_map, MapConfig};
 use crate::transport::peers::PeerReader;
 use futures::{StreamExt, TryStreamExt};
@@ -80,6 +81,55 @@ impl Drop for Folding {
 }
 
 impl WorkerState {
+    /// A worker made from `cfg`: its block store (spilling into `cfg.spill_dir`), its share of
+    /// the budget for tasks, and its reader of peers (with `creds`), advertised as `addr`.
+    pub fn new(
+        cfg: &super::config::WorkerConfig,
+        creds: &crate::transport::Credentials,
+        sources: SourceRegistry,
+        addr: String,
+    ) -> Result<WorkerState> {
+        let store = BlockStore::new(StoreConfig {
+            memory_budget: cfg.memory_budget,
+            spill_dir: cfg.spill_dir.clone(),
+            segment_bytes: cfg.segment_bytes.max(1),
+        })?;
+        let (admission, store) = if !crate::admission::enabled() {
+            (Admission::new(u64::MAX), store)
+        } else {
+            // Map buffers are at least 4 MiB whatever the budget: under four tasks' grants (a
+            // budget set tiny to make the store spill) the tasks would run one at a time.
+            let grant = MapConfig::for_budget(cfg.memory_budget).task_grant();
+            let a = Admission::new(cfg.memory_budget.max(4 * grant));
+            (a.clone(), store.sharing(a))
+        };
+        let store = Arc::new(store);
+        let reader = Arc::new(PeerReader::new(
+            creds,
+            cfg.timeout,
+            Some((addr.clone(), store.clone())),
+        ));
+        Ok(WorkerState {
+            id: cfg.id.clone(),
+            store,
+            addr,
+            reader,
+            sources,
+            map_cfg: MapConfig {
+                compression: cfg.compression,
+                ..MapConfig::for_budget(cfg.memory_budget)
+            },
+            admission,
+            read_timeout: cfg.timeout,
+            rpcs: std::sync::atomic::AtomicU64::new(0),
+            tasks: Mutex::new(HashMap::new()),
+            fold_states: Default::default(),
+            fold_rounds: Default::default(),
+            folding: Default::default(),
+            lose_commit_replies: cfg.lose_commit_replies.into(),
+        })
+    }
+
     /// The context a map task of `task` runs with.
     pub fn task_context(&self, task: &proto::MapTask) -> TaskContext {
         TaskContext {
@@ -551,8 +601,4 @@ impl Drop for AttemptGuard {
             self.state.cancel(shuffle, map, attempt);
         }
     }
-}
-
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -3,11 +3,11 @@
 
 use arrow::array::{Array, Int64Array, RecordBatch, StringArray};
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
-use exchange::checksum::Checksum;
-use exchange::cluster::{LocalCluster, LocalClusterConfig};
-use exchange::driver::{MapInput, ShuffleSpec};
-use exchange::strategy::{pull, StrategyOptions};
-use exchange::{partitioner, proto, ShuffleId};
+use flightshuffle::checksum::Checksum;
+use flightshuffle::cluster::{LocalCluster, LocalClusterConfig};
+use flightshuffle::driver::{MapInput, ShuffleSpec};
+use flightshuffle::strategy::{pull, StrategyOptions};
+use flightshuffle::{partitioner, proto, ShuffleId};
 use futures::TryStreamExt;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -66,7 +66,7 @@ pub async fn shuffle(
     input: &[RecordBatch],
     maps: usize,
     partitions: u32,
-) -> exchange::Result<Vec<Vec<RecordBatch>>> {
+) -> flightshuffle::Result<Vec<Vec<RecordBatch>>> {
     let driver = cluster.driver.clone();
     let spec = spec_k(partitions);
     driver.create_shuffle(&spec).await?;
@@ -165,7 +165,7 @@ pub fn lineitem_slice(
     batch_rows: usize,
     delay_ms: u64,
 ) -> proto::TaskSource {
-    let slice = exchange::gen::LineitemSlice {
+    let slice = flightshuffle::synthetic::LineitemSlice {
         first_attempt_delay_ms: delay_ms,
         first,
         rows,
@@ -173,7 +173,7 @@ pub fn lineitem_slice(
         batch_rows,
     };
     proto::TaskSource {
-        kind: exchange::gen::LINEITEM_SOURCE.into(),
+        kind: flightshuffle::synthetic::LINEITEM_SOURCE.into(),
         payload: serde_json::to_vec(&slice).unwrap(),
     }
 }
@@ -181,7 +181,7 @@ pub fn lineitem_slice(
 pub fn lineitem_spec(checksum_inputs: bool) -> ShuffleSpec {
     ShuffleSpec {
         id: ShuffleId::random(),
-        schema: exchange::gen::lineitem_schema(),
+        schema: flightshuffle::synthetic::lineitem_schema(),
         partitions: 3,
         partitioner: partitioner::hash(&["l_orderkey"]),
         checksum_inputs,
@@ -202,7 +202,7 @@ pub struct Gated {
     pub permits: Arc<tokio::sync::Semaphore>,
 }
 
-pub async fn gated(driver: &exchange::driver::Driver, maps: usize) -> Gated {
+pub async fn gated(driver: &flightshuffle::driver::Driver, maps: usize) -> Gated {
     use std::sync::atomic::{AtomicUsize, Ordering};
     let input = batches(maps, 200);
     let want = checksum(&input);
@@ -214,10 +214,9 @@ pub async fn gated(driver: &exchange::driver::Driver, maps: usize) -> Gated {
             let (started, permits) = (started.clone(), permits.clone());
             let once = futures::stream::once(async move {
                 started.fetch_add(1, Ordering::SeqCst);
-                let permit = permits
-                    .acquire()
-                    .await
-                    .map_err(|e| exchange::Error::Cancelled(format!("test gate closed: {e}")))?;
+                let permit = permits.acquire().await.map_err(|e| {
+                    flightshuffle::Error::Cancelled(format!("test gate closed: {e}"))
+                })?;
                 permit.forget();
                 Ok(b)
             });

@@ -1,0 +1,1 @@
+"""flightshuffle's benchmarks and trials (``flightshuffle-bench``); not part of the wheel."""
