@@ -6,5 +6,6 @@
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 echo "== building the release extension and the bench driver (output shown only on failure)"
 quiet maturin develop --release
-quiet cargo build --release -p shuffle-bench
+# The whole workspace: the same features as the extension, so the two share one build.
+quiet cargo build --release --workspace --bins
 flightshuffle-bench shuffle "$@"

@@ -1,7 +1,7 @@
 """Import circles between files: fails (exit 1) if any file of a tree reaches itself through
 imports, and prints each circle. The crate root (`lib.rs`: re-exports and generated wire
 messages) is not a node. Rust: `use crate::`/`super::`/`self::` statements and inline
-`crate::a::b` paths, resolved to the file that defines the module; Python: `flightshuffle.x`
+`crate::a::b` paths, resolved to the file that defines the module; Python: `flightshuffle.x` (and `flightshuffle_bench.x`)
 imports between the package's modules. Test-only files (`tests.rs`, `#[cfg(test)]` blocks at
 the end of a file) are left out: tests may reach anywhere.
 
@@ -16,9 +16,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RUST_TREES = ["exchange/src", "engines/datafusion/src", "python/src"]
-PY_PACKAGE = "python/flightshuffle"
+PY_PACKAGES = {
+    "python/flightshuffle": "flightshuffle",
+    "bench/flightshuffle_bench": "flightshuffle_bench",
+}
 
-USE = re.compile(r"\buse\s+((?:crate|super|self)\b[^;]*);", re.S)
+USE = re.compile(r"\buse\s+((?:crate|super|self)\b[^;]*);", re.DOTALL)
 INLINE = re.compile(r"\b((?:crate|super)(?:::[A-Za-z_][A-Za-z0-9_]*)+)")
 
 
@@ -28,7 +31,7 @@ def strip(text: str) -> str:
     if cut:
         text = text[: cut.start()]
     text = re.sub(r"//[^\n]*", "", text)
-    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.DOTALL)
     return re.sub(r'"(?:\\.|[^"\\])*"', '""', text)
 
 
@@ -72,7 +75,7 @@ def rust_graph(tree: Path) -> dict[str, set[str]]:
         text = strip(f.read_text())
         paths = [p for u in USE.findall(text) for p in expand(u)] + INLINE.findall(text)
         # paths through this file's own child modules (`mod pull;` ... `pull::Mapped`)
-        children = re.findall(r"^\s*(?:pub(?:\([^)]*\))?\s+)?mod\s+(\w+)\s*;", text, re.M)
+        children = re.findall(r"^\s*(?:pub(?:\([^)]*\))?\s+)?mod\s+(\w+)\s*;", text, re.MULTILINE)
         for child in children:
             pat = rf"(?<![\w:])((?:use\s+)?{child}(?:::[A-Za-z_{{][^;\s]*)+)"
             for m in re.findall(pat, text):
@@ -104,18 +107,20 @@ def rust_graph(tree: Path) -> dict[str, set[str]]:
     return graph
 
 
-def py_graph(pkg: Path) -> dict[str, set[str]]:
+def py_graph(pkg: Path, package: str) -> dict[str, set[str]]:
     """Imports between the package's modules; `if TYPE_CHECKING:` blocks (never executed) are
     left out, and `from flightshuffle import mod` imports the module `mod`, not the package."""
     mods = {f.stem: f for f in pkg.glob("*.py")}
     graph: dict[str, set[str]] = {}
     pat = re.compile(
-        r"^\s*(?:from\s+flightshuffle(?:\.(\w+))?\s+import\s+(\([^)]*\)|[\w, ]+)"
-        r"|import\s+flightshuffle\.(\w+))",
-        re.M,
+        rf"^\s*(?:from\s+{package}(?:\.(\w+))?\s+import\s+(\([^)]*\)|[\w, ]+)"
+        rf"|import\s+{package}\.(\w+))",
+        re.MULTILINE,
     )
     for name, f in mods.items():
-        text = re.sub(r"^if TYPE_CHECKING:\n(?:[ \t]+[^\n]*\n|\n)+", "", f.read_text(), flags=re.M)
+        text = re.sub(
+            r"^if TYPE_CHECKING:\n(?:[ \t]+[^\n]*\n|\n)+", "", f.read_text(), flags=re.MULTILINE
+        )
         out = graph.setdefault(str(f.relative_to(ROOT)), set())
         for sub, names, imp in pat.findall(text):
             if sub or imp:
@@ -173,7 +178,8 @@ def main() -> int:
     verbose = "--verbose" in sys.argv
     found = 0
     graphs = {t: rust_graph(ROOT / t) for t in RUST_TREES if (ROOT / t).exists()}
-    graphs[PY_PACKAGE] = py_graph(ROOT / PY_PACKAGE)
+    for tree, name in PY_PACKAGES.items():
+        graphs[tree] = py_graph(ROOT / tree, name)
     for tree, graph in graphs.items():
         cs = circles(graph)
         edges = sum(len(v) for v in graph.values())

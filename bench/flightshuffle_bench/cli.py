@@ -23,7 +23,7 @@ from flightshuffle_bench import tpch
 
 def shuffle_binary() -> str:
     """The Rust shuffle bench: ``$FLIGHTSHUFFLE_SHUFFLE_BENCH``, else the release build in the
-    cargo target dir (``cargo build --release -p shuffle-bench``; scripts/bench.sh does it)."""
+    cargo target dir (``cargo build --release --workspace --bins``; scripts/bench.sh does it)."""
     given = os.environ.get("FLIGHTSHUFFLE_SHUFFLE_BENCH")
     if given:
         return given
@@ -33,7 +33,7 @@ def shuffle_binary() -> str:
     path = Path(target) / "release" / "flightshuffle-shuffle-bench"
     if not path.exists():
         raise ValueError(
-            f"{path} is not built: cargo build --release -p shuffle-bench (scripts/bench.sh "
+            f"{path} is not built: cargo build --release --workspace --bins (scripts/bench.sh "
             "builds it), or set FLIGHTSHUFFLE_SHUFFLE_BENCH"
         )
     return str(path)

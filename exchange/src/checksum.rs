@@ -12,11 +12,14 @@ use xxhash_rust::xxh3::xxh3_64;
 /// Rows and checksum of a multiset; `add` merges two multisets.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Checksum {
+    /// Rows in the multiset.
     pub rows: u64,
+    /// Wrapping sum of the rows' xxh3 hashes.
     pub sum: u64,
 }
 
 impl Checksum {
+    /// The rows and checksum of one batch.
     pub fn of_batch(batch: &RecordBatch) -> Result<Self> {
         if batch.num_columns() == 0 || batch.num_rows() == 0 {
             return Ok(Checksum {
@@ -40,6 +43,7 @@ impl Checksum {
         })
     }
 
+    /// Add `other`'s rows to this multiset.
     pub fn add(&mut self, other: Checksum) {
         self.rows += other.rows;
         self.sum = self.sum.wrapping_add(other.sum);

@@ -13,8 +13,10 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// How to start a local cluster: its workers, their budget, and its driver.
 #[derive(Debug, Clone)]
 pub struct LocalClusterConfig {
+    /// Worker processes to start.
     pub workers: usize,
     /// Block store budget of each worker, in bytes.
     pub memory_budget: u64,
@@ -24,8 +26,11 @@ pub struct LocalClusterConfig {
     pub compression: String,
     /// Program and leading arguments that start one worker.
     pub worker_command: Vec<String>,
+    /// Settings of the cluster's driver.
     pub driver: DriverConfig,
+    /// How long the workers get to start and report ready.
     pub startup_timeout: Duration,
+    /// How the cluster's connections are secured.
     pub tls: TlsSetting,
 }
 
@@ -36,12 +41,19 @@ pub enum TlsSetting {
     Off,
     /// TLS with a CA and certificate made for this cluster at start (the default);
     /// `mutual`: workers also ask their clients for a certificate signed by that CA.
-    Local { mutual: bool },
+    Local {
+        /// Workers also ask their clients for a certificate signed by the cluster's CA.
+        mutual: bool,
+    },
     /// TLS with certificate files of your own (the certificate must name `127.0.0.1`).
     Files {
+        /// The CA certificate file (PEM) that signed `cert`.
         ca: PathBuf,
+        /// The certificate file (PEM) the workers serve (and the driver shows, with `mutual`).
         cert: PathBuf,
+        /// The private key file (PEM) of `cert`.
         key: PathBuf,
+        /// Whether workers also ask their clients for a certificate signed by `ca`.
         mutual: bool,
     },
 }
@@ -53,6 +65,8 @@ impl Default for TlsSetting {
 }
 
 impl LocalClusterConfig {
+    /// A cluster of `workers` started by `worker_command`, with 1 GiB budgets, `auto`
+    /// compression, TLS made for the cluster and 60 seconds to start.
     pub fn new(workers: usize, worker_command: Vec<String>) -> Self {
         LocalClusterConfig {
             workers,
@@ -76,10 +90,13 @@ pub fn resolve_compression(setting: &str, all_local: bool) -> Result<String> {
     }
 }
 
+/// A running local cluster: its worker processes and a driver connected to them.
 pub struct LocalCluster {
     /// The worker process of each slot (its replacement's, once a lost worker was replaced).
     children: Arc<Mutex<Vec<Option<Child>>>>,
+    /// The driver connected to the workers.
     pub driver: Arc<Driver>,
+    /// The cluster's private directory under which each worker spills.
     pub spill_root: PathBuf,
     _tempdir: Option<tempfile::TempDir>,
     /// Where a made CA and certificate are (removed with the cluster).
@@ -318,6 +335,7 @@ fn local_tls(
 }
 
 impl LocalCluster {
+    /// Start the workers, wait until each is ready and connect a driver to them.
     pub async fn start(cfg: LocalClusterConfig) -> Result<Self> {
         if cfg.workers == 0 {
             return Err(Error::invalid("a local cluster needs at least one worker"));
@@ -452,12 +470,16 @@ impl Drop for LocalCluster {
 /// the same slot and returns its address). `scratch` is a directory of the driver's for
 /// files every worker must read (tables from Arrow data), shared with the workers' hosts.
 pub struct HostedCluster {
+    /// The driver connected to the workers.
     pub driver: Arc<Driver>,
+    /// The directory for files every worker must read (shared with the workers' hosts).
     pub scratch: PathBuf,
     _tempdir: Option<tempfile::TempDir>,
 }
 
 impl HostedCluster {
+    /// Connect a driver to the workers at `addrs` and check their health; a lost worker is
+    /// replaced by `replacer` when given. Without `scratch`, a temporary directory.
     pub async fn connect(
         addrs: &[String],
         creds: &crate::transport::Credentials,

@@ -31,6 +31,7 @@ pub trait Combiner: Send + Sync {
 
 /// Builds a [`Combiner`] from the payload a shuffle's spec carries.
 pub trait CombinerKind: Send + Sync {
+    /// The combiner `payload` describes, for rows of `schema`.
     fn open(&self, payload: &[u8], schema: &SchemaRef) -> Result<Arc<dyn Combiner>>;
 }
 

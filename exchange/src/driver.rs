@@ -36,6 +36,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+/// The driver's call deadlines and health checks.
 #[derive(Debug, Clone)]
 pub struct DriverConfig {
     /// Deadline of one call (a task, an action) and idle timeout of a stream.
@@ -63,6 +64,8 @@ pub type Replacer = Arc<dyn Fn(usize) -> Result<String> + Send + Sync>;
 /// How long a call that needs every worker waits for a lost one's replacement.
 pub const REPLACE_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// The driver of one cluster: its workers, task submission and commits, block refs,
+/// lineage and failure detection.
 pub struct Driver {
     /// One client per worker slot; a lost worker's slot gets its replacement's client.
     workers: std::sync::RwLock<Vec<WorkerClient>>,
@@ -124,6 +127,8 @@ impl Driver {
         f(lock(&self.shuffles).entry(shuffle).or_default())
     }
 
+    /// A driver of the workers at `addrs` (slot i at `addrs[i]`), dialing with `creds`; connects
+    /// lazily.
     pub fn connect(
         addrs: &[String],
         creds: &crate::transport::Credentials,
@@ -163,6 +168,7 @@ impl Driver {
         }))
     }
 
+    /// The driver's settings.
     pub fn config(&self) -> &DriverConfig {
         &self.cfg
     }
@@ -182,6 +188,7 @@ impl Driver {
         self.reader.clone()
     }
 
+    /// Worker slots in the cluster.
     pub fn num_workers(&self) -> usize {
         self.alive.len()
     }
@@ -208,6 +215,7 @@ impl Driver {
         self.clients().into_iter().map(|w| w.addr).collect()
     }
 
+    /// Whether worker slot `i` is live (not found lost).
     pub fn is_alive(&self, i: usize) -> bool {
         self.alive[i].load(Ordering::SeqCst)
     }
@@ -222,11 +230,14 @@ impl Driver {
             .collect()
     }
 
+    /// The committed blocks readers of `shuffle` see now.
     pub fn blocks_of(&self, shuffle: ShuffleId) -> Vec<BlockRef> {
         self.with_shuffle(shuffle, |e| e.blocks.clone())
             .unwrap_or_default()
     }
 
+    /// The worker holding the committed output of map (or merge group) `map` of `shuffle`, and
+    /// how it was made.
     pub fn lineage(&self, shuffle: ShuffleId, map: u32) -> Option<(usize, Lineage)> {
         self.with_shuffle(shuffle, |e| {
             e.outputs.get(&map).map(|m| (m.worker, m.lineage.clone()))
@@ -289,6 +300,7 @@ impl Driver {
         self.update_shuffle(shuffle, |e| e.choice = Some(note));
     }
 
+    /// How `shuffle`'s strategy was chosen, if noted ([`Self::note_choice`]).
     pub fn choice(&self, shuffle: ShuffleId) -> Option<String> {
         self.with_shuffle(shuffle, |e| e.choice.clone()).flatten()
     }
@@ -307,6 +319,7 @@ impl Driver {
         })
     }
 
+    /// Where `shuffle`'s map tasks leave their blocks ([`Placement::Local`] unless set).
     pub fn placement(&self, shuffle: ShuffleId) -> Placement {
         self.with_shuffle(shuffle, |e| e.placement)
             .flatten()
@@ -493,6 +506,7 @@ impl Driver {
         Ok(())
     }
 
+    /// Every worker's counters, by slot (block store, memory, task admission, calls served).
     pub async fn stats(&self) -> Result<Vec<proto::WorkerStats>> {
         let clients = self.clients();
         let calls = clients.iter().map(|w| w.stats());

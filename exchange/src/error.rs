@@ -3,63 +3,96 @@
 use crate::ids::{BlockId, ShuffleId};
 use std::path::PathBuf;
 
+/// The crate's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// Errors of the exchange: data plane, driver, workers and transport.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// An Arrow error (building, encoding or decoding batches).
     #[error("arrow error: {0}")]
     Arrow(#[from] arrow::error::ArrowError),
 
+    /// An I/O error on a file or directory (a spill file, a certificate, a spill dir).
     #[error("i/o error on {path}: {source}")]
     Io {
+        /// The file or directory the operation was on.
         path: PathBuf,
+        /// The underlying I/O error.
         #[source]
         source: std::io::Error,
     },
 
+    /// A block's bytes do not match the CRC32C taken when it was stored.
     #[error(
         "checksum mismatch for block {block}: stored crc32c {expected:#010x}, read {actual:#010x}"
     )]
     Checksum {
+        /// The block that was read.
         block: BlockId,
+        /// The CRC32C stored with the block.
         expected: u32,
+        /// The CRC32C of the bytes read.
         actual: u32,
     },
 
+    /// No shuffle of this id is registered here (never created, or dropped).
     #[error("unknown shuffle {0}")]
     UnknownShuffle(ShuffleId),
 
+    /// No block of this id is held here.
     #[error("block {0} not found")]
     BlockNotFound(BlockId),
 
+    /// A malformed or out-of-range request, message or setting.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
+    /// Batches whose columns are not the shuffle's schema.
     #[error("schema mismatch for shuffle {shuffle}: expected {expected}, got {found}")]
     SchemaMismatch {
+        /// The shuffle the batches were for.
         shuffle: ShuffleId,
+        /// The shuffle's columns, as `[name: type, ...]`.
         expected: String,
+        /// The batches' columns, as `[name: type, ...]`.
         found: String,
     },
 
+    /// A worker is gone (failed health checks, or a call could not reach it).
     #[error("worker {worker} ({addr}) lost: {reason}; {lost_blocks} block(s) held there are lost")]
     WorkerLost {
+        /// The lost worker's slot.
         worker: usize,
+        /// The lost worker's address.
         addr: String,
+        /// Why it was found lost.
         reason: String,
+        /// Blocks held there and lost with it.
         lost_blocks: usize,
     },
 
+    /// A worker answered a call with an error status.
     #[error("worker {worker} ({addr}) failed: {code:?}: {message}")]
     Remote {
+        /// The worker's slot.
         worker: usize,
+        /// The worker's address.
         addr: String,
+        /// The gRPC status code it answered with.
         code: tonic::Code,
+        /// The status message.
         message: String,
     },
 
+    /// A call or a wait took longer than its deadline (`seconds`).
     #[error("timed out after {seconds:.1}s waiting for {what}")]
-    Timeout { what: String, seconds: f64 },
+    Timeout {
+        /// What was waited for.
+        what: String,
+        /// The deadline, in seconds.
+        seconds: f64,
+    },
 
     /// A partition read whole did not hold the rows the shuffle's manifest lists for it (a
     /// block lost, or read twice): recovered like a lost worker, never returned short.
@@ -68,18 +101,25 @@ pub enum Error {
          {expected}"
     )]
     RowCount {
+        /// The shuffle read.
         shuffle: ShuffleId,
+        /// The reduce partition read.
         partition: u32,
+        /// Rows the manifest lists for the partition.
         expected: u64,
+        /// Rows read.
         received: u64,
     },
 
+    /// A failure of the cluster's machinery: starting workers, running or committing tasks.
     #[error("cluster error: {0}")]
     Cluster(String),
 
+    /// A task's own work failed (its source, reducer or engine returned an error).
     #[error("task failed: {0}")]
     Task(String),
 
+    /// A task or stream was cancelled, or its input broke off before its end.
     #[error("task cancelled: {0}")]
     Cancelled(String),
 
@@ -87,8 +127,11 @@ pub enum Error {
     /// committed; it was aborted and its blocks removed (not a failure of the shuffle).
     #[error("attempt {attempt} of map {map} was superseded by an attempt that committed first")]
     Superseded {
+        /// The map task.
         map: u32,
+        /// The superseded attempt.
         attempt: u32,
+        /// The worker the superseded attempt ran on.
         worker: usize,
     },
 
@@ -97,8 +140,11 @@ pub enum Error {
     /// rows), so the shuffle fails.
     #[error("map {map} attempt {attempt} committed on only some of its holders: {reason}")]
     PartialCommit {
+        /// The map task (or merge group).
         map: u32,
+        /// The attempt that committed on only some holders.
         attempt: u32,
+        /// What went wrong with the commit.
         reason: String,
     },
 
@@ -108,6 +154,7 @@ pub enum Error {
 }
 
 impl Error {
+    /// An [`Error::Io`] on `path`.
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),
@@ -115,6 +162,7 @@ impl Error {
         }
     }
 
+    /// An [`Error::InvalidArgument`] with message `msg`.
     pub fn invalid(msg: impl Into<String>) -> Self {
         Error::InvalidArgument(msg.into())
     }

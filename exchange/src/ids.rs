@@ -37,6 +37,7 @@ impl fmt::Display for ShuffleId {
 }
 
 impl ShuffleId {
+    /// A random shuffle id.
     pub fn random() -> Self {
         ShuffleId(rand::random::<u64>())
     }
@@ -45,10 +46,15 @@ impl ShuffleId {
 /// (shuffle, map or merge group, reduce partition, attempt, sequence within the attempt).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BlockId {
+    /// The shuffle the block belongs to.
     pub shuffle: ShuffleId,
+    /// The map task that wrote the block, or a merge group (ids from [`MERGE_GROUP_BASE`]).
     pub map: u32,
+    /// The reduce partition of its rows ([`PACKED`] or [`PARITY`] for those blocks).
     pub partition: u32,
+    /// The attempt of the map task or merge group that wrote it.
     pub attempt: u32,
+    /// The block's sequence number within its attempt.
     pub seq: u32,
 }
 

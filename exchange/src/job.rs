@@ -34,8 +34,11 @@ pub const RANGE_SAMPLE_ROWS: usize = 100_000;
 /// How rows are spread over partitions, by name: `hash`, `range`, `round_robin`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PartitionerKind {
+    /// By a hash of the key columns.
     Hash,
+    /// By ranges of the key columns, with boundaries sampled from the input.
     Range,
+    /// Dealt in turn, whatever the rows hold.
     RoundRobin,
 }
 
@@ -58,10 +61,13 @@ impl std::str::FromStr for PartitionerKind {
 pub struct ShuffleOptions {
     /// Key columns (hash and range partitioners).
     pub by: Vec<String>,
+    /// Reduce partitions to shuffle into.
     pub partitions: u32,
+    /// How rows are spread over the partitions.
     pub partitioner: PartitionerKind,
     /// Input bytes per map task.
     pub map_bytes: usize,
+    /// The strategy and its knobs the map side runs with.
     pub strategy: StrategyOptions,
 }
 
@@ -73,14 +79,17 @@ pub type Partition = Result<(u32, Vec<RecordBatch>)>;
 /// The map side of a finished shuffle.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct MapSummary {
+    /// Map tasks that committed.
     pub maps: usize,
     /// Blocks readers read (after merges and forwards; parity excluded).
     pub blocks: usize,
     /// Merge groups committed (merging strategies).
     pub merges: usize,
+    /// Rows of the input.
     pub rows: u64,
     /// The input's content checksum, as hex.
     pub checksum: String,
+    /// In-memory bytes of the input.
     pub bytes: u64,
     /// How `auto` chose, with its predictions (None for a fixed strategy).
     pub strategy_choice: Option<String>,
@@ -181,7 +190,9 @@ pub fn prepare(
 /// A running user shuffle: partitions come back in order from [`ShuffleJob::next_partition`].
 /// Dropping it stops the job; [`ShuffleJob::close`] also frees its blocks on the workers.
 pub struct ShuffleJob {
+    /// The shuffle's id.
     pub id: ShuffleId,
+    /// The schema of the shuffled rows (dictionary columns as their value type).
     pub schema: SchemaRef,
     driver: Arc<Driver>,
     partitions: tokio::sync::Mutex<mpsc::Receiver<Partition>>,

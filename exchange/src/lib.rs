@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! flightshuffle's data plane and shuffle strategies.
 //!
 //! The data plane (blocks, block store, Flight transport, tasks, driver, local cluster) is shared by

@@ -12,8 +12,11 @@ use arrow::array::RecordBatch;
 /// buffers more than `buffer_bytes` of partitioned rows.
 #[derive(Debug, Clone, Copy)]
 pub struct MapConfig {
+    /// Bytes of partitioned rows at which a partition's buffer is flushed as a block.
     pub block_bytes: usize,
+    /// Most bytes of partitioned rows the whole task buffers.
     pub buffer_bytes: usize,
+    /// IPC buffer compression of the blocks it writes.
     pub compression: Compression,
     /// Checksum the input rows (order-independent multiset checksum) for verification.
     pub checksum: bool,

@@ -18,12 +18,14 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
+/// A stream of record batches, as map tasks read them and readers return them.
 pub type BatchStream = Pin<Box<dyn Stream<Item = Result<RecordBatch>> + Send>>;
 
 /// Reads committed shuffle output: one reduce partition from every worker in `peers` (blocks
 /// in commit order, following new commits until the shuffle is sealed), or the output of one
 /// map. Implemented by [`crate::transport::peers::PeerReader`] for workers and the driver.
 pub trait ShuffleReader: Send + Sync {
+    /// Reduce partition `partition` of `shuffle`, whole, from every worker in `peers`.
     fn read_partition(&self, peers: &[String], shuffle: ShuffleId, partition: u32) -> BatchStream {
         self.read_partition_slice(peers, shuffle, partition, Slice::WHOLE)
     }
@@ -35,6 +37,7 @@ pub trait ShuffleReader: Send + Sync {
         partition: u32,
         slice: Slice,
     ) -> BatchStream;
+    /// The whole committed output of map `map` of `shuffle`.
     fn read_map_output(&self, peers: &[String], shuffle: ShuffleId, map: u32) -> BatchStream;
 }
 
@@ -42,9 +45,13 @@ pub trait ShuffleReader: Send + Sync {
 /// pooled reader (cluster token, timeouts, its own store for local blocks).
 #[derive(Clone)]
 pub struct TaskContext {
+    /// The shuffle the task writes.
     pub shuffle: ShuffleId,
+    /// The map task.
     pub map: u32,
+    /// The attempt of the map task this run is.
     pub attempt: u32,
+    /// The worker's pooled reader, for tasks that read earlier shuffles.
     pub reader: Arc<dyn ShuffleReader>,
     /// The worker's memory budget in bytes (a source's own pools come out of it).
     pub memory_budget: u64,
@@ -64,10 +71,12 @@ pub struct TaskStop {
 }
 
 impl TaskStop {
+    /// Mark the task cancelled.
     pub fn cancel(&self) {
         self.cancelled.store(true, Ordering::SeqCst);
     }
 
+    /// Whether the task was cancelled.
     pub fn is_cancelled(&self) -> bool {
         self.cancelled.load(Ordering::SeqCst)
     }
@@ -96,6 +105,7 @@ impl TaskStop {
 /// Something a worker can turn into the batches of a map task: a generator, a query stage,
 /// a Python callable. `payload` is the source-specific description the driver sent.
 pub trait BatchSource: Send + Sync {
+    /// Open the batches of a map task described by `payload`, as rows of `schema`.
     fn open(&self, ctx: &TaskContext, payload: &[u8], schema: SchemaRef) -> Result<BatchStream>;
     /// The shuffle was dropped: forget anything cached for tasks writing it.
     fn shuffle_dropped(&self, _shuffle: ShuffleId) {}
@@ -134,6 +144,7 @@ pub trait Reducer: Send + Sync {
 /// folded; emits one row `(rows: UInt64, checksum: UInt64)`.
 pub struct ChecksumReducer;
 
+/// Kind name of the built-in [`ChecksumReducer`].
 pub const CHECKSUM_REDUCER: &str = "checksum";
 
 impl Reducer for ChecksumReducer {
@@ -186,6 +197,7 @@ pub struct SourceRegistry {
 }
 
 impl SourceRegistry {
+    /// Register `reducer` as reducer kind `kind` (replacing any of that name).
     pub fn register_reducer(&mut self, kind: &str, reducer: Arc<dyn Reducer>) {
         self.reducers.insert(kind.to_string(), reducer);
     }
@@ -203,6 +215,7 @@ impl SourceRegistry {
         self.sources.get(kind).map_or(0, |s| s.memory_hint(payload))
     }
 
+    /// The reducer of kind `kind`; an unknown kind is an error naming the known ones.
     pub fn reducer(&self, kind: &str) -> Result<Arc<dyn Reducer>> {
         self.reducers.get(kind).cloned().ok_or_else(|| {
             let mut known: Vec<&str> = self.reducers.keys().map(|s| s.as_str()).collect();
@@ -211,6 +224,7 @@ impl SourceRegistry {
         })
     }
 
+    /// Register combiner kind `kind` (replacing any of that name).
     pub fn register_combiner(&mut self, kind: &str, c: Arc<dyn crate::combine::CombinerKind>) {
         self.combiners.insert(kind.to_string(), c);
     }
@@ -234,6 +248,7 @@ impl SourceRegistry {
         ))
     }
 
+    /// Register `source` as task source kind `kind` (replacing any of that name).
     pub fn register(&mut self, kind: &str, source: Arc<dyn BatchSource>) {
         self.sources.insert(kind.to_string(), source);
     }
@@ -245,6 +260,8 @@ impl SourceRegistry {
         }
     }
 
+    /// Open a map task's batches from source `kind`; an unknown kind is an error naming the
+    /// known ones.
     pub fn open(
         &self,
         kind: &str,

@@ -12,6 +12,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 
+/// Task source kind of the lineitem generator ([`LineitemSource`]).
 pub const LINEITEM_SOURCE: &str = "lineitem";
 
 const WORDS: &[&str] = &[
@@ -65,6 +66,7 @@ fn comments() -> &'static [String] {
     })
 }
 
+/// The schema of the generated rows: TPC-H lineitem's 16 columns.
 pub fn lineitem_schema() -> SchemaRef {
     let f = |n: &str, t: DataType| Field::new(n, t, false);
     Arc::new(Schema::new(vec![
@@ -157,9 +159,13 @@ pub fn lineitem_batch(first: u64, rows: usize, seed: u64) -> Result<RecordBatch>
 /// Payload of the lineitem source.
 #[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub struct LineitemSlice {
+    /// Global index of the slice's first row.
     pub first: u64,
+    /// Rows in the slice.
     pub rows: u64,
+    /// Seed of the random values (the same seed and rows give the same batches).
     pub seed: u64,
+    /// Rows per generated batch.
     pub batch_rows: usize,
     /// Fault injection for tests: attempt 0 of the task waits this long before its first
     /// batch (a straggler that a later attempt of the same task does not reproduce).
@@ -168,6 +174,7 @@ pub struct LineitemSlice {
 }
 
 impl LineitemSlice {
+    /// The slice's rows, as batches of `batch_rows` rows.
     pub fn batches(self) -> impl Iterator<Item = Result<RecordBatch>> {
         let step = self.batch_rows.max(1) as u64;
         (0..self.rows.div_ceil(step)).map(move |i| {
@@ -178,6 +185,8 @@ impl LineitemSlice {
     }
 }
 
+/// The lineitem generator as a worker-side task source; its payload is a
+/// [`LineitemSlice`] as JSON.
 pub struct LineitemSource;
 
 impl BatchSource for LineitemSource {

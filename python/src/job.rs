@@ -65,9 +65,8 @@ impl NativeShuffle {
         let (spec, input) = py
             .detach(|| job::prepare(&schema, input, &opts))
             .map_err(to_py)?;
-        let job = py
-            .detach(|| rt.block_on(ShuffleJob::start(driver, spec, input, &opts)))
-            .map_err(to_py)?;
+        let job =
+            crate::wait(py, &rt, ShuffleJob::start(driver, spec, input, &opts))?.map_err(to_py)?;
         Ok(NativeShuffle { rt, job })
     }
 }
@@ -101,7 +100,6 @@ impl NativeShuffle {
 
     /// Stop the shuffle and free its blocks on every worker.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.rt.block_on(self.job.close()))
-            .map_err(to_py)
+        crate::wait(py, &self.rt, self.job.close())?.map_err(to_py)
     }
 }

@@ -33,12 +33,15 @@ pub const BROADCAST_RATIO: usize = 4;
 /// Largest build side (estimated bytes) the rule broadcasts.
 pub const BROADCAST_MAX_BYTES: usize = 256 << 20;
 
+/// The physical optimizer rule that plans a hash-exchanged join as a broadcast when
+/// its build side is small next to its probe side (see the module docs).
 #[derive(Debug)]
 pub struct BroadcastJoins {
     workers: usize,
 }
 
 impl BroadcastJoins {
+    /// The rule for a cluster of `workers` workers.
     pub fn new(workers: usize) -> Self {
         BroadcastJoins { workers }
     }

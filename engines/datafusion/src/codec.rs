@@ -71,6 +71,7 @@ struct ExtensionNode {
     split_scan: Option<SplitScanNode>,
 }
 
+/// The `datafusion-proto` extension codec for shuffle writers, shuffle readers and split scans.
 #[derive(Debug, Default)]
 pub struct ExchangeCodec;
 

@@ -44,34 +44,48 @@ pub const BROADCAST_JOIN_ROWS: usize = 1 << 20;
 /// What one exchange moved.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct StageMetrics {
+    /// The stage whose exchange this is.
     pub stage: u32,
+    /// How the exchange spreads its rows, e.g. `hash(a, b) into 8`.
     pub exchange: String,
+    /// Map tasks the stage ran.
     pub tasks: usize,
+    /// Rows the stage wrote into the exchange (its map tasks' input rows).
     pub rows: u64,
+    /// Bytes of the blocks the stage's map tasks wrote.
     pub bytes: u64,
+    /// Blocks the stage's map tasks wrote.
     pub blocks: usize,
+    /// Bytes of those blocks that went to spill files rather than memory.
     pub spilled_bytes: u64,
     /// Bytes of the largest reduce partition and of the median one: a largest partition far
     /// above the median is skew.
     pub max_partition_bytes: u64,
     /// The strategy that ran the exchange; for `auto`, its pick and the predicted times.
     pub strategy: String,
+    /// Bytes of the median reduce partition.
     pub median_partition_bytes: u64,
     /// `end_s - start_s`.
     pub seconds: f64,
     /// Seconds since the query started: first task submitted, first map output committed,
     /// last map output committed (sealed). Overlapping intervals are stages that pipelined.
     pub start_s: f64,
+    /// Seconds since the query started when the first map output was committed.
     pub first_commit_s: f64,
+    /// Seconds since the query started when the last map output was committed.
     pub end_s: f64,
 }
 
 /// A query's rows and how its exchanges went.
 #[derive(Debug, Clone)]
 pub struct QueryResult {
+    /// The schema of the result rows.
     pub schema: SchemaRef,
+    /// The result rows.
     pub batches: Vec<RecordBatch>,
+    /// How each stage's exchange went; empty for a query that ran whole on the driver.
     pub stages: Vec<StageMetrics>,
+    /// Wall-clock time of the whole query, in seconds.
     pub seconds: f64,
     /// Flight calls the query made (driver to workers and between workers).
     pub rpcs: u64,
@@ -84,6 +98,7 @@ pub struct QueryResult {
 /// recover from (each time once the lost worker's replacement is up).
 pub const QUERY_RETRIES: u32 = 2;
 
+/// A DataFusion session whose queries run on a flightshuffle cluster through its driver.
 pub struct DistributedContext {
     ctx: SessionContext,
     driver: Arc<Driver>,
@@ -120,6 +135,7 @@ impl DistributedContext {
         config
     }
 
+    /// A context whose queries run on `driver`'s workers, with the session settings in `config`.
     pub fn new(driver: Arc<Driver>, config: SessionConfig) -> Result<Self> {
         let ectx = ExchangeContext::of_driver(driver.clone());
         let mut config = crate::distributed_options(config).with_extension(Arc::new(ectx));
@@ -183,6 +199,7 @@ impl DistributedContext {
         &self.ctx
     }
 
+    /// The driver of the cluster the queries run on.
     pub fn driver(&self) -> &Arc<Driver> {
         &self.driver
     }

@@ -52,6 +52,7 @@ pub struct EmitTop {
     /// A SUM: a null sum is estimated as 0.
     #[prost(bool, tag = "3")]
     pub null_as_zero: bool,
+    /// Whether the ordering is descending (largest values first).
     #[prost(bool, tag = "4")]
     pub descending: bool,
     /// The query's LIMIT.

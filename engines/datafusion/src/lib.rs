@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! `flightshuffle-datafusion`: flightshuffle as the distributed exchange of Apache DataFusion.
 //!
 //! The physical plan DataFusion makes for one process is cut into a DAG of stages at every
@@ -37,12 +38,15 @@ pub const STAGE_SOURCE: &str = "datafusion-stage";
 /// Errors of the distributed SQL layer.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// An error from DataFusion (planning or executing a plan).
     #[error(transparent)]
     DataFusion(#[from] datafusion::error::DataFusionError),
+    /// An error from the exchange (driver, workers, transport).
     #[error(transparent)]
     Exchange(#[from] flightshuffle::Error),
 }
 
+/// The result type of the distributed SQL layer.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
@@ -119,6 +123,7 @@ pub struct ExchangeContext {
     /// On the driver: the workers are the driver's now (a lost worker's slot gets its
     /// replacement's address), not a list fixed when the session was made.
     driver: Option<Arc<flightshuffle::driver::Driver>>,
+    /// The reader that fetches blocks (on a worker, its own blocks come from its store).
     pub reader: Arc<dyn ShuffleReader>,
 }
 

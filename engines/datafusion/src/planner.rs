@@ -54,11 +54,14 @@ use std::sync::Arc;
 /// One producing stage: its writer (root) and the stages it reads from.
 #[derive(Debug, Clone)]
 pub struct Stage {
+    /// The stage's plan, rooted at the shuffle writer of its exchange.
     pub writer: Arc<ShuffleWriterExec>,
+    /// Ids of the stages it reads from.
     pub inputs: Vec<u32>,
 }
 
 impl Stage {
+    /// The stage's id (its writer's stage number).
     pub fn id(&self) -> u32 {
         self.writer.stage
     }
@@ -67,8 +70,11 @@ impl Stage {
 /// Stages in dependency order (every stage after the stages it reads) and the driver's part.
 #[derive(Debug, Clone)]
 pub struct StagedPlan {
+    /// The producing stages, run on the workers.
     pub stages: Vec<Stage>,
+    /// The driver's part, yielding the query's rows (the whole plan when it runs on the driver).
     pub root: Arc<dyn ExecutionPlan>,
+    /// Ids of the stages the driver's part reads from.
     pub root_inputs: Vec<u32>,
     /// Why the whole query runs on the driver although it has exchanges: a stage plan would
     /// not reach the workers unchanged (see [`crate::sendable`]).

@@ -19,9 +19,12 @@ use futures::StreamExt;
 use std::fmt;
 use std::sync::Arc;
 
+/// What each output partition of a shuffle reader reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReadMode {
+    /// Output partition p reads reduce partition p from every worker.
     Partition = 0,
+    /// Output partition p reads the whole output of map task p (one sorted run).
     MapOutput = 1,
 }
 
@@ -30,10 +33,14 @@ pub enum ReadMode {
 /// partition `layout[i].0`, only the blocks of slice `layout[i].1`.
 pub type Layout = Arc<Vec<(u32, Slice)>>;
 
+/// A leaf of a consuming stage that reads one exchange's blocks from the workers.
 #[derive(Debug)]
 pub struct ShuffleReaderExec {
+    /// The producing stage whose exchange it reads.
     pub stage: u32,
+    /// The shuffle the producing stage wrote.
     pub shuffle: ShuffleId,
+    /// What each output partition reads.
     pub mode: ReadMode,
     schema: SchemaRef,
     properties: Arc<PlanProperties>,
@@ -42,6 +49,7 @@ pub struct ShuffleReaderExec {
 }
 
 impl ShuffleReaderExec {
+    /// A reader of `shuffle` (written by `stage`) with `partitions` output partitions of `schema`.
     pub fn new(
         stage: u32,
         shuffle: ShuffleId,
@@ -99,6 +107,7 @@ impl ShuffleReaderExec {
         }
     }
 
+    /// The reader's output partitions.
     pub fn partitions(&self) -> usize {
         self.properties.partitioning.partition_count()
     }

@@ -56,6 +56,7 @@ pub struct SkewConfig {
 }
 
 impl SkewConfig {
+    /// Whether skewed partitions are split at all (`factor` above 0).
     pub fn enabled(&self) -> bool {
         self.factor > 0.0
     }

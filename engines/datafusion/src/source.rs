@@ -40,8 +40,10 @@ pub struct StageTask {
     /// Every worker's address, for the stage's shuffle readers.
     #[prost(string, repeated, tag = "3")]
     pub workers: Vec<String>,
+    /// The driver's RPC timeout, in seconds.
     #[prost(uint64, tag = "4")]
     pub timeout_secs: u64,
+    /// Rows per batch in the stage's session (0: DataFusion's default).
     #[prost(uint32, tag = "5")]
     pub batch_size: u32,
 }

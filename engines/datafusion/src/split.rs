@@ -20,6 +20,7 @@ use std::sync::Arc;
 /// the whole file in row-group order.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct FactSplit {
+    /// The Parquet file's path.
     #[prost(string, tag = "1")]
     pub path: String,
     /// The file's size in bytes.
@@ -28,8 +29,10 @@ pub struct FactSplit {
     /// Rows in the whole file.
     #[prost(uint64, tag = "3")]
     pub file_rows: u64,
+    /// The split's first row, counted over the whole file in row-group order.
     #[prost(uint64, tag = "4")]
     pub start: u64,
+    /// Rows in the split.
     #[prost(uint64, tag = "5")]
     pub rows: u64,
 }
@@ -44,6 +47,7 @@ pub(crate) fn plan_err(what: impl fmt::Display) -> Error {
 #[derive(Debug)]
 pub struct SplitScanExec {
     scan: Arc<DataSourceExec>,
+    /// The splits, split i read by output partition i.
     pub splits: Arc<Vec<FactSplit>>,
 }
 

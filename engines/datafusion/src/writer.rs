@@ -31,6 +31,7 @@ pub enum WriterKind {
 }
 
 impl WriterKind {
+    /// The kind with this number (its protobuf encoding), if any.
     pub fn from_u32(v: u32) -> Option<Self> {
         [Self::Hash, Self::RoundRobin, Self::Gather, Self::Merge]
             .into_iter()
@@ -38,19 +39,26 @@ impl WriterKind {
     }
 }
 
+/// The root of a producing stage: its rows go into the stage's shuffle.
 #[derive(Debug)]
 pub struct ShuffleWriterExec {
     input: Arc<dyn ExecutionPlan>,
+    /// The stage this writer is the root of (stage ids start at 1).
     pub stage: u32,
+    /// The shuffle the stage's map tasks write.
     pub shuffle: ShuffleId,
+    /// How the rows are spread over the shuffle's partitions.
     pub kind: WriterKind,
+    /// Reduce partitions of the shuffle.
     pub partitions: u32,
+    /// Key columns a hash exchange hashes (input columns or appended `__fs_key_<k>` ones).
     pub keys: Vec<String>,
     /// How this exchange moves its blocks (a per-exchange setting).
     pub strategy: Strategy,
 }
 
 impl ShuffleWriterExec {
+    /// A writer of `input`'s rows into `shuffle`, with the pull strategy.
     pub fn new(
         input: Arc<dyn ExecutionPlan>,
         stage: u32,
@@ -89,6 +97,7 @@ impl ShuffleWriterExec {
         }
     }
 
+    /// The stage plan under the writer.
     pub fn input(&self) -> &Arc<dyn ExecutionPlan> {
         &self.input
     }
@@ -113,6 +122,7 @@ impl ShuffleWriterExec {
             .collect()
     }
 
+    /// The shuffle's partitioner: hash of `keys` for a hash exchange, else round-robin.
     pub fn partitioner(&self) -> proto::Partitioner {
         match self.kind {
             WriterKind::Hash => {
@@ -122,6 +132,7 @@ impl ShuffleWriterExec {
         }
     }
 
+    /// How the exchange spreads its rows, e.g. `hash(a, b) into 8`.
     pub fn describe(&self) -> String {
         match self.kind {
             WriterKind::Hash => format!("hash({}) into {}", self.keys.join(", "), self.partitions),

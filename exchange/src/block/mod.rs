@@ -25,7 +25,9 @@ pub use crate::ids::{BlockId, ShuffleId};
 /// (map + sequence), which spreads every map's blocks evenly over the slices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Slice {
+    /// This slice's index, below `count`.
     pub index: u32,
+    /// Slices the partition is cut into (1: the whole partition).
     pub count: u32,
 }
 
@@ -44,6 +46,7 @@ impl Slice {
         Ok(Slice { index, count })
     }
 
+    /// Whether this is the whole partition (a count of 1).
     pub fn is_whole(&self) -> bool {
         self.count <= 1
     }
@@ -57,9 +60,13 @@ impl Slice {
 /// Rows, encoded bytes and CRC32C of a block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockMeta {
+    /// The block's identity.
     pub id: BlockId,
+    /// Rows in the block.
     pub rows: u64,
+    /// The block's encoded size, in bytes.
     pub bytes: u64,
+    /// CRC32C of the block's encoded bytes.
     pub crc32c: u32,
 }
 
@@ -93,9 +100,12 @@ impl TryFrom<&proto::BlockMeta> for BlockMeta {
 /// IPC buffer compression of blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Compression {
+    /// No compression.
     #[default]
     None,
+    /// LZ4-frame buffer compression.
     Lz4,
+    /// ZSTD buffer compression.
     Zstd,
 }
 
@@ -184,14 +194,17 @@ fn cut_batch(b: &RecordBatch) -> Vec<RecordBatch> {
 pub struct EncodedBlock(Bytes);
 
 impl EncodedBlock {
+    /// Encode batches as one IPC stream (see [`encode_block`]).
     pub fn encode(schema: &SchemaRef, batches: &[RecordBatch], c: Compression) -> Result<Self> {
         encode_block(schema, batches, c).map(EncodedBlock)
     }
 
+    /// The encoded IPC stream.
     pub fn bytes(&self) -> &Bytes {
         &self.0
     }
 
+    /// The encoded IPC stream, taking it out of the block.
     pub fn into_bytes(self) -> Bytes {
         self.0
     }
@@ -223,6 +236,7 @@ pub fn encode_schema(schema: &Schema) -> Result<Bytes> {
     encode_block(&Arc::new(schema.clone()), &[], Compression::None)
 }
 
+/// Decode a schema sent by [`encode_schema`]; malformed bytes are an error, never a panic.
 pub fn decode_schema(bytes: &[u8]) -> Result<SchemaRef> {
     // Schemas come from the network: a malformed one must be an error, even where arrow's
     // flatbuffer decoding panics on it.
@@ -325,6 +339,7 @@ pub fn same_columns(a: &Schema, b: &Schema) -> bool {
             .all(|(x, y)| x.name() == y.name() && x.data_type() == y.data_type())
 }
 
+/// The schema's columns as `[name: type, ...]`, for messages.
 pub fn schema_summary(s: &Schema) -> String {
     let cols: Vec<String> = s
         .fields()

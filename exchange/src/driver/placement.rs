@@ -18,6 +18,7 @@ pub enum Placement {
 }
 
 impl Placement {
+    /// The worker that owns (reduces) `partition`: `partition` mod `workers`.
     pub fn owner(partition: u32, workers: usize) -> usize {
         partition as usize % workers.max(1)
     }

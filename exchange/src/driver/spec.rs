@@ -13,9 +13,13 @@ use std::sync::Arc;
 /// What a shuffle is, as the driver registers it on every worker.
 #[derive(Debug, Clone)]
 pub struct ShuffleSpec {
+    /// The shuffle's id.
     pub id: ShuffleId,
+    /// The schema of the shuffle's rows.
     pub schema: SchemaRef,
+    /// Reduce partitions of the shuffle.
     pub partitions: u32,
+    /// How map tasks assign rows to reduce partitions.
     pub partitioner: proto::Partitioner,
     /// Map tasks checksum their input rows (for end-to-end multiset checks); engines that do
     /// not compare checksums turn it off to save the CPU.
@@ -28,7 +32,9 @@ pub struct ShuffleSpec {
 /// Where a block is and how big it is.
 #[derive(Debug, Clone, Copy)]
 pub struct BlockRef {
+    /// The block's id, rows, bytes and CRC32C.
     pub meta: BlockMeta,
+    /// The worker slot holding the block.
     pub worker: usize,
 }
 
@@ -59,7 +65,9 @@ impl Lineage {
 
 /// A map task's input.
 pub enum MapInput {
+    /// A worker-side task source: the worker reads the input itself; re-runnable.
     Source(proto::TaskSource),
+    /// Batches pushed from the driver: read once, so the map cannot run again.
     Stream(BatchStream),
     /// Batches from the driver, kept there so the map can run again ([`crate::kept`]).
     Kept(Arc<crate::kept::KeptInput>),
@@ -79,12 +87,19 @@ impl MapInput {
 /// A finished and committed map attempt.
 #[derive(Debug, Clone)]
 pub struct MapDone {
+    /// The map task, or merge group.
     pub map: u32,
+    /// The attempt that committed.
     pub attempt: u32,
+    /// The worker slot it ran on.
     pub worker: usize,
+    /// The blocks it committed.
     pub blocks: Vec<BlockRef>,
+    /// Rows and checksum of its input.
     pub input: Checksum,
+    /// Bytes of its input (in-memory batches for a map task, blocks for a merge).
     pub input_bytes: u64,
+    /// Bytes of its blocks that went to spill files rather than memory.
     pub spilled_bytes: u64,
     /// When the driver committed it.
     pub committed_at: std::time::Instant,

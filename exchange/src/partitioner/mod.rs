@@ -146,6 +146,7 @@ impl Partitioner {
         Ok(Partitioner { kind, partitions })
     }
 
+    /// Reduce partitions it assigns rows to.
     pub fn partitions(&self) -> u32 {
         self.partitions
     }
@@ -278,6 +279,7 @@ pub fn range_boundaries(
     })
 }
 
+/// A hash partitioner over the key columns `keys`.
 pub fn hash(keys: &[&str]) -> proto::Partitioner {
     proto::Partitioner {
         kind: Some(proto::partitioner::Kind::Hash(proto::HashPartitioner {
@@ -286,6 +288,7 @@ pub fn hash(keys: &[&str]) -> proto::Partitioner {
     }
 }
 
+/// A round-robin partitioner: rows dealt to the partitions in turn.
 pub fn round_robin() -> proto::Partitioner {
     proto::Partitioner {
         kind: Some(proto::partitioner::Kind::RoundRobin(

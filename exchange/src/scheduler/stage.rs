@@ -16,8 +16,11 @@ pub const MAX_RECOVERIES: usize = 2;
 /// One stage to run: the shuffle it writes, one input per map task, and the strategy of its
 /// exchange.
 pub struct StageRun {
+    /// The shuffle the stage writes.
     pub spec: ShuffleSpec,
+    /// One input per map task.
     pub inputs: Vec<MapInput>,
+    /// The strategy of the stage's exchange.
     pub strategy: Strategy,
     /// Inputs decided late, from what an earlier stage wrote (see [`Deferred`]); replaces
     /// `inputs`.
@@ -42,6 +45,7 @@ pub struct Deferred {
     pub decide: DecideInputs,
 }
 
+/// Decides a deferred stage's map inputs from the bytes of each partition it reads.
 pub type DecideInputs = Box<dyn FnOnce(&[u64]) -> Result<(Vec<MapInput>, String)> + Send>;
 
 /// How a stage went, with times in seconds since the query started.
@@ -49,13 +53,19 @@ pub type DecideInputs = Box<dyn FnOnce(&[u64]) -> Result<(Vec<MapInput>, String)
 pub struct StageReport {
     /// The strategy that ran the exchange (for `auto`: its pick and the predicted times).
     pub strategy: String,
+    /// Map tasks it ran.
     pub tasks: usize,
+    /// Rows its map tasks read.
     pub rows: u64,
+    /// Bytes of the blocks its map tasks wrote.
     pub bytes: u64,
+    /// Blocks its map tasks wrote.
     pub blocks: usize,
+    /// Bytes of those blocks that went to spill files rather than memory.
     pub spilled_bytes: u64,
     /// Bytes of its largest reduce partition, and of its median partition (skew).
     pub max_partition_bytes: u64,
+    /// Bytes of its median reduce partition.
     pub median_partition_bytes: u64,
     /// When its first map task was submitted.
     pub start_s: f64,

@@ -19,8 +19,11 @@ use std::time::Instant;
 /// The map side's outcome: every map's blocks and the checksum of all input rows.
 #[derive(Debug, Clone)]
 pub struct Mapped {
+    /// Every committed map, in map order.
     pub maps: Vec<MapDone>,
+    /// Rows and checksum of all the maps' input.
     pub input: Checksum,
+    /// Bytes of all the maps' input.
     pub input_bytes: u64,
     /// When the first map output was committed.
     pub first_commit: Option<std::time::Instant>,

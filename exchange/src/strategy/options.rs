@@ -3,11 +3,16 @@
 
 use crate::error::{Error, Result};
 
+/// How an exchange's map side moves its blocks (see [`crate::strategy`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Strategy {
+    /// Maps keep their blocks; each reducer pulls its partition from every worker.
     Pull,
+    /// As pull, with each worker merging the map outputs it holds into few large blocks.
     Merged,
+    /// Maps push each partition's blocks to its owner, which merges them; reducers read locally.
     Push,
+    /// Maps push to a worker in their grid row and the owner's column; reducers read that column.
     TwoLevel,
     /// Chosen per exchange by a calibrated cost model ([`auto`]).
     Auto,
@@ -51,6 +56,7 @@ impl std::str::FromStr for Strategy {
 /// Which strategy runs an exchange, and the knobs strategies share.
 #[derive(Debug, Clone, Copy)]
 pub struct StrategyOptions {
+    /// The strategy that runs the exchange.
     pub strategy: Strategy,
     /// Map tasks running at once on one worker.
     pub maps_per_worker: usize,

@@ -42,7 +42,9 @@ type Client = FlightServiceClient<InterceptedService<Channel, TokenInterceptor>>
 /// A connection to one worker.
 #[derive(Clone)]
 pub struct WorkerClient {
+    /// The worker's slot in the cluster, named in errors.
     pub index: usize,
+    /// The worker's address (`host:port`).
     pub addr: String,
     client: Client,
     timeout: Duration,
@@ -93,6 +95,7 @@ impl WorkerClient {
         })
     }
 
+    /// The deadline of one call to this worker.
     pub fn timeout(&self) -> Duration {
         self.timeout
     }
@@ -142,12 +145,14 @@ impl WorkerClient {
             .map_err(|_| self.timed_out(kind, timeout))?
     }
 
+    /// Register a shuffle on the worker.
     pub async fn create_shuffle(&self, m: &proto::CreateShuffle) -> Result<()> {
         self.action(actions::CREATE_SHUFFLE, m.encode_to_vec(), self.timeout)
             .await
             .map(|_| ())
     }
 
+    /// Run a map attempt from a worker-side task source; returns its result once done.
     pub async fn run_map(&self, m: &proto::MapTask) -> Result<proto::TaskResult> {
         let body = self
             .action(actions::RUN_MAP, m.encode_to_vec(), self.timeout)
@@ -155,6 +160,7 @@ impl WorkerClient {
         decode(&body)
     }
 
+    /// Run a reduce task: the worker pulls one partition from every worker into a sink.
     pub async fn run_reduce(&self, m: &proto::ReduceTask) -> Result<proto::TaskResult> {
         let body = self
             .action(actions::RUN_REDUCE, m.encode_to_vec(), self.timeout)
@@ -162,6 +168,7 @@ impl WorkerClient {
         decode(&body)
     }
 
+    /// Fold blocks of one partition into its running state on the worker (streaming strategy).
     pub async fn fold(&self, m: &proto::FoldTask) -> Result<proto::FoldResult> {
         let body = self
             .action(actions::FOLD, m.encode_to_vec(), self.timeout)
@@ -191,6 +198,7 @@ impl WorkerClient {
             .map(|_| ())
     }
 
+    /// Run action `kind` (e.g. drop) on `shuffle`, with no partition rows.
     pub async fn shuffle_action(&self, kind: &str, shuffle: u64) -> Result<()> {
         let m = proto::ShuffleRef {
             shuffle_id: shuffle,
@@ -212,14 +220,17 @@ impl WorkerClient {
             .map(|_| ())
     }
 
+    /// The worker's counters: block store, memory, task admission and calls served.
     pub async fn stats(&self) -> Result<proto::WorkerStats> {
         decode(&self.action(actions::STATS, vec![], self.timeout).await?)
     }
 
+    /// Check the worker is up (its id and process id), within `timeout`.
     pub async fn health(&self, timeout: Duration) -> Result<proto::Health> {
         decode(&self.action(actions::HEALTH, vec![], timeout).await?)
     }
 
+    /// Measure the worker's rates for the `auto` strategy.
     pub async fn calibrate(&self, m: &proto::CalibrateTask) -> Result<proto::Calibration> {
         decode(
             &self
@@ -480,6 +491,7 @@ impl WorkerClient {
     }
 }
 
+/// Decode a protocol message; malformed bytes are an `InvalidArgument` error.
 pub fn decode<M: Message + Default>(body: &[u8]) -> Result<M> {
     M::decode(body).map_err(|e| Error::invalid(format!("malformed protocol message: {e}")))
 }

@@ -25,6 +25,7 @@ pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 4096;
 /// HTTP/2 flow-control windows: large, so one stream can fill loopback.
 pub const STREAM_WINDOW: u32 = 16 << 20;
+/// HTTP/2 flow-control window of a whole connection, in bytes.
 pub const CONNECTION_WINDOW: u32 = 64 << 20;
 /// HTTP/2 keepalive: a ping this often on every connection ...
 pub const KEEPALIVE: Duration = Duration::from_secs(10);
@@ -38,7 +39,9 @@ pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(60);
 /// them (and its own certificate, under mutual TLS).
 #[derive(Clone, Default)]
 pub struct Credentials {
+    /// The cluster token, sent with every call.
     pub token: String,
+    /// How to verify TLS workers (and the client's own certificate); `None`: plaintext.
     pub tls: Option<tls::ClientTls>,
 }
 
@@ -52,24 +55,38 @@ impl Credentials {
     }
 }
 
+/// The `authorization` header value for `token`: `Bearer <token>`.
 pub fn bearer(token: &str) -> String {
     format!("Bearer {token}")
 }
 
 /// Action type names of `do_action`.
 pub mod actions {
+    /// Register a shuffle (schema, partitions, partitioner) on a worker.
     pub const CREATE_SHUFFLE: &str = "create_shuffle";
+    /// Run a map attempt from a worker-side task source.
     pub const RUN_MAP: &str = "run_map";
+    /// Run a reduce task: pull one partition from every worker into a sink.
     pub const RUN_REDUCE: &str = "run_reduce";
+    /// Fold blocks of one partition into its running state (streaming strategy).
     pub const FOLD: &str = "fold";
+    /// Seal a shuffle: its map side is complete.
     pub const SEAL_SHUFFLE: &str = "seal_shuffle";
+    /// Drop a shuffle: cancel its tasks and free its blocks and states.
     pub const DROP_SHUFFLE: &str = "drop_shuffle";
+    /// Abort one map attempt and remove its uncommitted blocks.
     pub const CANCEL: &str = "cancel";
+    /// Commit a map attempt or merge group: its blocks become readable.
     pub const COMMIT: &str = "commit";
+    /// Run a merge task (or a forward) over committed map outputs.
     pub const MERGE: &str = "merge";
+    /// Report the worker's block store and task counters.
     pub const STATS: &str = "stats";
+    /// Answer with the worker's id and process id.
     pub const HEALTH: &str = "health";
+    /// Measure the worker's rates for the `auto` strategy.
     pub const CALIBRATE: &str = "calibrate";
+    /// Every action type, as `list_actions` reports them.
     pub const ALL: &[&str] = &[
         CREATE_SHUFFLE,
         RUN_MAP,

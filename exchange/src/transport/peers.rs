@@ -19,6 +19,7 @@ use std::time::Duration;
 /// Local blocks decoded ahead of the one being consumed.
 const LOCAL_PREFETCH: usize = 2;
 
+/// The process's pool of Flight clients to workers, and its reader of partitions.
 pub struct PeerReader {
     creds: Credentials,
     timeout: Duration,

@@ -24,6 +24,7 @@ pub struct ClientTls {
 }
 
 impl ClientTls {
+    /// The tonic client TLS settings: trust `ca`, and show `identity` when there is one.
     pub fn config(&self) -> ClientTlsConfig {
         let cfg = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(&self.ca));
         match &self.identity {
@@ -49,7 +50,9 @@ impl std::fmt::Debug for ClientTls {
 /// How a worker serves TLS.
 #[derive(Clone)]
 pub struct ServerTls {
+    /// PEM of the worker's certificate, signed by the cluster's CA.
     pub cert: String,
+    /// PEM of the private key of `cert`.
     pub key: String,
     /// The CA its peers' certificates are signed by (the worker dials them with it).
     pub ca: String,
@@ -79,6 +82,8 @@ impl ServerTls {
         })
     }
 
+    /// The tonic server TLS settings: serve `cert`, and with `client_auth` verify clients
+    /// against `ca`.
     pub fn config(&self) -> ServerTlsConfig {
         let cfg = ServerTlsConfig::new()
             .identity(Identity::from_pem(&self.cert, &self.key))
@@ -110,8 +115,11 @@ fn read(path: &Path) -> Result<String> {
 /// A local cluster's CA and its one certificate, as files in a private directory.
 #[derive(Clone, Debug)]
 pub struct LocalTls {
+    /// Path of the CA certificate (PEM).
     pub ca: PathBuf,
+    /// Path of the certificate (PEM) the CA signed, for the workers and their clients.
     pub cert: PathBuf,
+    /// Path of the certificate's private key (PEM), readable by the owner only.
     pub key: PathBuf,
 }
 

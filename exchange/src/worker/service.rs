@@ -24,7 +24,9 @@ use tonic::{Request, Response, Status, Streaming};
 /// Blocks read ahead of the one being sent on a partition stream.
 const PREFETCH: usize = 2;
 
+/// The worker's Flight service, serving blocks, map input and actions over its state.
 pub struct WorkerService {
+    /// The worker's state every call works on.
     pub state: Arc<WorkerState>,
 }
 

@@ -34,16 +34,21 @@ pub(crate) type FoldSlot = Option<ReduceState>;
 
 /// Everything a worker's Flight service shares.
 pub struct WorkerState {
+    /// The worker's name, used in logs and errors.
     pub id: String,
+    /// The worker's block store.
     pub store: Arc<BlockStore>,
     /// The address this worker advertises (its peers' name for it).
     pub addr: String,
     /// Pooled clients to peers; reads of this worker's own blocks go to its store.
     pub reader: Arc<PeerReader>,
+    /// The task sources, reducers and combiners tasks and shuffles name, by kind.
     pub sources: SourceRegistry,
+    /// How the worker's map tasks are tuned (buffer and block sizes, compression).
     pub map_cfg: MapConfig,
     /// Grants of the worker's budget to the tasks it runs (see [`crate::admission`]).
     pub admission: Arc<Admission>,
+    /// How long a read may wait for blocks that are not there yet.
     pub read_timeout: Duration,
     /// Flight calls served (counted when their token is checked).
     pub rpcs: std::sync::atomic::AtomicU64,
@@ -142,6 +147,7 @@ impl WorkerState {
         }
     }
 
+    /// Register a shuffle in the block store, after checking its partitioner and combiner.
     pub fn create_shuffle(&self, m: proto::CreateShuffle) -> Result<()> {
         let schema = decode_schema(&m.schema_ipc)?;
         let partitioner = m
@@ -542,6 +548,7 @@ impl WorkerState {
         self.store.abort(shuffle, map, attempt);
     }
 
+    /// Abort every running map attempt of `shuffle`.
     pub fn cancel_shuffle(&self, shuffle: ShuffleId) {
         let mut tasks = lock(&self.tasks);
         tasks.retain(|(s, _, _), (h, stop)| {
@@ -553,6 +560,7 @@ impl WorkerState {
         });
     }
 
+    /// The worker's counters: block store, memory, task admission and calls served.
     pub fn stats(&self) -> proto::WorkerStats {
         let m = self.store.metrics();
         let a = self.admission.metrics();

@@ -11,6 +11,7 @@ use std::time::Instant;
 
 /// A streaming shuffle to run.
 pub struct StreamingJob {
+    /// The shuffle the map tasks write.
     pub spec: ShuffleSpec,
     /// Map inputs in the order they are read (callers randomise it for online aggregation).
     pub inputs: Vec<MapInput>,
@@ -22,6 +23,7 @@ pub struct StreamingJob {
     pub by_completion: bool,
     /// Reducer kind registered on the workers and its description.
     pub reducer: String,
+    /// The reducer's description, sent with every fold.
     pub payload: Vec<u8>,
 }
 
@@ -30,13 +32,17 @@ pub struct StreamingJob {
 pub struct Partial {
     /// 0-based round whose blocks were folded last.
     pub round: usize,
+    /// Rounds of the job.
     pub rounds: usize,
     /// Share of the input weight folded into the states (0..=1).
     pub progress: f64,
     /// Map tasks finished when this partial was sent, of `maps_total`.
     pub maps_done: usize,
+    /// Map tasks of the job.
     pub maps_total: usize,
+    /// Whether this is the last partial (every input folded).
     pub is_final: bool,
+    /// The schema of the partial results.
     pub schema: SchemaRef,
     /// Each reduce partition's partial result, in partition order.
     pub partitions: Vec<Vec<RecordBatch>>,

@@ -1,0 +1,361 @@
+//! The `NativeCluster` class: what it holds, how it is made from [`ClusterOptions`] (local
+//! worker processes, or workers hosted elsewhere such as Ray actors), and its lifecycle methods
+//! (workers, recovery, TLS, statistics, calibration, close). The methods of each domain
+//! (datasets, online aggregation, shuffles, SQL) are in `methods/`.
+
+use crate::hosted::{self, Workers};
+use crate::{online, runtime, sql, stage, to_py, wait, Rt, ShuffleError};
+use flightshuffle::cluster::{HostedCluster, LocalCluster, LocalClusterConfig, TlsSetting};
+use flightshuffle::strategy::StrategyOptions;
+use pyo3::prelude::*;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// A cluster driven from Python: its runtime, its workers (local processes or hosted), the
+/// SQL and online contexts, and the dataset stages run so far.
+#[pyclass(module = "flightshuffle._native")]
+pub struct NativeCluster {
+    pub(crate) rt: Arc<Rt>,
+    pub(crate) cluster: Arc<Mutex<Option<Workers>>>,
+    pub(crate) sql: Mutex<Option<Arc<flightshuffle_datafusion::DistributedContext>>>,
+    /// The context of online SQL and its tables.
+    pub(crate) online: Arc<online::Sessions>,
+    /// Single-process DataFusion over the same tables: the baseline of benchmarks.
+    pub(crate) local: datafusion::prelude::SessionContext,
+    /// Output shuffles of Python map stages (datasets), by id.
+    pub(crate) stages: stage::Stages,
+    /// Strategy knobs of every shuffle, stage and query of this cluster (speculation).
+    pub(crate) strategy: flightshuffle::strategy::StrategyOptions,
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn cluster_config(
+    workers: usize,
+    memory_budget: u64,
+    spill_dir: Option<String>,
+    compression: String,
+    worker_command: Vec<String>,
+    timeout_secs: f64,
+    tls: &str,
+    tls_files: Option<(String, String, String)>,
+) -> PyResult<LocalClusterConfig> {
+    let mut cfg = LocalClusterConfig::new(workers, worker_command);
+    cfg.memory_budget = memory_budget;
+    cfg.spill_dir = spill_dir.map(Into::into);
+    cfg.compression = compression;
+    cfg.driver.rpc_timeout = Duration::from_secs_f64(timeout_secs.max(1.0));
+    cfg.tls = tls_setting(tls, tls_files)?;
+    Ok(cfg)
+}
+
+/// `tls`: "on" (a CA made for the cluster), "mutual" (clients show certificates too) or
+/// "off"; with `files` (ca, cert, key), those certificates instead of made ones.
+pub(crate) fn tls_setting(
+    tls: &str,
+    files: Option<(String, String, String)>,
+) -> PyResult<TlsSetting> {
+    let mutual = match tls {
+        "off" if files.is_none() => return Ok(TlsSetting::Off),
+        "on" => false,
+        "mutual" => true,
+        other => {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "tls must be True, False, \"mutual\" or a dict of ca, cert and key files, not \
+                 {other:?}"
+            )))
+        }
+    };
+    Ok(match files {
+        Some((ca, cert, key)) => TlsSetting::Files {
+            ca: ca.into(),
+            cert: cert.into(),
+            key: key.into(),
+            mutual,
+        },
+        None => TlsSetting::Local { mutual },
+    })
+}
+
+/// The cluster's strategy knobs, checked: a known strategy, a parity the worker count allows,
+/// a speculation factor above 1.
+fn strategy_options(
+    workers: usize,
+    strategy: &str,
+    parity: u32,
+    speculation: Option<f64>,
+) -> PyResult<StrategyOptions> {
+    let strategy: flightshuffle::strategy::Strategy = strategy.parse().map_err(to_py)?;
+    flightshuffle::check_parity(workers, parity)
+        .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+    if speculation.is_some_and(|k| !(k.is_finite() && k > 1.0)) {
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "speculation must be a factor above 1 (a map slower than that many times the median \
+             is copied), or None",
+        ));
+    }
+    Ok(StrategyOptions {
+        speculation,
+        strategy,
+        parity,
+        ..Default::default()
+    })
+}
+
+/// A cluster's options, from the dict `Cluster` passes (its keys are these field names).
+#[derive(FromPyObject)]
+#[pyo3(from_item_all)]
+struct ClusterOptions {
+    /// Bytes per worker.
+    memory_budget: u64,
+    /// Parent of the workers' spill directories (local), the driver's scratch (hosted).
+    spill_dir: Option<String>,
+    /// none, lz4, zstd or auto.
+    compression: String,
+    /// Seconds a driver call may take.
+    timeout_secs: f64,
+    /// A map slower than this factor of the median gets a backup attempt.
+    speculation: Option<f64>,
+    /// The exchange strategy of every shuffle.
+    strategy: String,
+    /// Parity shards per stripe.
+    parity: u32,
+    /// "on", "mutual" or "off".
+    tls: String,
+    /// (ca, cert, key) files of your own.
+    tls_files: Option<(String, String, String)>,
+}
+
+impl ClusterOptions {
+    fn strategy_options(&self, workers: usize) -> PyResult<StrategyOptions> {
+        strategy_options(workers, &self.strategy, self.parity, self.speculation)
+    }
+}
+
+/// With `auto` as the cluster's default, calibrate the machine now, not in the first exchange.
+async fn calibrate_for(
+    driver: &Arc<flightshuffle::driver::Driver>,
+    opts: &StrategyOptions,
+) -> flightshuffle::Result<()> {
+    if opts.strategy == flightshuffle::strategy::Strategy::Auto {
+        driver.calibration().await?;
+    }
+    Ok(())
+}
+
+#[pymethods]
+impl NativeCluster {
+    /// Start a local cluster of `workers` processes, each started by `worker_command`.
+    #[new]
+    fn new(
+        py: Python<'_>,
+        workers: usize,
+        worker_command: Vec<String>,
+        options: ClusterOptions,
+    ) -> PyResult<Self> {
+        let opts = options.strategy_options(workers)?;
+        let rt = runtime()?;
+        let cfg = cluster_config(
+            workers,
+            options.memory_budget,
+            options.spill_dir,
+            options.compression,
+            worker_command,
+            options.timeout_secs,
+            &options.tls,
+            options.tls_files,
+        )?;
+        // Ctrl-C while the workers start drops the start: the processes started so far are
+        // killed, and every worker exits when its driver's pipe closes.
+        let cluster = wait(py, &rt, async {
+            let cluster = LocalCluster::start(cfg).await?;
+            calibrate_for(&cluster.driver, &opts).await?;
+            Ok::<_, flightshuffle::Error>(cluster)
+        })?
+        .map_err(to_py)?;
+        Ok(Self::with_workers(rt, Workers::Local(cluster), opts))
+    }
+
+    /// A driver for workers hosted elsewhere (Ray actors) at `addresses`; `replace(slot)`
+    /// starts a lost worker's replacement and returns its address. In `options`, `tls_files`
+    /// (ca, cert, key) are the files the workers serve, `tls` "on", "mutual" or "off", and
+    /// `spill_dir` the driver's scratch directory.
+    #[staticmethod]
+    fn connect(
+        py: Python<'_>,
+        addresses: Vec<String>,
+        token: String,
+        replace: Py<PyAny>,
+        options: ClusterOptions,
+    ) -> PyResult<Self> {
+        let opts = options.strategy_options(addresses.len())?;
+        let creds = hosted::credentials(token, tls_setting(&options.tls, options.tls_files)?)?;
+        let cfg = flightshuffle::driver::DriverConfig {
+            rpc_timeout: Duration::from_secs_f64(options.timeout_secs.max(1.0)),
+            ..Default::default()
+        };
+        let scratch = options.spill_dir;
+        let rt = runtime()?;
+        let replacer = hosted::py_replacer(replace);
+        let hosted = wait(py, &rt, async {
+            let c = HostedCluster::connect(
+                &addresses,
+                &creds,
+                cfg,
+                scratch.map(Into::into),
+                Some(replacer),
+            )
+            .await?;
+            calibrate_for(&c.driver, &opts).await?;
+            Ok::<_, flightshuffle::Error>(c)
+        })?
+        .map_err(to_py)?;
+        Ok(Self::with_workers(rt, Workers::Hosted(hosted), opts))
+    }
+
+    fn worker_pids(&self) -> Vec<u32> {
+        self.with(|c| c.pids()).unwrap_or_default()
+    }
+
+    /// Lost workers replaced, map outputs recomputed, blocks rebuilt from parity and jobs
+    /// run again whole so far.
+    fn recovery(&self) -> (u64, u64, u64, u64) {
+        self.with(|c| {
+            let d = c.driver();
+            (
+                d.replacements(),
+                d.recomputed_maps(),
+                d.rebuilt_blocks(),
+                d.reruns(),
+            )
+        })
+        .unwrap_or_default()
+    }
+
+    /// The CA workers' certificates are signed by (PEM), and under mutual TLS the client
+    /// certificate and key (PEM); None on a plaintext cluster.
+    #[allow(clippy::type_complexity)]
+    fn tls(&self) -> Option<(String, Option<(String, String)>)> {
+        self.with(|c| {
+            c.driver()
+                .credentials()
+                .tls
+                .as_ref()
+                .map(|t| (t.ca.clone(), t.identity.clone()))
+        })
+        .flatten()
+    }
+
+    /// The cluster token (for advanced clients: every call carries `Bearer <token>`).
+    fn token(&self) -> Option<String> {
+        self.with(|c| c.driver().token().to_string())
+    }
+
+    fn worker_addresses(&self) -> Vec<String> {
+        self.with(|c| c.driver().addresses()).unwrap_or_default()
+    }
+
+    fn spill_root(&self) -> Option<String> {
+        self.with(|c| c.scratch().display().to_string())
+    }
+
+    /// Per-worker block store statistics, as a JSON list.
+    fn stats_json(&self, py: Python<'_>) -> PyResult<String> {
+        let driver = self.driver()?;
+        let stats = wait(py, &self.rt, driver.stats())?.map_err(to_py)?;
+        let list: Vec<serde_json::Value> = stats
+            .iter()
+            .map(|s| {
+                serde_json::json!({
+                    "blocks": s.blocks, "memory_bytes": s.memory_bytes,
+                    "memory_budget": s.memory_budget, "spilled_bytes": s.spilled_bytes,
+                    "spilled_blocks": s.spilled_blocks, "spill_files": s.spill_files,
+                    "restored_bytes": s.restored_bytes, "restored_blocks": s.restored_blocks,
+                    "peak_rss_bytes": s.peak_rss_bytes, "rss_bytes": s.rss_bytes,
+                    "shuffles": s.shuffles, "admitted_tasks": s.admitted_tasks,
+                    "waited_tasks": s.waited_tasks, "overdraft_tasks": s.overdraft_tasks,
+                    "peak_granted_bytes": s.peak_granted_bytes,
+                    "peak_running_tasks": s.peak_running_tasks,
+                    "peak_operator_bytes": s.peak_operator_bytes,
+                    "peak_unspillable_bytes": s.peak_unspillable_bytes,
+                    "granted_bytes": s.granted_bytes, "running_tasks": s.running_tasks,
+                })
+            })
+            .collect();
+        Ok(serde_json::Value::from(list).to_string())
+    }
+
+    /// This machine's calibration for the `auto` strategy (measured on first use), as JSON.
+    fn calibration_json(&self, py: Python<'_>) -> PyResult<String> {
+        let driver = self.driver()?;
+        let c = wait(py, &self.rt, driver.calibration())?.map_err(to_py)?;
+        Ok(flightshuffle::calibration_json(&c).to_string())
+    }
+
+    /// Stop every worker process. Safe to call more than once.
+    fn close(&self, py: Python<'_>) {
+        self.sql.lock().unwrap_or_else(|p| p.into_inner()).take();
+        self.online.close();
+        let taken = self
+            .cluster
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        py.detach(move || drop(taken));
+    }
+}
+
+impl NativeCluster {
+    pub(crate) fn with_workers(rt: Rt, workers: Workers, strategy: StrategyOptions) -> Self {
+        NativeCluster {
+            rt: Arc::new(rt),
+            cluster: Arc::new(Mutex::new(Some(workers))),
+            sql: Mutex::new(None),
+            online: Arc::default(),
+            local: datafusion::prelude::SessionContext::new_with_config(
+                datafusion::prelude::SessionConfig::new().with_target_partitions(
+                    std::thread::available_parallelism().map_or(2, |n| n.get()),
+                ),
+            ),
+            stages: Default::default(),
+            strategy,
+        }
+    }
+
+    pub(crate) fn with<T>(&self, f: impl FnOnce(&mut Workers) -> T) -> Option<T> {
+        self.cluster
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_mut()
+            .map(f)
+    }
+
+    pub(crate) fn sql_context(
+        &self,
+    ) -> PyResult<Arc<flightshuffle_datafusion::DistributedContext>> {
+        let mut slot = self.sql.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(ctx) = slot.as_ref() {
+            return Ok(ctx.clone());
+        }
+        let driver = self.driver()?;
+        let _runtime = self.rt.enter();
+        let config =
+            flightshuffle_datafusion::DistributedContext::default_config(driver.num_workers());
+        let ctx = Arc::new(
+            flightshuffle_datafusion::DistributedContext::new(driver, config)
+                .map_err(sql::df_err)?
+                // SQL stages recover from lineage (every stage input can be read again);
+                // parity protects shuffles and dataset stages.
+                .with_strategy_options(flightshuffle::strategy::StrategyOptions {
+                    parity: 0,
+                    ..self.strategy
+                }),
+        );
+        *slot = Some(ctx.clone());
+        Ok(ctx)
+    }
+
+    pub(crate) fn driver(&self) -> PyResult<Arc<flightshuffle::driver::Driver>> {
+        self.with(|c| c.driver().clone())
+            .ok_or_else(|| ShuffleError::new_err("the cluster is closed"))
+    }
+}

@@ -1,0 +1,75 @@
+//! Distributed SQL: registering Parquet tables, queries and their plans, and the
+//! single-process baseline over the same tables.
+
+use crate::cluster::NativeCluster;
+use crate::{sql, to_py, wait};
+use pyo3::prelude::*;
+use std::sync::Arc;
+
+#[pymethods]
+impl NativeCluster {
+    /// Register a Parquet file or directory as a SQL table.
+    fn register_parquet(&self, py: Python<'_>, name: String, path: String) -> PyResult<()> {
+        let ctx = self.sql_context()?;
+        let local = &self.local;
+        wait(py, &self.rt, async {
+            sql::register(&ctx, &name, &path).await?;
+            flightshuffle_datafusion::context::replace_parquet(local, &name, &path)
+                .await
+                .map_err(sql::df_err)
+        })?
+    }
+
+    /// Run a query on single-process DataFusion in this process over the same registered
+    /// tables (a baseline); returns (pyarrow.Table, seconds).
+    fn sql_single_process(&self, py: Python<'_>, query: String) -> PyResult<(Py<PyAny>, f64)> {
+        let start = std::time::Instant::now();
+        let local = &self.local;
+        let batches = wait(py, &self.rt, async {
+            local.sql(&query).await?.collect().await
+        })?
+        .map_err(|e| sql::df_err(e.into()))?;
+        let seconds = start.elapsed().as_secs_f64();
+        let schema = batches
+            .first()
+            .map(|b| b.schema())
+            .unwrap_or_else(|| Arc::new(arrow::datatypes::Schema::empty()));
+        let table = pyo3_arrow::PyTable::try_new(batches, schema)?;
+        Ok((table.into_pyarrow(py)?.unbind(), seconds))
+    }
+
+    /// Run a query on the cluster; returns (pyarrow.Table, metrics as JSON).
+    #[pyo3(signature = (query, strategy=None))]
+    fn sql(
+        &self,
+        py: Python<'_>,
+        query: String,
+        strategy: Option<String>,
+    ) -> PyResult<(Py<PyAny>, String)> {
+        let ctx = self.sql_context()?;
+        let strategy = parse_strategy(strategy)?;
+        let result = wait(py, &self.rt, ctx.sql_with(&query, strategy))?.map_err(sql::df_err)?;
+        let metrics = sql::metrics_json(&result);
+        let table = pyo3_arrow::PyTable::try_new(result.batches, result.schema)?;
+        Ok((table.into_pyarrow(py)?.unbind(), metrics))
+    }
+
+    /// The staged plan of a query; with `analyze`, run it and add per-exchange figures.
+    #[pyo3(signature = (query, analyze, strategy=None))]
+    fn explain(
+        &self,
+        py: Python<'_>,
+        query: String,
+        analyze: bool,
+        strategy: Option<String>,
+    ) -> PyResult<String> {
+        let ctx = self.sql_context()?;
+        let strategy = parse_strategy(strategy)?;
+        wait(py, &self.rt, ctx.explain_with(&query, analyze, strategy))?.map_err(sql::df_err)
+    }
+}
+
+/// A strategy name from Python (None: the cluster's default).
+fn parse_strategy(name: Option<String>) -> PyResult<Option<flightshuffle::strategy::Strategy>> {
+    name.map(|s| s.parse().map_err(to_py)).transpose()
+}
