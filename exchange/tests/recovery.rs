@@ -280,11 +280,12 @@ async fn parity_rebuilds_committed_outputs_when_a_worker_dies_while_mapping() {
     // lost worker rebuilt from parity; those running then run again from the kept inputs.
     let opts = options(6, with_parity(1));
     let job = start_job(&cluster, &input, &opts, Duration::from_millis(10)).await;
-    // Killed once some map is committed (its blocks, at their owners, include worker 1's) and
-    // while the producer still feeds others: not after a fixed time, which on a loaded
-    // machine could come before any commit.
+    // Killed once worker 1 holds a committed block (pull keeps a map's blocks where it ran,
+    // so a commit elsewhere would leave nothing to rebuild) and while the producer still
+    // feeds others: not after a fixed time, which on a loaded machine could come before any
+    // commit.
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while cluster.driver.live_blocks(job.id) == 0 {
+    while cluster.driver.live_blocks_on(job.id, 1) == 0 {
         assert!(
             std::time::Instant::now() < deadline,
             "no map committed within 60 s"

@@ -235,6 +235,17 @@ impl Driver {
         .unwrap_or(0)
     }
 
+    /// The live blocks of `shuffle` (parity excluded) held by worker slot `worker`.
+    pub fn live_blocks_on(&self, shuffle: ShuffleId, worker: usize) -> usize {
+        self.with_shuffle(shuffle, |e| {
+            e.blocks
+                .iter()
+                .filter(|b| b.worker == worker && b.meta.id.partition != crate::parity::PARITY)
+                .count()
+        })
+        .unwrap_or(0)
+    }
+
     /// Record the blocks a committed attempt on `worker` reported, replacing the refs of the
     /// maps it `retired` there (a merge group's maps); returns the new refs.
     pub(super) fn record_blocks(
