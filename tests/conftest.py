@@ -3,7 +3,10 @@ data."""
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import flightshuffle as fs
 import polars as pl
@@ -73,6 +76,57 @@ def pids_gone():
         assert not left, f"processes left behind: {left}"
 
     return check
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[Any]:
+    """A real S3-compatible server (moto's, in a thread of this process) on loopback for the
+    whole session. Its buckets live in this process, so a server stopped and started again on
+    the same port still has them."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    yield server
+    server.stop()
+
+
+def s3_endpoint(server: Any) -> str:
+    host, port = server.get_host_and_port()
+    return f"http://{host}:{port}"
+
+
+def s3_bucket(server: Any, bucket: str) -> dict[str, str]:
+    """Create ``bucket`` on ``server``; returns the ``storage_options`` that reach it."""
+    options = {
+        "aws_endpoint": s3_endpoint(server),
+        "aws_access_key_id": "testing",
+        "aws_secret_access_key": "testing-secret",
+        "aws_region": "us-east-1",
+        "aws_allow_http": "true",
+    }
+    s3_client(options).create_bucket(Bucket=bucket)
+    return options
+
+
+def s3_client(options: dict[str, str]) -> Any:
+    """A boto3 client of the server ``options`` name (the server's own view of requests)."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=options["aws_endpoint"],
+        aws_access_key_id=options["aws_access_key_id"],
+        aws_secret_access_key=options["aws_secret_access_key"],
+        region_name=options["aws_region"],
+    )
+
+
+def s3_keys(options: dict[str, str], bucket: str) -> list[str]:
+    """Every object key in ``bucket``, as the server lists them."""
+    pages = s3_client(options).get_paginator("list_objects_v2").paginate(Bucket=bucket)
+    return [o["Key"] for page in pages for o in page.get("Contents", [])]
 
 
 os.environ.setdefault("FLIGHTSHUFFLE_LOG", "error")

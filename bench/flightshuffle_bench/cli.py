@@ -605,10 +605,11 @@ def main(argv: list[str] | None = None) -> int:
     from flightshuffle_bench import skewbench
 
     skewbench.add_parser(sub)
-    from flightshuffle_bench import onlinebench, samplebound
+    from flightshuffle_bench import onlinebench, samplebound, storagebench
 
     onlinebench.add_parser(sub)
     samplebound.add_parser(sub)
+    storagebench.add_parser(sub)
 
     from flightshuffle import cli
 

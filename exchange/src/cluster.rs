@@ -410,6 +410,7 @@ impl LocalCluster {
         }
         cluster.driver = Driver::connect(&addrs, &creds, cfg.driver.clone())?;
         cluster.driver.check_health().await?;
+        cluster.driver.check_storage().await?;
         // A lost worker is replaced by a new process in its slot (see `Driver::set_replacer`).
         let children = cluster.children.clone();
         let driver = Arc::downgrade(&cluster.driver);
@@ -497,6 +498,7 @@ impl HostedCluster {
         };
         let driver = Driver::connect(addrs, creds, cfg)?;
         driver.check_health().await?;
+        driver.check_storage().await?;
         if let Some(r) = replacer {
             driver.set_replacer(r);
         }

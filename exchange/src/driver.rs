@@ -9,6 +9,7 @@
 
 mod commit;
 mod create;
+mod durable;
 mod live;
 mod manifest;
 mod parity;
@@ -45,6 +46,9 @@ pub struct DriverConfig {
     pub health_interval: Duration,
     /// Deadline of one health check.
     pub health_timeout: Duration,
+    /// Durable shuffles: the object store every shuffle's map outputs are also written to
+    /// ([`crate::storage`]); None keeps shuffle data on the workers only.
+    pub storage: Option<crate::storage::StorageConfig>,
 }
 
 impl Default for DriverConfig {
@@ -53,6 +57,7 @@ impl Default for DriverConfig {
             rpc_timeout: Duration::from_secs(600),
             health_interval: Duration::from_secs(1),
             health_timeout: Duration::from_secs(10),
+            storage: None,
         }
     }
 }
@@ -97,6 +102,10 @@ pub struct Driver {
     reruns: std::sync::atomic::AtomicU64,
     /// Shuffles created so far: the next one's `CreateShuffle.order`.
     shuffle_order: std::sync::atomic::AtomicU64,
+    /// The store durable shuffles write to ([`durable`]).
+    storage: Option<crate::storage::RunStore>,
+    /// Blocks restored from the store after their worker was lost.
+    restored: std::sync::atomic::AtomicU64,
 }
 
 impl Driver {
@@ -147,7 +156,14 @@ impl Driver {
             cfg.rpc_timeout,
             &workers,
         ));
+        let storage = cfg
+            .storage
+            .as_ref()
+            .map(crate::storage::RunStore::open)
+            .transpose()?;
         Ok(Arc::new_cyclic(|me| Driver {
+            storage,
+            restored: Default::default(),
             reader,
             creds: creds.clone(),
             alive: workers.iter().map(|_| AtomicBool::new(true)).collect(),
@@ -486,7 +502,17 @@ impl Driver {
     /// A worker found gone meanwhile is no error: its share of the shuffle went with it (and
     /// the worker is replaced as usual).
     pub async fn drop_shuffle(&self, shuffle: ShuffleId) -> Result<()> {
-        lock(&self.shuffles).remove(&shuffle);
+        let objects: Vec<String> = lock(&self.shuffles)
+            .remove(&shuffle)
+            .map(|e| {
+                e.outputs
+                    .into_values()
+                    .filter_map(|m| m.object.map(|o| o.path))
+                    .filter(|p| !p.is_empty())
+                    .collect()
+            })
+            .unwrap_or_default();
+        self.delete_objects(shuffle, objects).await;
         self.forget_coded(shuffle);
         let clients = self.clients();
         let calls = clients

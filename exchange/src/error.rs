@@ -148,6 +148,15 @@ pub enum Error {
         reason: String,
     },
 
+    /// The object store (a durable shuffle's storage) failed or returned bad bytes.
+    #[error("object store: {object}: {reason}")]
+    Storage {
+        /// The object (or the store's URL, without credentials) the request was about.
+        object: String,
+        /// What went wrong.
+        reason: String,
+    },
+
     /// The request conflicts with the shuffle's state (sealed, already committed).
     #[error("refused: {0}")]
     Precondition(String),

@@ -28,6 +28,7 @@ mod private;
 mod push;
 pub mod scheduler;
 pub mod source;
+pub mod storage;
 mod store;
 pub mod strategy;
 pub mod sync;
@@ -49,5 +50,6 @@ pub use error::{Error, Result};
 pub use kept::in_memory as kept_in_memory;
 pub use map_config::MapConfig;
 pub use parity::check as check_parity;
+pub use storage::StorageConfig;
 /// gRPC status codes, as carried by [`Error::Remote`].
 pub use tonic as transport_code;

@@ -8,6 +8,7 @@
 
 mod args;
 mod config;
+mod durable;
 pub mod probe;
 mod service;
 mod state;

@@ -298,12 +298,13 @@ async fn bad_requests_get_clear_statuses() {
         combine: None,
         order: 1,
         group: 0,
+        storage: None,
     };
     let schema_ipc = flightshuffle::block::encode_schema(&schema())
         .unwrap()
         .to_vec();
     let err = w
-        .create_shuffle(&create(u32::MAX, schema_ipc))
+        .create_shuffle(&create(u32::MAX, schema_ipc.clone()))
         .await
         .unwrap_err();
     assert!(err.to_string().contains("at most 65536"), "{err}");
@@ -311,6 +312,23 @@ async fn bad_requests_get_clear_statuses() {
     // Garbage where a schema should be.
     for garbage in [vec![], vec![0xff; 9], (0..200u8).collect::<Vec<_>>()] {
         let err = w.create_shuffle(&create(2, garbage)).await.unwrap_err();
+        assert_eq!(code(err), tonic::Code::InvalidArgument);
+    }
+    // A store the worker cannot open (an unknown scheme, an option that is not one): refused,
+    // naming it.
+    for (url, option) in [("gopher://x/y", None), ("s3://b/p", Some("no_such_option"))] {
+        let mut msg = create(2, schema_ipc.clone());
+        msg.storage = Some(proto::Storage {
+            url: url.into(),
+            options: option
+                .map(|o| (o.to_string(), "v".to_string()))
+                .into_iter()
+                .collect(),
+            prefix: "p".into(),
+        });
+        let err = w.create_shuffle(&msg).await.unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains(option.unwrap_or(url)), "{text}");
         assert_eq!(code(err), tonic::Code::InvalidArgument);
     }
     // Map input whose buffers are compressed (they name the length to allocate): refused.

@@ -111,6 +111,7 @@ async fn a_worker_survives_fuzzed_actions_tickets_and_puts() {
                 combine: None,
                 order: 1,
                 group: 1,
+                storage: None,
             }
             .encode_to_vec(),
         ),

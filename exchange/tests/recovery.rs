@@ -37,54 +37,11 @@ async fn start_paced(
     start_job(cluster, input, &options(partitions, strategy), pace).await
 }
 
-/// A hash shuffle on `k` into `partitions` under `strategy`.
-fn options(partitions: u32, strategy: StrategyOptions) -> ShuffleOptions {
-    ShuffleOptions {
-        by: vec!["k".into()],
-        partitions,
-        partitioner: job::PartitionerKind::Hash,
-        map_bytes: 60_000,
-        strategy,
-    }
-}
-
 /// Pull with `parity` shards per stripe.
 fn with_parity(parity: u32) -> StrategyOptions {
     StrategyOptions {
         parity,
         ..StrategyOptions::named("pull").unwrap()
-    }
-}
-
-/// Start a job of `input` with `opts`, one batch handed over every `pace`.
-async fn start_job(
-    cluster: &LocalCluster,
-    input: &[RecordBatch],
-    opts: &ShuffleOptions,
-    pace: Duration,
-) -> ShuffleJob {
-    let owned: Vec<RecordBatch> = input.to_vec();
-    let it: job::Input = Box::new(owned.into_iter().map(move |b| {
-        std::thread::sleep(pace);
-        Ok(b)
-    }));
-    let (spec, it) = job::prepare(&schema(), it, opts).unwrap();
-    ShuffleJob::start(cluster.driver.clone(), spec, it, opts)
-        .await
-        .unwrap()
-}
-
-/// Read the rest of the job's partitions (in order from `next`), with a deadline.
-async fn read_rest(job: &ShuffleJob, next: u32, parts: &mut Vec<Vec<RecordBatch>>) {
-    let mut want = next;
-    while let Some(p) = tokio::time::timeout(Duration::from_secs(120), job.next_partition())
-        .await
-        .expect("a partition within 120 s")
-    {
-        let (i, b) = p.unwrap();
-        assert_eq!(i, want, "partitions in order, none twice");
-        want += 1;
-        parts.push(b);
     }
 }
 

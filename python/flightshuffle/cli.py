@@ -164,6 +164,39 @@ def online_arguments(o: argparse.ArgumentParser) -> None:
     o.add_argument("--json", help="also write the report as JSON to this file")
 
 
+def parse_age(text: str) -> float:
+    """``"90"``, ``"30m"``, ``"12h"`` or ``"7d"`` as seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    t = text.strip().lower()
+    scale = units.get(t[-1:], 0)
+    number = t[:-1] if scale else t
+    try:
+        value = float(number) * (scale or 1)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise ValueError(f"--older-than {text!r}: give seconds or a number with s, m, h or d")
+    return value
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from flightshuffle._native import storage_sweep
+
+    options = {}
+    for kv in args.option:
+        key, sep, value = kv.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--option {kv!r}: expected KEY=VALUE")
+        options[key] = value
+    gone = storage_sweep(args.url, options, parse_age(args.older_than), args.dry_run)
+    verb = "would delete" if args.dry_run else "deleted"
+    for path, size in gone:
+        print(f"{verb} {path} ({size} bytes)")
+    total = sum(size for _, size in gone)
+    print(f"{verb} {len(gone)} object(s), {total} bytes")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="flightshuffle", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -198,6 +231,29 @@ def main(argv: list[str] | None = None) -> int:
     )
     online_arguments(o)
     o.set_defaults(run=_online)
+
+    st = sub.add_parser("storage", help="object stores of durable shuffles")
+    st_sub = st.add_subparsers(dest="storage_command", required=True)
+    sw = st_sub.add_parser(
+        "sweep",
+        help="delete objects that crashed clusters left (stopped clusters leave none)",
+        description="Delete the objects of flightshuffle runs under URL last modified more "
+        "than --older-than ago (no other object is touched). Credentials come from the AWS_* "
+        "environment (a command line is visible to other users); --option names the others.",
+    )
+    sw.add_argument("url", help="the cluster's storage= URL, e.g. s3://bucket/prefix")
+    sw.add_argument(
+        "--older-than", required=True, help="an age: seconds, or 30m, 12h, 7d (required)"
+    )
+    sw.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an object_store option such as aws_endpoint=... (repeatable)",
+    )
+    sw.add_argument("--dry-run", action="store_true", help="list, delete nothing")
+    sw.set_defaults(run=_sweep)
 
     # Listed in the help; its arguments are the worker's own (`flightshuffle worker --help`), so
     # they are handed over before argparse sees them.

@@ -154,6 +154,19 @@ def _tls_setting(tls: Any) -> tuple[str, tuple[str, str, str] | None]:
     raise ValueError(f'tls must be True, False, "mutual" or a dict of files, not {tls!r}')
 
 
+def _storage_options(storage: Any, options: dict[str, str] | None) -> dict[str, str] | None:
+    """``storage_options`` checked: string keys and values, and only with ``storage``."""
+    if options is None:
+        return None
+    if storage is None:
+        raise ValueError("storage_options= needs storage= (an object store URL)")
+    if not isinstance(options, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in options.items()
+    ):
+        raise ValueError("storage_options must be a dict of str to str")
+    return dict(options)
+
+
 class Cluster:
     """A local cluster: ``workers`` worker processes on this machine, stopped on exit.
 
@@ -189,6 +202,19 @@ class Cluster:
     then names the driver's scratch directory for tables given as Arrow data, which workers on
     other machines must see at the same path; workers spill to a temporary directory of their
     node. Made certificates name the nodes alive at start.
+
+    ``storage="s3://bucket/prefix"`` (or ``"file:///shared/dir"``) makes every shuffle
+    *durable*: each map task's output is also written to that object store as one object
+    (its blocks plus an index), and the manifest records each block's byte range. A worker
+    lost after its maps committed then costs no map re-run: its blocks are read back by range
+    onto its replacement (``recovery()["restored_blocks"]``). ``storage_options`` are
+    ``object_store``'s options (``aws_endpoint``, ``aws_access_key_id``,
+    ``aws_secret_access_key``, ``aws_region``, ``aws_allow_http``, ...); S3 credentials may
+    also come from the ``AWS_*`` environment. They are sent to workers over the cluster's
+    authenticated channel and never logged. The cluster checks at start that it can write to
+    the store; objects are deleted with their shuffle. ``storage_stats()`` counts requests.
+    Outputs of merge tasks and blocks pushed to other workers are not in the store and are
+    recovered as without it.
     """
 
     def __init__(
@@ -205,6 +231,8 @@ class Cluster:
         runtime: Literal["local", "ray"] = "local",
         ray_address: str | None = None,
         ray_resources: dict[str, float] | None = None,
+        storage: str | None = None,
+        storage_options: dict[str, str] | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError("a cluster needs at least one worker")
@@ -226,6 +254,8 @@ class Cluster:
             "parity": int(parity),
             "tls": tls_mode,
             "tls_files": tls_files,
+            "storage": None if storage is None else str(storage),
+            "storage_options": _storage_options(storage, storage_options),
         }
         if runtime == "ray":
             self._native = self._start_on_ray(workers, options, tls, ray_address, ray_resources)
@@ -565,14 +595,23 @@ class Cluster:
         """What worker loss cost so far: ``replacements`` (lost workers given a new process),
         ``recomputed_maps`` (map outputs run again from their lineage because the worker
         holding them was lost), ``rebuilt_blocks`` (blocks rebuilt from parity) and
-        ``rerun_jobs`` (jobs run again whole: a loss their stages could not recover from)."""
-        replacements, recomputed, rebuilt, reruns = self._native.recovery()
+        ``rerun_jobs`` (jobs run again whole: a loss their stages could not recover from) and
+        ``restored_blocks`` (blocks of durable shuffles read back from the object store)."""
+        replacements, recomputed, rebuilt, reruns, restored = self._native.recovery()
         return {
             "replacements": replacements,
             "recomputed_maps": recomputed,
             "rebuilt_blocks": rebuilt,
             "rerun_jobs": reruns,
+            "restored_blocks": restored,
         }
+
+    def storage_stats(self) -> dict[str, int]:
+        """Requests made to the object store of durable shuffles (``storage=``), by the driver
+        and the live workers: ``puts`` (objects written, by one PUT or one multipart upload),
+        ``put_parts``, ``gets`` (ranged GETs), ``lists``, ``deletes``, ``bytes_written`` and
+        ``bytes_read``. All zero without a store."""
+        return json.loads(self._native.storage_stats_json())
 
     def connection_info(self) -> dict[str, Any]:
         """How to reach the workers with your own Flight client: ``addresses`` (``host:port``

@@ -123,9 +123,25 @@ struct ClusterOptions {
     tls: String,
     /// (ca, cert, key) files of your own.
     tls_files: Option<(String, String, String)>,
+    /// Durable shuffles: an object store URL, and object_store's options for it.
+    storage: Option<String>,
+    storage_options: Option<std::collections::BTreeMap<String, String>>,
 }
 
 impl ClusterOptions {
+    /// The store durable shuffles write to, if one was named.
+    fn storage_config(&self) -> PyResult<Option<flightshuffle::StorageConfig>> {
+        match &self.storage {
+            None => Ok(None),
+            Some(url) => flightshuffle::StorageConfig::new(
+                url.clone(),
+                self.storage_options.clone().unwrap_or_default(),
+            )
+            .map(Some)
+            .map_err(to_py),
+        }
+    }
+
     fn strategy_options(&self, workers: usize) -> PyResult<StrategyOptions> {
         strategy_options(workers, &self.strategy, self.parity, self.speculation)
     }
@@ -154,7 +170,8 @@ impl NativeCluster {
     ) -> PyResult<Self> {
         let opts = options.strategy_options(workers)?;
         let rt = runtime()?;
-        let cfg = cluster_config(
+        let storage = options.storage_config()?;
+        let mut cfg = cluster_config(
             workers,
             options.memory_budget,
             options.spill_dir,
@@ -164,6 +181,7 @@ impl NativeCluster {
             &options.tls,
             options.tls_files,
         )?;
+        cfg.driver.storage = storage;
         // Ctrl-C while the workers start drops the start: the processes started so far are
         // killed, and every worker exits when its driver's pipe closes.
         let cluster = wait(py, &rt, async {
@@ -188,9 +206,11 @@ impl NativeCluster {
         options: ClusterOptions,
     ) -> PyResult<Self> {
         let opts = options.strategy_options(addresses.len())?;
+        let storage = options.storage_config()?;
         let creds = hosted::credentials(token, tls_setting(&options.tls, options.tls_files)?)?;
         let cfg = flightshuffle::driver::DriverConfig {
             rpc_timeout: Duration::from_secs_f64(options.timeout_secs.max(1.0)),
+            storage,
             ..Default::default()
         };
         let scratch = options.spill_dir;
@@ -218,7 +238,7 @@ impl NativeCluster {
 
     /// Lost workers replaced, map outputs recomputed, blocks rebuilt from parity and jobs
     /// run again whole so far.
-    fn recovery(&self) -> (u64, u64, u64, u64) {
+    fn recovery(&self) -> (u64, u64, u64, u64, u64) {
         self.with(|c| {
             let d = c.driver();
             (
@@ -226,6 +246,7 @@ impl NativeCluster {
                 d.recomputed_maps(),
                 d.rebuilt_blocks(),
                 d.reruns(),
+                d.restored_blocks(),
             )
         })
         .unwrap_or_default()
@@ -259,6 +280,17 @@ impl NativeCluster {
     }
 
     /// Per-worker block store statistics, as a JSON list.
+    /// Requests to the object store of durable shuffles (driver and workers), as JSON.
+    fn storage_stats_json(&self, py: Python<'_>) -> PyResult<String> {
+        let driver = self.driver()?;
+        let s = wait(py, &self.rt, driver.storage_stats())?.map_err(to_py)?;
+        Ok(serde_json::json!({
+            "puts": s.puts, "put_parts": s.put_parts, "gets": s.gets, "lists": s.lists,
+            "deletes": s.deletes, "bytes_written": s.bytes_written, "bytes_read": s.bytes_read,
+        })
+        .to_string())
+    }
+
     fn stats_json(&self, py: Python<'_>) -> PyResult<String> {
         let driver = self.driver()?;
         let stats = wait(py, &self.rt, driver.stats())?.map_err(to_py)?;

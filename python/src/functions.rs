@@ -62,3 +62,23 @@ fn query_runtime() -> datafusion::error::Result<&'static tokio::runtime::Runtime
         .map_err(|e| datafusion::error::DataFusionError::External(Box::new(e)))?;
     Ok(RT.get_or_init(|| rt))
 }
+
+/// Delete (or with `dry_run` list) what crashed clusters left in the object store at `url`:
+/// objects of flightshuffle runs older than `older_than_secs`; returns (path, bytes) of each.
+#[pyfunction]
+pub fn storage_sweep(
+    py: Python<'_>,
+    url: String,
+    options: std::collections::BTreeMap<String, String>,
+    older_than_secs: f64,
+    dry_run: bool,
+) -> PyResult<Vec<(String, u64)>> {
+    let cfg = flightshuffle::StorageConfig::new(url, options).map_err(to_py)?;
+    let older = std::time::Duration::from_secs_f64(older_than_secs.max(0.0));
+    let rt = crate::runtime()?;
+    crate::wait(py, &rt, async move {
+        let storage = flightshuffle::storage::Storage::open(&cfg)?;
+        flightshuffle::storage::sweep(&storage, older, dry_run).await
+    })?
+    .map_err(to_py)
+}

@@ -125,6 +125,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<stage::NativeStream>()?;
     m.add_function(wrap_pyfunction!(functions::datafusion_query, m)?)?;
     m.add_function(wrap_pyfunction!(functions::run_worker, m)?)?;
+    m.add_function(wrap_pyfunction!(functions::storage_sweep, m)?)?;
     m.add_function(wrap_pyfunction!(hosted::make_tls, m)?)?;
     m.add_function(wrap_pyfunction!(hosted::make_cert_request, m)?)?;
     m.add_function(wrap_pyfunction!(hosted::sign_cert_request, m)?)?;

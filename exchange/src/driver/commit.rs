@@ -58,6 +58,7 @@ impl Driver {
                     holders: vec![(worker, generation)],
                     rows: None,
                     lineage: Lineage::Merge(maps),
+                    object: None,
                 },
             )
         });

@@ -48,6 +48,7 @@ impl Driver {
             combine: spec.combine.clone(),
             order,
             group,
+            storage: self.storage_message(spec.id),
         };
         let generations = (0..self.num_workers())
             .map(|i| self.generation(i))

@@ -25,6 +25,10 @@ pub(crate) struct Made {
     pub holders: Vec<(usize, u64)>,
     pub rows: Option<Arc<[u64]>>,
     pub lineage: Lineage,
+    /// A durable shuffle's map: the object its blocks held where it ran were written to
+    /// (its name, and each block with its offset), from which they are restored when that
+    /// worker is lost ([`crate::storage`]).
+    pub object: Option<proto::StoredObject>,
 }
 
 impl Made {

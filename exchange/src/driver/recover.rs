@@ -230,6 +230,8 @@ impl Driver {
     pub fn repair(self: &Arc<Self>, shuffle: ShuffleId) -> BoxFuture<'_, Result<usize>> {
         Box::pin(async move {
             self.wait_all_live(REPLACE_TIMEOUT).await?;
+            // A durable shuffle's lost outputs come back from the store, never run again.
+            self.restore_stored(shuffle).await?;
             if self.parity_of(shuffle) > 0 {
                 // Rebuilt from parity, no map runs again.
                 let maps = self.rebuild(shuffle).await?;

@@ -170,6 +170,7 @@ impl Driver {
                             holders,
                             rows,
                             lineage,
+                            object: result.object.clone(),
                         },
                     )
                 });

@@ -44,6 +44,10 @@ pub(super) async fn finish(
 ) -> Result<()> {
     driver.wait_all_live(REPLACE_TIMEOUT).await?;
     driver.settle().await;
+    // Durable stages get their lost outputs back from the store: no map of theirs runs again.
+    for s in stages {
+        driver.restore_stored(s.spec.id).await?;
+    }
     let work: HashMap<ShuffleId, bool> = stages
         .iter()
         .map(|s| {

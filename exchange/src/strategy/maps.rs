@@ -177,6 +177,8 @@ pub async fn run_maps_observed(
                         // Rebuilt, never run again (the survivors hold the committed attempt).
                         driver.rebuild(spec.id).await?;
                     } else {
+                        // Durable: restored from the store, never run again.
+                        driver.restore_stored(spec.id).await?;
                         let done: Vec<u32> = done_maps.iter().copied().collect();
                         for (map, input) in driver.forget_outputs(spec.id, &done)? {
                             done_maps.remove(&map);

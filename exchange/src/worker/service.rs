@@ -481,6 +481,7 @@ impl FlightService for WorkerService {
                 s.cancel_shuffle(ShuffleId(m.shuffle_id));
                 s.drop_fold_states(ShuffleId(m.shuffle_id));
                 s.sources.shuffle_dropped(ShuffleId(m.shuffle_id));
+                s.forget_durable(ShuffleId(m.shuffle_id));
                 s.store.drop_shuffle(ShuffleId(m.shuffle_id))?;
                 vec![]
             }

@@ -65,6 +65,11 @@ pub struct WorkerState {
     pub(crate) folding: FoldKeys,
     /// Commit replies still to lose (fault injection, `--fault-lose-commit-replies`).
     pub lose_commit_replies: std::sync::atomic::AtomicU32,
+    /// Durable shuffles: the store client each writes its map outputs to, and the prefix of
+    /// its objects there ([`crate::storage`]).
+    pub(crate) durable: Mutex<HashMap<ShuffleId, (Arc<crate::storage::Storage>, String)>>,
+    /// One client per object store in use.
+    pub(crate) storages: Mutex<Vec<(crate::storage::StorageConfig, Arc<crate::storage::Storage>)>>,
 }
 
 pub(crate) type FoldKeys = Arc<Mutex<std::collections::HashSet<(ShuffleId, u32)>>>;
@@ -132,6 +137,8 @@ impl WorkerState {
             fold_rounds: Default::default(),
             folding: Default::default(),
             lose_commit_replies: cfg.lose_commit_replies.into(),
+            durable: Default::default(),
+            storages: Default::default(),
         })
     }
 
@@ -159,6 +166,9 @@ impl WorkerState {
             Some(c) => Some(self.sources.combiner(c, &schema)?),
             None => None,
         };
+        if let Some(storage) = &m.storage {
+            self.set_durable(ShuffleId(m.shuffle_id), storage)?;
+        }
         self.store.create_shuffle(ShuffleInfo {
             id: ShuffleId(m.shuffle_id),
             schema,
@@ -249,8 +259,14 @@ impl WorkerState {
             Err(e) => Err(Error::Cluster(format!("map task panicked: {e}"))),
         };
         let out = result?;
+        // A durable shuffle's output is in its store before the attempt reports done (a
+        // failed write fails the attempt, the guard removing its blocks).
+        let object = self
+            .write_object(shuffle, task.map_id, task.attempt, &out.blocks)
+            .await?;
         guard.armed = false;
         Ok(proto::TaskResult {
+            object,
             blocks: out.blocks.iter().map(Into::into).collect(),
             input_rows: out.input.rows,
             input_checksum: out.input.sum,
@@ -307,6 +323,7 @@ impl WorkerState {
             spilled_bytes: out.spilled_bytes,
             pushed: out.pushed,
             partition_rows: vec![],
+            object: None,
         })
     }
 
@@ -536,6 +553,7 @@ impl WorkerState {
             spilled_bytes: 0,
             pushed: vec![],
             partition_rows: vec![],
+            object: None,
         })
     }
 
@@ -587,6 +605,7 @@ impl WorkerState {
             spilled_blocks: m.spilled_blocks,
             restored_blocks: m.restored_blocks,
             rpcs: self.rpcs.load(std::sync::atomic::Ordering::Relaxed),
+            storage: Some(self.storage_stats()),
         }
     }
 }

@@ -6,11 +6,13 @@ use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use flightshuffle::checksum::Checksum;
 use flightshuffle::cluster::{LocalCluster, LocalClusterConfig};
 use flightshuffle::driver::{MapInput, ShuffleSpec};
+use flightshuffle::job::{self, ShuffleJob, ShuffleOptions};
 use flightshuffle::strategy::{pull, StrategyOptions};
 use flightshuffle::{partitioner, proto, ShuffleId};
 use futures::TryStreamExt;
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 pub fn config(workers: usize, budget: u64) -> LocalClusterConfig {
     let mut c = LocalClusterConfig::new(
@@ -246,5 +248,48 @@ pub async fn until(what: &str, done: impl Fn() -> bool) {
             "timed out waiting: {what}"
         );
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
+/// A hash shuffle on `k` into `partitions` under `strategy`.
+pub fn options(partitions: u32, strategy: StrategyOptions) -> ShuffleOptions {
+    ShuffleOptions {
+        by: vec!["k".into()],
+        partitions,
+        partitioner: job::PartitionerKind::Hash,
+        map_bytes: 60_000,
+        strategy,
+    }
+}
+
+/// Start a job of `input` with `opts`, one batch handed over every `pace`.
+pub async fn start_job(
+    cluster: &LocalCluster,
+    input: &[RecordBatch],
+    opts: &ShuffleOptions,
+    pace: Duration,
+) -> ShuffleJob {
+    let owned: Vec<RecordBatch> = input.to_vec();
+    let it: job::Input = Box::new(owned.into_iter().map(move |b| {
+        std::thread::sleep(pace);
+        Ok(b)
+    }));
+    let (spec, it) = job::prepare(&schema(), it, opts).unwrap();
+    ShuffleJob::start(cluster.driver.clone(), spec, it, opts)
+        .await
+        .unwrap()
+}
+
+/// Read the rest of the job's partitions (in order from `next`), with a deadline.
+pub async fn read_rest(job: &ShuffleJob, next: u32, parts: &mut Vec<Vec<RecordBatch>>) {
+    let mut want = next;
+    while let Some(p) = tokio::time::timeout(Duration::from_secs(120), job.next_partition())
+        .await
+        .expect("a partition within 120 s")
+    {
+        let (i, b) = p.unwrap();
+        assert_eq!(i, want, "partitions in order, none twice");
+        want += 1;
+        parts.push(b);
     }
 }

@@ -1,0 +1,187 @@
+"""``flightshuffle-bench storage-bench``: the same shuffle (M maps into R = M partitions) on the
+in-memory Flight path, durable through a shared directory (``file://``) and durable through an
+S3-compatible server, in one run; then a worker killed after the map side under each. Prints
+JSON: seconds (best of ``--repeat``), the ratio to the Flight path, requests per shuffle as
+counted, and the S3 request cost per TB of shuffled data at list prices for this layout (one
+object per map, ranged reads) beside a layout of one object per (map, reducer) read by LIST
+plus whole-object GETs (Sail's, 2026-07).
+
+The S3 server is moto's in a thread of this process unless ``--s3-endpoint`` names another
+(moto serves about 0.5 GB/s from Python: it measures the protocol's cost, not S3's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from typing import Any
+
+# S3 Standard list prices (us-east-1), dollars per 1,000 requests.
+PUT_PER_1K = 0.005
+GET_PER_1K = 0.0004
+LIST_PER_1K = 0.005
+
+
+def frame(rows: int) -> Any:
+    import polars as pl
+
+    return pl.DataFrame(
+        {
+            "key": pl.int_range(0, rows, eager=True) * 7919 % 1_000_003,
+            "v": pl.int_range(0, rows, eager=True),
+            "s": pl.Series([f"payload-{i % 1000:04d}" for i in range(rows)]),
+        }
+    )
+
+
+def checksum(parts: list[Any]) -> tuple[int, int]:
+    import polars as pl
+
+    df = pl.concat([pl.from_arrow(p) for p in parts])
+    return df.height, int(df.hash_rows(seed=7).sum()) % 2**64
+
+
+def request_cost_per_tb(puts: float, gets: float, lists: float, data_bytes: int) -> float:
+    dollars = puts * PUT_PER_1K / 1000 + gets * GET_PER_1K / 1000 + lists * LIST_PER_1K / 1000
+    return dollars * (1e12 / max(1, data_bytes))
+
+
+def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
+def run_mode(args: argparse.Namespace, df: Any, maps: int, storage: dict[str, Any]) -> dict:
+    from flightshuffle import Cluster
+
+    want = checksum([df.to_arrow()])
+    data_bytes = int(df.estimated_size())
+    map_bytes = max(1, data_bytes // maps)
+    out: dict[str, Any] = {}
+    with Cluster(workers=args.workers, memory_budget=args.memory_budget, **storage) as c:
+        best = float("inf")
+        for _ in range(args.repeat):
+            before = c.storage_stats()
+            t = time.monotonic()
+            result = c.shuffle(df, by="key", partitions=maps, map_bytes=map_bytes)
+            parts = list(result)
+            best = min(best, time.monotonic() - t)
+            requests = delta(c.storage_stats(), before)
+            out["maps"] = result.wait_mapped()["maps"]
+            assert checksum(parts) == want, "output multiset differs"
+        out["seconds"] = best
+        out["requests_per_shuffle"] = requests
+        # A worker killed once the map side committed: time to read every partition.
+        before_rec, before_req = c.recovery(), c.storage_stats()
+        t = time.monotonic()
+        result = c.shuffle(df, by="key", partitions=maps, map_bytes=map_bytes)
+        result.wait_mapped()
+        first = next(result)
+        os.kill(c.worker_pids[1], signal.SIGKILL)
+        parts = [first, *result]
+        took = time.monotonic() - t
+        assert checksum(parts) == want, "output multiset differs after the kill"
+        rec = c.recovery()
+        out["after_kill"] = {
+            "seconds": took,
+            "recomputed_maps": rec["recomputed_maps"] - before_rec["recomputed_maps"],
+            "restored_blocks": rec["restored_blocks"] - before_rec["restored_blocks"],
+            "rerun_jobs": rec["rerun_jobs"] - before_rec["rerun_jobs"],
+            "bytes_read_from_store": delta(c.storage_stats(), before_req)["bytes_read"],
+        }
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    df = frame(args.rows)
+    data_bytes = int(df.estimated_size())
+    server = None
+    endpoint = args.s3_endpoint
+    if endpoint is None:
+        import logging
+
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+    s3_options = {
+        "aws_endpoint": endpoint,
+        "aws_access_key_id": os.environ.get("AWS_ACCESS_KEY_ID", "bench"),
+        "aws_secret_access_key": os.environ.get("AWS_SECRET_ACCESS_KEY", "bench"),
+        "aws_region": "us-east-1",
+        "aws_allow_http": "true",
+    }
+    import boto3
+
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=s3_options["aws_access_key_id"],
+        aws_secret_access_key=s3_options["aws_secret_access_key"],
+        region_name="us-east-1",
+    ).create_bucket(Bucket="fs-bench")
+    report: dict[str, Any] = {
+        "rows": args.rows,
+        "data_bytes": data_bytes,
+        "workers": args.workers,
+        "repeat": args.repeat,
+        "s3_server": "moto (in-process)" if server else endpoint,
+        "shapes": {},
+    }
+    try:
+        for maps in args.maps:
+            with tempfile.TemporaryDirectory(prefix="fs-bench-store-") as shared:
+                modes = {
+                    "flight_in_memory": {},
+                    "durable_file": {"storage": f"file://{shared}"},
+                    "durable_s3": {"storage": "s3://fs-bench/b", "storage_options": s3_options},
+                }
+                shape: dict[str, Any] = {}
+                for name, storage in modes.items():
+                    print(f"M = R = {maps}: {name}", file=sys.stderr)
+                    shape[name] = run_mode(args, df, maps, storage)
+            base = shape["flight_in_memory"]["seconds"]
+            for r in shape.values():
+                r["ratio_to_flight"] = r["seconds"] / base
+            m = shape["flight_in_memory"]["maps"]
+            req = shape["durable_s3"]["requests_per_shuffle"]
+            shape["s3_request_cost_per_tb"] = {
+                "this_layout_write": request_cost_per_tb(req["puts"], 0, req["lists"], data_bytes),
+                # Reads after a loss: at most one ranged GET per (map, lost reducer range).
+                "this_layout_read_all_by_range": request_cost_per_tb(0, m * maps, 0, data_bytes),
+                "object_per_map_and_reducer_with_list": request_cost_per_tb(
+                    m * maps, m * maps, m * maps, data_bytes
+                ),
+            }
+            report["shapes"][str(maps)] = shape
+    finally:
+        if server is not None:
+            server.stop()
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser(
+        "storage-bench",
+        help="a shuffle in memory, durable through file:// and through S3, and after a kill (JSON)",
+    )
+    s.add_argument("--rows", type=int, default=2_000_000)
+    s.add_argument("--maps", type=int, nargs="+", default=[50, 250], help="M = R values")
+    s.add_argument("--workers", type=int, default=3)
+    s.add_argument("--memory-budget", default="2GiB")
+    s.add_argument("--repeat", type=int, default=3)
+    s.add_argument("--s3-endpoint", help="an S3-compatible endpoint (default: moto in-process)")
+    s.add_argument("--json", help="also write the JSON to this file")
+    s.set_defaults(run=run)

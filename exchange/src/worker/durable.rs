@@ -1,0 +1,83 @@
+//! Durable shuffles on the worker ([`crate::storage`]): a shuffle registered with a store has
+//! each map attempt's blocks held here written as one object before the attempt reports
+//! done, so the commit that follows can record the object in the driver's manifest. The
+//! worker keeps one store client per store (URL and options) for all its shuffles.
+
+use super::state::WorkerState;
+use crate::block::{BlockMeta, ShuffleId};
+use crate::error::Result;
+use crate::proto;
+use crate::storage::{add_stats, ObjectWriter, Storage, StorageConfig};
+use crate::sync::lock;
+use std::sync::Arc;
+
+impl WorkerState {
+    /// Remember that `shuffle` writes its map outputs to `storage` (opening a client for a
+    /// store not seen before).
+    pub(crate) fn set_durable(&self, shuffle: ShuffleId, storage: &proto::Storage) -> Result<()> {
+        let cfg = StorageConfig::from_proto(storage)?;
+        let client = {
+            let mut clients = lock(&self.storages);
+            match clients.iter().find(|(c, _)| *c == cfg) {
+                Some((_, s)) => s.clone(),
+                None => {
+                    let s = Arc::new(Storage::open(&cfg)?);
+                    clients.push((cfg, s.clone()));
+                    s
+                }
+            }
+        };
+        lock(&self.durable).insert(shuffle, (client, storage.prefix.clone()));
+        Ok(())
+    }
+
+    /// Forget a dropped shuffle's store (its client stays for other shuffles).
+    pub(crate) fn forget_durable(&self, shuffle: ShuffleId) {
+        lock(&self.durable).remove(&shuffle);
+    }
+
+    /// Write the blocks `blocks` of one map attempt, held here, as one object of a durable
+    /// shuffle (None: `shuffle` is not durable; an empty record, no object: no block here).
+    /// The object's name carries the map and the attempt, so two attempts of a map never
+    /// write the same object.
+    pub(crate) async fn write_object(
+        &self,
+        shuffle: ShuffleId,
+        map: u32,
+        attempt: u32,
+        blocks: &[BlockMeta],
+    ) -> Result<Option<proto::StoredObject>> {
+        let Some((storage, prefix)) = lock(&self.durable).get(&shuffle).cloned() else {
+            return Ok(None);
+        };
+        if blocks.is_empty() {
+            // Nothing held here (no rows, or all pushed elsewhere): no object, and a record
+            // that says so (a lost worker that held nothing loses nothing).
+            return Ok(Some(proto::StoredObject::default()));
+        }
+        let mut ordered = blocks.to_vec();
+        ordered.sort_by_key(|m| (m.id.partition, m.id.seq));
+        let mut w = ObjectWriter::new(&storage, format!("{prefix}/{map}-{attempt}.fsobj"));
+        for meta in &ordered {
+            let got = tokio::task::block_in_place(|| self.store.get_raw(&meta.id));
+            let pushed = match got {
+                Ok((_, data)) => w.push(meta, &data).await,
+                Err(e) => Err(e),
+            };
+            if let Err(e) = pushed {
+                w.abort().await;
+                return Err(e);
+            }
+        }
+        w.finish().await.map(Some)
+    }
+
+    /// Requests this worker made to object stores, over all its clients.
+    pub fn storage_stats(&self) -> proto::StorageStats {
+        let mut total = proto::StorageStats::default();
+        for (_, s) in lock(&self.storages).iter() {
+            add_stats(&mut total, &s.stats());
+        }
+        total
+    }
+}

@@ -1,0 +1,192 @@
+//! Durable shuffles with real worker processes and a real store (`file://` on this machine;
+//! the S3 server tests are in `tests/test_storage.py`): every map output is also one object,
+//! a worker killed after its maps committed costs no map re-run, its blocks come back by
+//! range; a corrupted object is caught by its CRC32C; a store that cannot be written is a
+//! clear error at start; dropping a shuffle deletes its objects.
+
+use flightshuffle::cluster::{LocalCluster, LocalClusterConfig};
+use flightshuffle::driver::MapInput;
+use flightshuffle::strategy::{pull, StrategyOptions};
+use flightshuffle::{Error, StorageConfig};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+mod common;
+use common::*;
+
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Three workers whose shuffles are durable in `dir`.
+fn durable_config(dir: &Path) -> LocalClusterConfig {
+    let mut cfg = config(3, 1 << 30);
+    let url = format!("file://{}", dir.display());
+    cfg.driver.storage = Some(StorageConfig::new(url, []).unwrap());
+    cfg
+}
+
+/// Every file under `dir`.
+fn files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                todo.push(p);
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_after_its_maps_committed_costs_no_map_rerun() {
+    let _serial = SERIAL.lock().await;
+    let store = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::start(durable_config(store.path()))
+        .await
+        .unwrap();
+    let input = batches(60, 2_000);
+    let want = checksum(&input);
+    // After the map side (sealed), then while the producer still feeds maps.
+    for (round, pace) in [Duration::ZERO, Duration::from_millis(10)]
+        .into_iter()
+        .enumerate()
+    {
+        let (recomputed, restored) = (
+            cluster.driver.recomputed_maps(),
+            cluster.driver.restored_blocks(),
+        );
+        let opts = options(8, StrategyOptions::named("pull").unwrap());
+        let job = start_job(&cluster, &input, &opts, pace).await;
+        let mut parts = Vec::new();
+        if pace.is_zero() {
+            let summary = job.mapped().await.unwrap();
+            assert!(summary.maps >= 6, "{summary:?}");
+            let (_, first) = job.next_partition().await.unwrap().unwrap();
+            parts.push(first);
+        } else {
+            // Once worker 1 holds a committed block: not after a fixed time.
+            let deadline = std::time::Instant::now() + Duration::from_secs(60);
+            while cluster.driver.live_blocks_on(job.id, 1) == 0 {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "no commit on worker 1"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        // One object per committed map, each named after its attempt.
+        let objects = files(store.path());
+        assert!(
+            objects
+                .iter()
+                .any(|p| p.to_string_lossy().ends_with(".fsobj")),
+            "{objects:?}"
+        );
+        cluster.kill_worker(1).unwrap();
+        read_rest(&job, parts.len() as u32, &mut parts).await;
+        assert_eq!(parts.len(), 8);
+        assert_eq!(checksum(&parts.concat()), want, "round {round}: exact");
+        assert_keys_not_split(&parts);
+        assert_eq!(
+            cluster.driver.recomputed_maps(),
+            recomputed,
+            "round {round}: no committed map ran again"
+        );
+        assert!(
+            cluster.driver.restored_blocks() > restored,
+            "round {round}: the lost blocks came back from the store"
+        );
+        job.close().await.unwrap();
+        // Dropped with its shuffle: no object left.
+        assert_eq!(files(store.path()), Vec::<PathBuf>::new(), "round {round}");
+    }
+    let stats = cluster.driver.storage_stats().await.unwrap();
+    assert!(stats.gets > 0 && stats.deletes > 0, "{stats:?}");
+    // No LIST on a read path: one per dropped shuffle (its leftovers) and none else.
+    assert_eq!(stats.lists, 2, "{stats:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupted_object_is_an_error_naming_it_and_the_job_stays_exact() {
+    let _serial = SERIAL.lock().await;
+    let store = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::start(durable_config(store.path()))
+        .await
+        .unwrap();
+    let driver = cluster.driver.clone();
+    let spec = spec_k(6);
+    driver.create_shuffle(&spec).await.unwrap();
+    let input = batches(30, 2_000);
+    let inputs: Vec<MapInput> = input
+        .chunks(3)
+        .map(|c| {
+            let owned = c.to_vec();
+            MapInput::Stream(Box::pin(futures::stream::iter(owned.into_iter().map(Ok))))
+        })
+        .collect();
+    let mapped = pull::run_maps(
+        &driver,
+        &spec,
+        futures::stream::iter(inputs),
+        0,
+        StrategyOptions::default(),
+    )
+    .await
+    .unwrap();
+    assert!(mapped.maps.iter().any(|d| d.worker == 1));
+    driver.seal(spec.id).await.unwrap();
+    // Every object garbled in its first block, then worker 1 lost.
+    for f in files(store.path()) {
+        let mut bytes = std::fs::read(&f).unwrap();
+        bytes[0] ^= 0xff;
+        std::fs::write(&f, bytes).unwrap();
+    }
+    cluster.kill_worker(1).unwrap();
+    assert!(driver.check_health().await.is_err());
+    let err = driver.repair(spec.id).await.unwrap_err();
+    assert!(
+        matches!(err, Error::Storage { .. })
+            && err.to_string().contains(".fsobj")
+            && err.to_string().contains("CRC32C"),
+        "{err}"
+    );
+    // Nothing half restored is handed out: the lost maps' blocks are still lost, and reading
+    // a partition fails rather than returning a part of it.
+    assert!(!driver.lost_outputs(spec.id).is_empty());
+    driver.drop_shuffle(spec.id).await.unwrap();
+    // The cluster works after, and a job through it is exact.
+    let job = start_job(
+        &cluster,
+        &input,
+        &options(4, StrategyOptions::named("pull").unwrap()),
+        Duration::ZERO,
+    )
+    .await;
+    let mut parts = Vec::new();
+    read_rest(&job, 0, &mut parts).await;
+    assert_eq!(checksum(&parts.concat()), checksum(&input));
+    job.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_that_cannot_be_written_fails_the_start_naming_it() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    // A file where the store's directory should be.
+    let blocked = dir.path().join("not-a-dir");
+    std::fs::write(&blocked, b"x").unwrap();
+    let err = match LocalCluster::start(durable_config(&blocked.join("sub"))).await {
+        Ok(_) => panic!("a cluster started on a store it cannot write"),
+        Err(e) => e,
+    };
+    assert!(
+        matches!(err, Error::Storage { .. }) && err.to_string().contains("not-a-dir"),
+        "{err}"
+    );
+    // A URL the store does not know is refused before anything starts.
+    assert!(StorageConfig::new("gopher://x/y", []).is_err());
+}
