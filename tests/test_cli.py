@@ -29,7 +29,7 @@ def commands_of(capsys: pytest.CaptureFixture[str], main) -> list[str]:
 
 def test_the_user_command_lists_only_user_commands_and_each_prints_its_help(capsys):
     names = commands_of(capsys, cli.main)
-    assert sorted(names) == ["calibrate", "online", "sql", "worker"]
+    assert sorted(names) == ["calibrate", "online", "sql", "storage", "worker"]
     for name in names:
         if name != "worker":  # its --help is the worker's own, below
             assert "usage: flightshuffle " + name in help_of(capsys, cli.main, [name, "--help"])
@@ -53,7 +53,7 @@ def test_flightshuffle_worker_hands_its_arguments_to_the_worker():
 def test_every_bench_command_prints_its_help(capsys):
     names = commands_of(capsys, bench_cli.main)
     assert {"tpch", "shuffle", "strategy-sweep", "kill-trials", "soak", "online"} <= set(names)
-    assert {"online-bench", "online-bound", "skew-bench"} <= set(names)
+    assert {"online-bench", "online-bound", "skew-bench", "storage-bench"} <= set(names)
     for name in names:
         usage = help_of(capsys, bench_cli.main, [name, "--help"])
         assert "usage: flightshuffle-bench " + name in usage
