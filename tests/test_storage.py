@@ -1,8 +1,9 @@
 """Durable shuffles through a real S3-compatible server (moto's, on loopback): every strategy,
 datasets, SQL (TPC-H at SF 0.1, every exchange durable) and online aggregation give the exact
-answers; a worker killed after its maps committed costs no map re-run; request counts come
-from the server's side; bad stores, wrong credentials and a server that stops are clear
-errors that name the store and never show a credential."""
+answers; a worker killed after its maps committed costs no map re-run; the objects are
+checked as the server lists them, the requests as the cluster counts them; bad stores, wrong
+credentials and a server that stops are clear errors that name the store and never show a
+credential."""
 
 from __future__ import annotations
 
@@ -71,10 +72,11 @@ def test_every_strategy_is_exact_and_leaves_no_object(durable, store, strategy):
     assert s3_keys(store[1], "fs-durable") == []
 
 
-def test_a_worker_killed_after_its_maps_committed_costs_no_map_rerun(durable, store):
+@pytest.mark.parametrize("strategy", ["pull", "push"])
+def test_a_worker_killed_after_its_maps_committed_costs_no_map_rerun(durable, store, strategy):
     df = frame(120_000)
     before = durable.recovery()
-    result = durable.shuffle(df, by="key", partitions=6, map_bytes="128KiB")
+    result = durable.shuffle(df, by="key", partitions=6, map_bytes="128KiB", strategy=strategy)
     mapped = result.wait_mapped()
     assert mapped["maps"] >= 6
     # The server holds one object per map, under this cluster's run.
@@ -122,6 +124,13 @@ def test_datasets_and_sql_are_exact_through_the_store(durable, store, tpch_data)
         assert diff is None, f"q{q} through the store: {diff}"
     after = durable.storage_stats()
     assert after["puts"] > before["puts"], "the queries' exchanges wrote objects"
+    # Each exchange reports what it wrote to the store, in its metrics and EXPLAIN ANALYZE.
+    stages = durable.last_metrics["stages"]
+    assert stages and all(
+        s["stored_objects"] >= 1 and s["stored_bytes"] > s["bytes"] for s in stages if s["bytes"]
+    ), stages
+    analyzed = durable.explain(tpch.query(3, TPCH_SF)[0], analyze=True)
+    assert "objects (" in analyzed and "bytes) to the store" in analyzed, analyzed
     # Online aggregation over the same store: the final round is the exact answer.
     sql, ordered = tpch.query(1, TPCH_SF)
     final = list(durable.online(sql, rounds=3, seed=1, progress=False))[-1]
@@ -207,3 +216,36 @@ def test_storage_sweep_deletes_only_what_crashed_runs_left(s3_server, monkeypatc
     assert sorted(s3_keys(options, "fs-sweep")) == ["p/tables/t.parquet", "q.fsobj"]
     assert main([*base, "--older-than", "soon"]) == 1
     assert "--older-than" in capsys.readouterr().err
+
+
+def test_set_flightshuffle_storage_picks_the_store_per_query(durable, store, tpch_data, tmp_path):
+    for name, path in tpch.table_paths(tpch_data).items():
+        durable.register_parquet(name, path)
+    con = tpch.duckdb_connect(tpch_data)
+    sql, ordered = tpch.query(3, TPCH_SF)
+    want = con.sql(sql).to_arrow_table()
+
+    def run() -> tuple[int, int]:
+        before = durable.storage_stats()["puts"]
+        assert tpch.compare(want, durable.sql(sql), ordered) is None
+        stored = sum(s["stored_objects"] for s in durable.last_metrics["stages"])
+        return stored, durable.storage_stats()["puts"] - before
+
+    try:
+        durable.sql("SET flightshuffle.storage = 'off'")
+        assert run() == (0, 0), "not durable: nothing written"
+        durable.sql("SET flightshuffle.storage = 's3://fs-durable/elsewhere'")
+        stored, puts = run()
+        assert stored > 0 and puts >= stored
+        # A store the driver cannot write to is refused when set, naming it; the session
+        # keeps the previous store.
+        with pytest.raises(Exception, match="no-such-bucket"):
+            durable.sql("SET flightshuffle.storage = 's3://no-such-bucket/x'")
+        assert run()[0] > 0
+        durable.sql(f"SET flightshuffle.storage = 'file://{tmp_path}'")
+        assert run()[0] > 0
+        assert not [p for p in tmp_path.rglob("*") if p.is_file()], "objects dropped"
+    finally:
+        durable.sql("SET flightshuffle.storage = ''")
+    assert run()[0] > 0
+    assert s3_keys(store[1], "fs-durable") == []

@@ -6,8 +6,10 @@ counted, and the S3 request cost per TB of shuffled data at list prices for this
 object per map, ranged reads) beside a layout of one object per (map, reducer) read by LIST
 plus whole-object GETs (Sail's, 2026-07).
 
-The S3 server is moto's in a thread of this process unless ``--s3-endpoint`` names another
-(moto serves about 0.5 GB/s from Python: it measures the protocol's cost, not S3's).
+The S3 server is s3s-fs (a Rust server over a local directory, built by
+``scripts/s3s-fs.sh``) started on loopback, or moto's in a thread of this process with
+``--s3-server moto`` (moto serves about 0.5 GB/s from Python: its figures are the server's
+limit, not the protocol's), or any endpoint with ``--s3-endpoint``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import argparse
 import json
 import os
 import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -56,13 +60,16 @@ def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 
 
 def run_mode(args: argparse.Namespace, df: Any, maps: int, storage: dict[str, Any]) -> dict:
+    """One cluster with ``storage`` (its extra ``Cluster`` arguments): the shuffle timed, its
+    requests counted, then a worker killed once its maps committed."""
     from flightshuffle import Cluster
 
     want = checksum([df.to_arrow()])
     data_bytes = int(df.estimated_size())
     map_bytes = max(1, data_bytes // maps)
     out: dict[str, Any] = {}
-    with Cluster(workers=args.workers, memory_budget=args.memory_budget, **storage) as c:
+    kwargs = {"memory_budget": args.memory_budget, **storage}
+    with Cluster(workers=args.workers, **kwargs) as c:
         best = float("inf")
         for _ in range(args.repeat):
             before = c.storage_stats()
@@ -96,25 +103,64 @@ def run_mode(args: argparse.Namespace, df: Any, maps: int, storage: dict[str, An
     return out
 
 
-def run(args: argparse.Namespace) -> int:
-    df = frame(args.rows)
-    data_bytes = int(df.estimated_size())
-    server = None
-    endpoint = args.s3_endpoint
-    if endpoint is None:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(kind: str, root: str) -> tuple[str, Any]:
+    """Start an S3 server on loopback; returns its endpoint and a stop function."""
+    if kind == "moto":
         import logging
 
         from moto.server import ThreadedMotoServer
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
+        moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        moto.start()
+        host, port = moto.get_host_and_port()
+        return f"http://{host}:{port}", moto.stop
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = os.path.join(here, "..", "..", "scripts", "s3s-fs.sh")
+    binary = subprocess.run(["bash", script], check=True, capture_output=True, text=True)
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary.stdout.strip(), "--host", "127.0.0.1", "--port", str(port)]
+        + ["--access-key", "bench", "--secret-key", "bench-secret", root],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("s3s-fs did not start") from None
+            time.sleep(0.1)
+
+    def stop() -> None:
+        proc.kill()
+        proc.wait()
+
+    return f"http://127.0.0.1:{port}", stop
+
+
+def run(args: argparse.Namespace) -> int:
+    df = frame(args.rows)
+    data_bytes = int(df.estimated_size())
+    stop = None
+    endpoint = args.s3_endpoint
+    server_root = tempfile.TemporaryDirectory(prefix="fs-bench-s3-")
+    if endpoint is None:
+        endpoint, stop = start_server(args.s3_server, server_root.name)
     s3_options = {
         "aws_endpoint": endpoint,
         "aws_access_key_id": os.environ.get("AWS_ACCESS_KEY_ID", "bench"),
-        "aws_secret_access_key": os.environ.get("AWS_SECRET_ACCESS_KEY", "bench"),
+        "aws_secret_access_key": os.environ.get("AWS_SECRET_ACCESS_KEY", "bench-secret"),
         "aws_region": "us-east-1",
         "aws_allow_http": "true",
     }
@@ -132,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         "data_bytes": data_bytes,
         "workers": args.workers,
         "repeat": args.repeat,
-        "s3_server": "moto (in-process)" if server else endpoint,
+        "s3_server": args.s3_endpoint or args.s3_server,
         "shapes": {},
     }
     try:
@@ -140,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
             with tempfile.TemporaryDirectory(prefix="fs-bench-store-") as shared:
                 modes = {
                     "flight_in_memory": {},
+                    "flight_spilling": {"memory_budget": args.spill_budget},
                     "durable_file": {"storage": f"file://{shared}"},
                     "durable_s3": {"storage": "s3://fs-bench/b", "storage_options": s3_options},
                 }
@@ -162,8 +209,9 @@ def run(args: argparse.Namespace) -> int:
             }
             report["shapes"][str(maps)] = shape
     finally:
-        if server is not None:
-            server.stop()
+        if stop is not None:
+            stop()
+        server_root.cleanup()
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:
@@ -182,6 +230,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--workers", type=int, default=3)
     s.add_argument("--memory-budget", default="2GiB")
     s.add_argument("--repeat", type=int, default=3)
-    s.add_argument("--s3-endpoint", help="an S3-compatible endpoint (default: moto in-process)")
+    s.add_argument(
+        "--spill-budget", default="16MiB", help="memory budget of the spilling Flight run"
+    )
+    s.add_argument(
+        "--s3-server",
+        choices=["s3s-fs", "moto"],
+        default="s3s-fs",
+        help="the S3 server started on loopback (default s3s-fs, a Rust server)",
+    )
+    s.add_argument("--s3-endpoint", help="an S3-compatible endpoint instead of starting one")
     s.add_argument("--json", help="also write the JSON to this file")
     s.set_defaults(run=run)

@@ -103,9 +103,13 @@ pub struct Driver {
     /// Shuffles created so far: the next one's `CreateShuffle.order`.
     shuffle_order: std::sync::atomic::AtomicU64,
     /// The store durable shuffles write to ([`durable`]).
-    storage: Option<crate::storage::RunStore>,
+    storage: Option<Arc<crate::storage::RunStore>>,
+    /// Stores that queries chose besides the cluster's ([`Driver::use_storage`]), kept open.
+    stores: Mutex<Vec<Arc<crate::storage::RunStore>>>,
     /// Blocks restored from the store after their worker was lost.
     restored: std::sync::atomic::AtomicU64,
+    /// Map outputs a restore gave up on (left to lineage).
+    restore_failures: std::sync::atomic::AtomicU64,
 }
 
 impl Driver {
@@ -160,10 +164,13 @@ impl Driver {
             .storage
             .as_ref()
             .map(crate::storage::RunStore::open)
-            .transpose()?;
+            .transpose()?
+            .map(Arc::new);
         Ok(Arc::new_cyclic(|me| Driver {
             storage,
+            stores: Default::default(),
             restored: Default::default(),
+            restore_failures: Default::default(),
             reader,
             creds: creds.clone(),
             alive: workers.iter().map(|_| AtomicBool::new(true)).collect(),
@@ -502,34 +509,43 @@ impl Driver {
     /// A worker found gone meanwhile is no error: its share of the shuffle went with it (and
     /// the worker is replaced as usual).
     pub async fn drop_shuffle(&self, shuffle: ShuffleId) -> Result<()> {
-        let objects: Vec<String> = lock(&self.shuffles)
+        let (store, objects): (_, Vec<String>) = lock(&self.shuffles)
             .remove(&shuffle)
             .map(|e| {
-                e.outputs
+                let objects = e
+                    .outputs
                     .into_values()
                     .filter_map(|m| m.object.map(|o| o.path))
                     .filter(|p| !p.is_empty())
-                    .collect()
+                    .collect();
+                (e.store.flatten(), objects)
             })
             .unwrap_or_default();
-        self.delete_objects(shuffle, objects).await;
         self.forget_coded(shuffle);
         let clients = self.clients();
         let calls = clients
             .iter()
             .filter(|w| self.is_alive(w.index))
             .map(|w| w.shuffle_action(actions::DROP_SHUFFLE, shuffle.0));
+        let mut result = Ok(());
         for r in futures::future::join_all(calls).await {
             if let Err(e) = r {
                 match self.classify(e).await {
                     Error::WorkerLost { worker, .. } => {
                         tracing::debug!(%shuffle, worker, "dropped a shuffle; a worker holding it is gone");
                     }
-                    e => return Err(e),
+                    e => {
+                        result = Err(e);
+                        break;
+                    }
                 }
             }
         }
-        Ok(())
+        // Its objects go once its attempts are stopped everywhere (none writes one after).
+        if let Some(store) = store {
+            self.delete_objects(&store, shuffle, objects).await;
+        }
+        result
     }
 
     /// Every worker's counters, by slot (block store, memory, task admission, calls served).

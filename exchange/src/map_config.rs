@@ -77,6 +77,9 @@ pub struct MapOutput {
     pub seconds: f64,
     /// Rows written per reduce partition (map tasks), wherever the blocks went.
     pub partition_rows: Vec<u64>,
+    /// A durable shuffle's pushed blocks, kept until the map's object is written: (holder,
+    /// block, bytes).
+    pub sent: Vec<(u32, BlockMeta, bytes::Bytes)>,
 }
 
 impl MapOutput {

@@ -34,9 +34,11 @@ pub struct Pusher {
     reader: std::sync::Arc<PeerReader>,
     push: proto::PushBlocks,
     streams: HashMap<u32, (mpsc::Sender<(proto::BlockMeta, Bytes)>, Sent)>,
-    /// Parity shards per stripe (0: none), and the blocks sent so far while encoding one.
+    /// Parity shards per stripe (0: none), and the blocks sent so far while encoding one
+    /// (or, with `keep`, until the map's object is written: a durable shuffle).
     parity: u32,
     sent: Vec<(u32, BlockMeta, Bytes)>,
+    keep: bool,
 }
 
 impl Pusher {
@@ -94,7 +96,14 @@ impl Pusher {
             streams: HashMap::new(),
             parity: task.parity,
             sent: Vec::new(),
+            keep: false,
         }))
+    }
+
+    /// Keep every block sent, for the map's object (a durable shuffle): [`Pusher::finish`]
+    /// hands them over in [`crate::map_config::MapOutput::sent`].
+    pub fn keep_sent(&mut self) {
+        self.keep = true;
     }
 
     /// This worker's index among the peers.
@@ -115,7 +124,7 @@ impl Pusher {
 
     /// Send one block to `holder` (waits while [`IN_FLIGHT`] blocks are queued for it).
     pub async fn send(&mut self, holder: u32, meta: BlockMeta, data: Bytes) -> Result<()> {
-        if self.parity > 0 {
+        if self.parity > 0 || self.keep {
             self.sent.push((holder, meta, data.clone()));
         }
         if !self.streams.contains_key(&holder) {
@@ -153,6 +162,9 @@ impl Pusher {
         out: &mut crate::map_config::MapOutput,
     ) -> Result<()> {
         self.send_parity(store, out).await?;
+        if self.keep {
+            out.sent = std::mem::take(&mut self.sent);
+        }
         let mut waits = Vec::new();
         for (holder, (tx, sent)) in std::mem::take(&mut self.streams) {
             drop(tx);

@@ -243,13 +243,14 @@ impl Storage {
     /// Write one object whole (one PUT).
     pub async fn put(&self, path: &str, data: Bytes) -> Result<()> {
         let len = data.len() as u64;
+        // Counted when sent, whatever the answer.
+        self.counters.puts.fetch_add(1, Ordering::Relaxed);
         self.timed(
             path,
             "put",
             self.store.put(&self.location(path), PutPayload::from(data)),
         )
         .await?;
-        self.counters.puts.fetch_add(1, Ordering::Relaxed);
         self.counters
             .bytes_written
             .fetch_add(len, Ordering::Relaxed);
@@ -279,6 +280,7 @@ impl Storage {
             .map(|(span, members)| {
                 let location = location.clone();
                 async move {
+                    self.counters.gets.fetch_add(1, Ordering::Relaxed);
                     let bytes = self
                         .timed(
                             path,
@@ -286,7 +288,6 @@ impl Storage {
                             self.store.get_range(&location, span.clone()),
                         )
                         .await?;
-                    self.counters.gets.fetch_add(1, Ordering::Relaxed);
                     self.counters
                         .bytes_read
                         .fetch_add(bytes.len() as u64, Ordering::Relaxed);
@@ -321,9 +322,9 @@ impl Storage {
     /// Read object `path` whole.
     pub async fn get(&self, path: &str) -> Result<Bytes> {
         let location = self.location(path);
+        self.counters.gets.fetch_add(1, Ordering::Relaxed);
         let got = self.timed(path, "get", self.store.get(&location)).await?;
         let bytes = self.timed(path, "get", got.bytes()).await?;
-        self.counters.gets.fetch_add(1, Ordering::Relaxed);
         self.counters
             .bytes_read
             .fetch_add(bytes.len() as u64, Ordering::Relaxed);
@@ -346,6 +347,7 @@ impl Storage {
     pub async fn list(&self, prefix: &str) -> Result<Vec<(String, u64, Duration)>> {
         use futures::TryStreamExt;
         let location = self.location(prefix);
+        self.counters.lists.fetch_add(1, Ordering::Relaxed);
         let listed: Vec<object_store::ObjectMeta> = self
             .timed(
                 prefix,
@@ -353,7 +355,6 @@ impl Storage {
                 self.store.list(Some(&location)).try_collect(),
             )
             .await?;
-        self.counters.lists.fetch_add(1, Ordering::Relaxed);
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default()
@@ -494,9 +495,9 @@ impl<'a> ObjectWriter<'a> {
             return Err(self.storage.fail(&self.path, "multipart upload missing"));
         };
         let fut = up.put_part(PutPayload::from(part));
-        self.storage.timed(&self.path, "part put", fut).await?;
         let c = &self.storage.counters;
         c.put_parts.fetch_add(1, Ordering::Relaxed);
+        self.storage.timed(&self.path, "part put", fut).await?;
         c.bytes_written.fetch_add(len, Ordering::Relaxed);
         Ok(())
     }
@@ -516,19 +517,20 @@ impl<'a> ObjectWriter<'a> {
                 self.storage.put(&self.path, data).await?;
             }
             true => {
+                // Dropped on an error, the writer aborts the upload (see its `Drop`).
                 self.flush_part().await?;
-                let Some(mut up) = self.upload.take() else {
+                self.storage.counters.puts.fetch_add(1, Ordering::Relaxed);
+                let Some(up) = self.upload.as_mut() else {
                     return Err(self.storage.fail(&self.path, "multipart upload missing"));
                 };
                 let done = self
                     .storage
                     .timed(&self.path, "multipart complete", up.complete())
                     .await;
-                if let Err(e) = done {
-                    let _ = up.abort().await;
-                    return Err(e);
+                if done.is_ok() {
+                    self.upload = None; // completed: nothing to abort
                 }
-                self.storage.counters.puts.fetch_add(1, Ordering::Relaxed);
+                done?;
             }
         }
         Ok(std::mem::take(&mut self.footer))
@@ -538,6 +540,20 @@ impl<'a> ObjectWriter<'a> {
     pub async fn abort(mut self) {
         if let Some(mut up) = self.upload.take() {
             let _ = tokio::time::timeout(REQUEST_DEADLINE, up.abort()).await;
+        }
+    }
+}
+
+impl Drop for ObjectWriter<'_> {
+    /// A multipart upload neither completed nor aborted (the writer failed, or the map attempt
+    /// that wrote was cancelled) is aborted in the background, so the store keeps no parts.
+    fn drop(&mut self) {
+        if let Some(mut up) = self.upload.take() {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move {
+                    let _ = tokio::time::timeout(REQUEST_DEADLINE, up.abort()).await;
+                });
+            }
         }
     }
 }
@@ -642,7 +658,8 @@ mod tests {
             assert_eq!(read_footer("o", &whole).unwrap(), obj);
         }
         let s = storage.stats();
-        // 40 blocks of 1 MiB: a multipart upload of 5 parts and 3 small PUTs.
+        // Four objects (the empty one and 3 small blocks by one PUT each; 5 blocks of 3 MiB and
+        // 40 of 1 MiB as multipart uploads), those two of 2 and 5 parts.
         assert_eq!(s.puts, 4, "{s:?}");
         assert!(s.put_parts >= 5, "{s:?}");
     }
@@ -656,11 +673,10 @@ mod tests {
         let obj = w.finish().await.unwrap();
         let whole = storage.get("x/y").await.unwrap();
         for cut in 0..whole.len() {
-            let e = read_footer("mem:///x/y", &whole[..cut]);
-            if let Err(e) = e {
-                assert!(e.to_string().contains("mem:///x/y"), "{e}");
-            }
+            let e = read_footer("mem:///x/y", &whole[..cut]).unwrap_err();
+            assert!(e.to_string().contains("mem:///x/y"), "{e}");
         }
+        assert!(read_footer("o", &whole).is_ok());
         let mut bad = whole.to_vec();
         let n = bad.len();
         bad[n - 6] ^= 0x7f;

@@ -74,6 +74,11 @@ pub struct StageMetrics {
     pub first_commit_s: f64,
     /// Seconds since the query started when the last map output was committed.
     pub end_s: f64,
+    /// A durable exchange (a cluster with `storage=`): objects written to the store, one per
+    /// committed map (0 otherwise).
+    pub stored_objects: u64,
+    /// Bytes of those objects.
+    pub stored_bytes: u64,
 }
 
 /// A query's rows and how its exchanges went.
@@ -337,17 +342,53 @@ impl DistributedContext {
                 || self.driver.replacements() != replacements_before)
     }
 
-    /// A `SET` statement: run by the session; a bad `flightshuffle.strategy` is refused and
-    /// the previous value kept.
+    /// A `SET` statement: run by the session; a bad `flightshuffle.strategy`, or a
+    /// `flightshuffle.storage` the driver cannot write to, is refused and the previous value
+    /// kept.
     async fn set(&self, sql: &str, start: Instant) -> Result<QueryResult> {
         let before = self.session_strategy()?;
+        let storage_before = self.options().storage;
         self.ctx.sql(sql).await?.collect().await?;
         if let Err(e) = self.session_strategy() {
             let restore = format!("SET flightshuffle.strategy = '{before}'");
             self.ctx.sql(&restore).await?.collect().await?;
             return Err(e);
         }
+        if self.options().storage != storage_before {
+            let checked = match self.session_storage() {
+                Ok(Some(Some(cfg))) => self.driver.check_store(&cfg).await.map_err(Error::from),
+                Ok(_) => Ok(()),
+                Err(e) => Err(e),
+            };
+            if let Err(e) = checked {
+                let restore = format!(
+                    "SET flightshuffle.storage = '{}'",
+                    storage_before.replace('\'', "''")
+                );
+                self.ctx.sql(&restore).await?.collect().await?;
+                return Err(e);
+            }
+        }
         Ok(text_result("", start.elapsed().as_secs_f64()))
+    }
+
+    /// Where this session's exchanges are durable (`SET flightshuffle.storage`): None for the
+    /// cluster's store, `Some(None)` for none (`off`), or the store a URL names, with the
+    /// cluster's storage options.
+    fn session_storage(&self) -> Result<Option<Option<flightshuffle::StorageConfig>>> {
+        let url = self.options().storage.trim().to_string();
+        match url.as_str() {
+            "" => Ok(None),
+            "off" => Ok(Some(None)),
+            _ => {
+                let options = self
+                    .driver
+                    .storage_config()
+                    .map(|c| c.options.clone())
+                    .unwrap_or_default();
+                Ok(Some(Some(flightshuffle::StorageConfig::new(url, options)?)))
+            }
+        }
     }
 
     /// The stages of `sql`; with `analyze`, run it and add rows, bytes, blocks, spill and
@@ -370,10 +411,14 @@ impl DistributedContext {
             let (batches, stages) = self.execute(&staged).await?;
             out.push_str("\nExchanges:\n");
             for s in &stages {
+                let stored = match s.stored_objects {
+                    0 => String::new(),
+                    n => format!(", {n} objects ({} bytes) to the store", s.stored_bytes),
+                };
                 out.push_str(&format!(
                     "  stage {}: {} — {} tasks, {} rows, {} bytes, {} blocks, {} bytes spilled, \
                      largest partition {} bytes (median {}), {:.3}-{:.3} s (first output \
-                     {:.3} s); strategy {}\n",
+                     {:.3} s); strategy {}{stored}\n",
                     s.stage,
                     s.exchange,
                     s.tasks,
@@ -439,6 +484,11 @@ impl DistributedContext {
             })
             .collect::<Result<Vec<_>>>()?;
         let root_reads: Vec<_> = staged.root_inputs.iter().filter_map(shuffle_of).collect();
+        if let Some(store) = self.session_storage()? {
+            for run in &runs {
+                self.driver.use_storage(run.spec.id, store.as_ref())?;
+            }
+        }
         // Made again when a lost worker's stages were finished (the first one's rows dropped).
         let root = || async {
             collect(staged.root.clone(), self.task_ctx())
@@ -484,6 +534,8 @@ impl DistributedContext {
                 start_s: r.start_s,
                 first_commit_s: r.first_commit_s,
                 end_s: r.end_s,
+                stored_objects: r.stored_objects,
+                stored_bytes: r.stored_bytes,
             })
             .collect();
         Ok((batches, metrics))

@@ -96,6 +96,10 @@ datafusion::common::extensions_options! {
         /// In-exchange combining: exchanges of partial aggregates combine rows with equal
         /// group keys in map buffers and merges (`crate::combine`).
         pub combine: bool, default = true
+        /// Where the exchanges of the following queries are durable: an object store URL
+        /// (`s3://bucket/prefix`, `file:///dir`; it takes the cluster's storage options),
+        /// `off` for none, or empty (the default) for the cluster's `storage=`.
+        pub storage: String, default = String::new()
     }
 }
 

@@ -51,6 +51,13 @@ impl Driver {
         }
         let blocks = self.record_blocks(shuffle, worker, &result, &maps)?;
         self.update_shuffle(shuffle, |e| {
+            // The maps' blocks there are merged away: their objects no longer say where
+            // their rows are (a loss is recovered as without a store).
+            for m in &maps {
+                if let Some(made) = e.outputs.get_mut(m) {
+                    made.object = None;
+                }
+            }
             e.outputs.insert(
                 group,
                 Made {
@@ -200,6 +207,9 @@ impl Driver {
                 for m in &maps {
                     if let Some(made) = e.outputs.get_mut(m) {
                         made.held_on(held.iter().copied());
+                        // Its blocks move under the group's id: its object no longer says
+                        // where they are, so a loss is recovered as without a store.
+                        made.object = None;
                     }
                 }
             });

@@ -5,9 +5,10 @@
 //!
 //! A worker lost after its maps committed then costs no map re-run: [`Driver::restore_stored`]
 //! reads the lost blocks back from their objects by range (no LIST: the manifest names every
-//! object), checks each block's CRC32C, puts them on the slot's replacement under the
-//! committed attempt and commits them there. Outputs it cannot restore (merge groups, whose
-//! blocks no object holds; blocks pushed to a lost worker) are left to lineage as before.
+//! object), checks each block's CRC32C, puts them on the slots' replacements under the
+//! committed attempt and commits them there. A map's object holds every block it wrote,
+//! those it kept and those it pushed. Outputs it cannot restore (merge and forward groups,
+//! whose blocks no object holds; parity shuffles, rebuilt from parity) are left as before.
 //! Dropping a shuffle deletes its objects, then lists its prefix once for the objects of
 //! attempts that never committed.
 
@@ -15,7 +16,7 @@ use super::{BlockRef, Driver, REPLACE_TIMEOUT};
 use crate::block::ShuffleId;
 use crate::error::{Error, Result};
 use crate::proto;
-use crate::storage::{add_stats, StorageConfig};
+use crate::storage::{add_stats, RunStore, StorageConfig};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -26,23 +27,74 @@ impl Driver {
         self.storage.as_ref().map(|s| &s.cfg)
     }
 
-    /// The store message registering `shuffle` on workers carries (None: not durable).
+    /// The store `shuffle` writes to (None: not durable): the one chosen for it, or the
+    /// cluster's.
+    pub(super) fn store_of(&self, shuffle: ShuffleId) -> Option<Arc<RunStore>> {
+        self.with_shuffle(shuffle, |e| e.store.clone())
+            .flatten()
+            .unwrap_or_else(|| self.storage.clone())
+    }
+
+    /// The store message registering `shuffle` on workers carries (None: not durable); the
+    /// shuffle keeps that store from now on.
     pub(super) fn storage_message(&self, shuffle: ShuffleId) -> Option<proto::Storage> {
-        let s = self.storage.as_ref()?;
+        let store = self.store_of(shuffle);
+        self.update_shuffle(shuffle, |e| e.store = Some(store.clone()));
+        let s = store?;
         Some(s.cfg.to_proto(&s.shuffle_prefix(shuffle.0)))
     }
 
-    /// Check that the store takes writes and deletes (a missing bucket, a wrong endpoint or
-    /// credentials fail here, at start, naming the store), with one small probe object.
+    /// Make `shuffle` (before it is registered) durable in the store `cfg` names, or not
+    /// durable with None, whatever the cluster's store (a query's `SET flightshuffle.storage`).
+    pub fn use_storage(&self, shuffle: ShuffleId, cfg: Option<&StorageConfig>) -> Result<()> {
+        let store = cfg.map(|c| self.store_for(c)).transpose()?;
+        self.update_shuffle(shuffle, |e| e.store = Some(store));
+        Ok(())
+    }
+
+    /// The open store of `cfg`: the cluster's, one opened before, or a new one.
+    fn store_for(&self, cfg: &StorageConfig) -> Result<Arc<RunStore>> {
+        if let Some(s) = self.storage.as_ref().filter(|s| s.cfg == *cfg) {
+            return Ok(s.clone());
+        }
+        let mut stores = crate::sync::lock(&self.stores);
+        if let Some(s) = stores.iter().find(|s| s.cfg == *cfg) {
+            return Ok(s.clone());
+        }
+        let s = Arc::new(RunStore::open(cfg)?);
+        stores.push(s.clone());
+        Ok(s)
+    }
+
+    /// Check that the cluster's store takes writes and deletes (a missing bucket, a wrong
+    /// endpoint or credentials fail here, at start, naming the store).
     pub async fn check_storage(&self) -> Result<()> {
-        let Some(s) = &self.storage else {
-            return Ok(());
-        };
-        let probe = format!("{}/probe", s.run);
-        s.storage
-            .put(&probe, bytes::Bytes::from_static(b"flightshuffle"))
-            .await?;
-        s.storage.delete(&probe).await
+        match &self.storage {
+            Some(s) => probe(s).await,
+            None => Ok(()),
+        }
+    }
+
+    /// [`Self::check_storage`] for the store `cfg` names (before a query uses it).
+    pub async fn check_store(&self, cfg: &StorageConfig) -> Result<()> {
+        probe(&self.store_for(cfg)?).await
+    }
+
+    /// The objects the committed maps of `shuffle` wrote to the store, and their bytes.
+    pub fn stored(&self, shuffle: ShuffleId) -> (u64, u64) {
+        self.with_shuffle(shuffle, |e| {
+            e.outputs
+                .values()
+                .filter_map(|m| m.object.as_ref().filter(|o| !o.path.is_empty()))
+                .fold((0, 0), |(n, b), o| (n + 1, b + o.size))
+        })
+        .unwrap_or((0, 0))
+    }
+
+    /// Map outputs a restore gave up on (the store failed or returned bad bytes), which were
+    /// then recovered as without a store.
+    pub fn restore_failures(&self) -> u64 {
+        self.restore_failures.load(Ordering::SeqCst)
     }
 
     /// Blocks restored from the store after their worker was lost, over all shuffles.
@@ -50,20 +102,17 @@ impl Driver {
         self.restored.load(Ordering::SeqCst)
     }
 
-    /// Requests to the store so far: the driver's own (restores, deletes) plus every live
-    /// worker's (objects written).
+    /// Requests to the store so far: the driver's own (restores, deletes) plus every
+    /// worker's (objects written); a replaced worker's counts go with it.
     pub async fn storage_stats(&self) -> Result<proto::StorageStats> {
-        let mut total = match &self.storage {
-            Some(s) => s.storage.stats(),
-            None => proto::StorageStats::default(),
-        };
-        for w in self.clients() {
-            if !self.is_alive(w.index) {
-                continue;
-            }
-            if let Some(s) = w.stats().await?.storage {
-                add_stats(&mut total, &s);
-            }
+        let mut total = proto::StorageStats::default();
+        let stores = crate::sync::lock(&self.stores).clone();
+        for s in self.storage.iter().chain(stores.iter()) {
+            add_stats(&mut total, &s.storage.stats());
+        }
+        // Under the health watch, as every call to all workers.
+        for s in self.stats().await?.iter().filter_map(|w| w.storage.as_ref()) {
+            add_stats(&mut total, s);
         }
         Ok(total)
     }
@@ -72,14 +121,14 @@ impl Driver {
     /// (see the module doc), onto the slots' replacements; returns how many maps were
     /// restored. Outputs it cannot restore stay lost, for lineage.
     pub async fn restore_stored(self: &Arc<Self>, shuffle: ShuffleId) -> Result<usize> {
-        let Some(ds) = &self.storage else {
+        let Some(ds) = self.store_of(shuffle) else {
             return Ok(0);
         };
         if self.parity_of(shuffle) > 0 {
             return Ok(0); // rebuilt from parity instead
         }
         let gen = |slot: usize| self.generation(slot);
-        let lost: Vec<(u32, usize, proto::StoredObject)> = self
+        let lost: Vec<(u32, Vec<usize>, proto::StoredObject)> = self
             .with_shuffle(shuffle, |e| {
                 if e.outputs.values().any(|m| {
                     matches!(m.lineage, super::Lineage::Merge(_)) && m.lost_holder(gen).is_some()
@@ -92,14 +141,13 @@ impl Driver {
                     .filter_map(|(map, made)| {
                         let object = made.object.as_ref()?;
                         made.lost_holder(gen)?;
-                        // Only the blocks kept where the map ran are in its object.
                         let lost_slots: Vec<usize> = made
                             .holders
                             .iter()
                             .filter(|(s, g)| gen(*s) != *g)
                             .map(|(s, _)| *s)
                             .collect();
-                        (lost_slots == [made.worker]).then(|| (*map, made.worker, object.clone()))
+                        Some((*map, lost_slots, object.clone()))
                     })
                     .collect()
             })
@@ -115,111 +163,173 @@ impl Driver {
         }
         tracing::warn!(%shuffle, maps = lost.len(), "restoring map outputs lost with their worker from the store");
         let mut restored = 0;
-        for (map, slot, object) in lost {
-            let want: Vec<BlockRef> = by_map
-                .remove(&map)
-                .unwrap_or_default()
-                .into_iter()
-                .filter(|b| b.worker == slot)
-                .collect();
-            let mut ranges = Vec::with_capacity(want.len());
-            for b in &want {
-                let at = object.blocks.iter().position(|m| {
-                    crate::block::BlockMeta::try_from(m).is_ok_and(|m| m.id == b.meta.id)
-                });
-                match at.and_then(|i| object.offsets.get(i)) {
-                    Some(&off) => ranges.push(off..off + b.meta.bytes),
-                    None => {
-                        return Err(Error::Storage {
-                            object: ds.storage.name(&object.path),
-                            reason: format!("block {} of map {map} is not in it", b.meta.id),
-                        })
-                    }
+        for (map, slots, object) in lost {
+            let mine = by_map.remove(&map).unwrap_or_default();
+            match self.restore_map(&ds, shuffle, map, &slots, &object, mine).await {
+                Ok(true) => restored += 1,
+                Ok(false) => {}
+                Err(e @ Error::WorkerLost { .. }) => return Err(e),
+                // The store failed or returned bad bytes: the map is left lost, for lineage.
+                Err(e) => {
+                    self.restore_failures.fetch_add(1, Ordering::SeqCst);
+                    tracing::warn!(%shuffle, map, "not restored from the store (recovered as without it): {e}");
                 }
             }
-            let onto = self.generation(slot);
-            let data = match ranges.is_empty() {
-                true => vec![],
-                false => ds.storage.get_ranges(&object.path, &ranges).await?,
-            };
-            let client = self.worker(slot)?;
-            for ((b, d), range) in want.iter().zip(data).zip(&ranges) {
-                let crc = crc32c::crc32c(&d);
-                if crc != b.meta.crc32c || d.len() as u64 != b.meta.bytes {
-                    return Err(Error::Storage {
-                        object: ds.storage.name(&object.path),
-                        reason: format!(
-                            "block {} at {}..{} has CRC32C {crc:#010x}, the commit recorded \
-                             {:#010x} (corrupted object)",
-                            b.meta.id, range.start, range.end, b.meta.crc32c
-                        ),
-                    });
-                }
-                client.put_raw(b.meta, d).await?;
-            }
-            if let Some(first) = want.first() {
-                client
-                    .commit(&proto::CommitTask {
-                        shuffle_id: shuffle.0,
-                        map_id: map,
-                        attempt: first.meta.id.attempt,
-                        blocks: want.len() as u32,
-                        merged_maps: vec![],
-                    })
-                    .await?;
-            }
-            if self.generation(slot) != onto || !self.is_alive(slot) {
-                return Err(Error::WorkerLost {
-                    worker: slot,
-                    addr: String::new(),
-                    reason: format!("lost while map {map} was restored onto it"),
-                    lost_blocks: 0,
-                });
-            }
-            // Whole again where it ran.
-            self.update_shuffle(shuffle, |e| {
-                if let Some(made) = e.outputs.get_mut(&map) {
-                    for (s, g) in made.holders.iter_mut() {
-                        if *s == slot {
-                            *g = onto;
-                        }
-                    }
-                }
-            });
-            self.restored.fetch_add(want.len() as u64, Ordering::SeqCst);
-            restored += 1;
         }
         tracing::warn!(%shuffle, maps = restored, "map outputs restored from the store");
         Ok(restored)
     }
 
-    /// Delete the objects of a dropped shuffle: those its manifest names, then whatever its
-    /// prefix still holds (attempts that never committed). Failures are logged, not raised:
-    /// `flightshuffle storage sweep` removes what is left.
-    pub(super) async fn delete_objects(&self, shuffle: ShuffleId, objects: Vec<String>) {
-        let Some(ds) = &self.storage else {
-            return;
+    /// Restore the blocks one committed map held on the lost `slots` from its `object`, where
+    /// `mine` are the map's live block refs; Ok(false) when the object does not hold them
+    /// all (left to lineage). Every block is read and checked before any is put, so a bad
+    /// object puts nothing.
+    async fn restore_map(
+        &self,
+        ds: &RunStore,
+        shuffle: ShuffleId,
+        map: u32,
+        slots: &[usize],
+        object: &proto::StoredObject,
+        mine: Vec<BlockRef>,
+    ) -> Result<bool> {
+        let name = ds.storage.name(&object.path);
+        let bad = |reason: String| Error::Storage {
+            object: name.clone(),
+            reason,
         };
-        use futures::StreamExt;
-        let deletes = futures::stream::iter(objects)
-            .map(|o| async move { (ds.storage.delete(&o).await, o) })
-            .buffer_unordered(16)
-            .collect::<Vec<_>>()
-            .await;
-        for (r, _) in deletes {
-            if let Err(e) = r {
-                tracing::warn!(%shuffle, "object of a dropped shuffle not deleted: {e}");
+        if !object.path.starts_with(&format!("{}/", ds.shuffle_prefix(shuffle.0)))
+            || object.blocks.len() != object.offsets.len()
+        {
+            return Err(bad(format!("not an object of map {map} of shuffle {shuffle}")));
+        }
+        // Where each block of the object starts.
+        let offsets: HashMap<crate::block::BlockId, u64> = object
+            .blocks
+            .iter()
+            .zip(&object.offsets)
+            .filter_map(|(m, &o)| crate::block::BlockMeta::try_from(m).ok().map(|m| (m.id, o)))
+            .collect();
+        let want: Vec<BlockRef> = mine
+            .into_iter()
+            .filter(|b| slots.contains(&b.worker))
+            .collect();
+        if let Some(b) = want.iter().find(|b| !offsets.contains_key(&b.meta.id)) {
+            tracing::debug!(%shuffle, map, block = %b.meta.id, "not in the map's object; not restored");
+            return Ok(false);
+        }
+        let mut ranges = Vec::with_capacity(want.len());
+        for b in &want {
+            let start = offsets[&b.meta.id];
+            match start.checked_add(b.meta.bytes) {
+                Some(end) if end <= object.size && b.meta.bytes > 0 => ranges.push(start..end),
+                _ => return Err(bad(format!("block {} runs past its end", b.meta.id))),
             }
         }
-        match ds.storage.list(&ds.shuffle_prefix(shuffle.0)).await {
-            Ok(left) => {
-                for (path, _, _) in left {
-                    if let Err(e) = ds.storage.delete(&path).await {
-                        tracing::warn!(%shuffle, "object of a dropped shuffle not deleted: {e}");
+        let onto: Vec<(usize, u64)> = slots.iter().map(|&s| (s, self.generation(s))).collect();
+        let data = match ranges.is_empty() {
+            true => vec![],
+            false => ds.storage.get_ranges(&object.path, &ranges).await?,
+        };
+        for ((b, d), range) in want.iter().zip(&data).zip(&ranges) {
+            let crc = crc32c::crc32c(d);
+            if crc != b.meta.crc32c || d.len() as u64 != b.meta.bytes {
+                return Err(bad(format!(
+                    "block {} at {}..{} has CRC32C {crc:#010x}, the commit recorded {:#010x} \
+                     (corrupted object)",
+                    b.meta.id, range.start, range.end, b.meta.crc32c
+                )));
+            }
+        }
+        let mut put_on: HashMap<usize, (u32, u32)> = HashMap::new();
+        for (b, d) in want.iter().zip(data) {
+            self.worker(b.worker)?.put_raw(b.meta, d).await?;
+            let e = put_on.entry(b.worker).or_insert((b.meta.id.attempt, 0));
+            e.1 += 1;
+        }
+        for (&slot, &(attempt, blocks)) in &put_on {
+            self.worker(slot)?
+                .commit(&proto::CommitTask {
+                    shuffle_id: shuffle.0,
+                    map_id: map,
+                    attempt,
+                    blocks,
+                    merged_maps: vec![],
+                })
+                .await?;
+        }
+        if let Some(&(slot, _)) = onto
+            .iter()
+            .find(|&&(s, g)| self.generation(s) != g || !self.is_alive(s))
+        {
+            return Err(Error::WorkerLost {
+                worker: slot,
+                addr: String::new(),
+                reason: format!("lost while map {map} was restored onto it"),
+                lost_blocks: 0,
+            });
+        }
+        // Whole again on every holder.
+        self.update_shuffle(shuffle, |e| {
+            if let Some(made) = e.outputs.get_mut(&map) {
+                for (s, g) in made.holders.iter_mut() {
+                    if let Some(&(_, now)) = onto.iter().find(|(o, _)| o == s) {
+                        *g = now;
                     }
                 }
             }
-            Err(e) => tracing::warn!(%shuffle, "objects of a dropped shuffle not listed: {e}"),
+        });
+        self.restored.fetch_add(want.len() as u64, Ordering::SeqCst);
+        Ok(true)
+    }
+
+    /// Delete the objects of a dropped shuffle: those its manifest names, then whatever its
+    /// prefix still holds (attempts that never committed). Failures are logged, not raised:
+    /// `flightshuffle storage sweep` removes what is left.
+    pub(super) async fn delete_objects(
+        &self,
+        ds: &RunStore,
+        shuffle: ShuffleId,
+        objects: Vec<String>,
+    ) {
+        use futures::StreamExt;
+        let all = async {
+            let deleted = futures::stream::iter(objects)
+                .map(|o| async move { ds.storage.delete(&o).await })
+                .buffer_unordered(16)
+                .collect::<Vec<_>>()
+                .await;
+            let mut failed = deleted.into_iter().filter_map(|r| r.err()).count();
+            match ds.storage.list(&ds.shuffle_prefix(shuffle.0)).await {
+                Ok(left) => {
+                    let left = futures::stream::iter(left)
+                        .map(|(path, _, _)| async move { ds.storage.delete(&path).await })
+                        .buffer_unordered(16)
+                        .collect::<Vec<_>>()
+                        .await;
+                    failed += left.into_iter().filter_map(|r| r.err()).count();
+                }
+                Err(e) => tracing::warn!(%shuffle, "objects of a dropped shuffle not listed: {e}"),
+            }
+            if failed > 0 {
+                tracing::warn!(%shuffle, failed, "objects of a dropped shuffle not deleted (`flightshuffle storage sweep` removes them)");
+            }
+        };
+        // One deadline for all of it: a store that stopped answering never holds a drop long.
+        if tokio::time::timeout(crate::storage::REQUEST_DEADLINE, all)
+            .await
+            .is_err()
+        {
+            tracing::warn!(%shuffle, "deleting the objects of a dropped shuffle timed out (`flightshuffle storage sweep` removes them)");
         }
     }
+}
+
+/// Write and delete one small object under the run's prefix.
+async fn probe(s: &RunStore) -> Result<()> {
+    let probe = format!("{}/probe", s.run);
+    s.storage
+        .put(&probe, bytes::Bytes::from_static(b"flightshuffle"))
+        .await?;
+    s.storage.delete(&probe).await
 }

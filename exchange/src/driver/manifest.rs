@@ -65,6 +65,9 @@ pub(crate) struct ShuffleEntry {
     /// Where map tasks send blocks when it differs from where readers read (`auto` switching
     /// to push after its first maps ran in place).
     pub map_placement: Option<Placement>,
+    /// The store its maps write to once chosen ([`crate::driver::Driver::use_storage`], or the
+    /// cluster's when it is registered): `Some(None)` is not durable.
+    pub store: Option<Option<Arc<crate::storage::RunStore>>>,
     /// Its maps write packed blocks from now on.
     pub packing: bool,
     /// How its strategy was chosen (`auto`: its pick and predicted times).

@@ -138,10 +138,10 @@ impl Driver {
         // Commits of the run being replaced end first (settle), and any of its attempts still
         // finishing later is refused (`floor`): a late one never takes a claim of the new run.
         self.settle().await;
-        let (rank, attempts) = self
+        let (rank, attempts, store) = self
             .with_shuffle(spec.id, |e| {
                 let rank = e.created.as_ref().map(|(m, _)| (m.order, m.group));
-                (rank, e.attempts.clone())
+                (rank, e.attempts.clone(), e.store.clone())
             })
             .unwrap_or_default();
         let dropped = match self.drop_shuffle(spec.id).await {
@@ -160,6 +160,8 @@ impl Driver {
         self.update_shuffle(spec.id, |e| {
             e.floor = attempts.clone();
             e.attempts = attempts;
+            // Durable (or not) as it was.
+            e.store = store;
         });
         match rank {
             Some((order, group)) => self.register(spec, order, group).await,

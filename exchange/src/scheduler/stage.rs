@@ -73,6 +73,10 @@ pub struct StageReport {
     pub first_commit_s: f64,
     /// When its last map output was committed and the shuffle sealed.
     pub end_s: f64,
+    /// A durable exchange: the objects its committed maps wrote to the store, and their bytes.
+    pub stored_objects: u64,
+    /// Bytes of those objects.
+    pub stored_bytes: u64,
 }
 
 /// A stage as the run keeps it: what recovery needs to finish it after the pipelined pass.
@@ -129,7 +133,10 @@ pub(crate) fn report(
     if !note.is_empty() {
         strategy = format!("{strategy}; {note}");
     }
+    let (stored_objects, stored_bytes) = driver.stored(spec.id);
     StageReport {
+        stored_objects,
+        stored_bytes,
         strategy,
         max_partition_bytes,
         median_partition_bytes,

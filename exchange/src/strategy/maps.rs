@@ -243,17 +243,24 @@ pub async fn run_maps_observed(
                     let done = match joined {
                         // Committed, but on a process lost since (its result came late): the
                         // output is gone with it.
-                        Ok(Ok(_)) if driver.generation(worker) != generation && recover(driver) && !coded => {
-                            let retries = lost_attempts.entry(map).or_default();
-                            *retries += 1;
-                            if *retries > MAX_RERUNS {
-                                return Err(crate::Error::Cluster(format!("map {map} lost its worker {retries} times")));
-                            }
+                        Ok(Ok(done)) if driver.generation(worker) != generation && recover(driver) && !coded => {
                             driver.wait_all_live(crate::driver::REPLACE_TIMEOUT).await?;
-                            for (m, input) in driver.forget_outputs(spec.id, &[map])? {
-                                start!(m, input);
+                            // Durable: back from the store (now, or by an earlier restore),
+                            // and done.
+                            driver.restore_stored(spec.id).await?;
+                            if !driver.any_lost(spec.id, &[map]) {
+                                done
+                            } else {
+                                let retries = lost_attempts.entry(map).or_default();
+                                *retries += 1;
+                                if *retries > MAX_RERUNS {
+                                    return Err(crate::Error::Cluster(format!("map {map} lost its worker {retries} times")));
+                                }
+                                for (m, input) in driver.forget_outputs(spec.id, &[map])? {
+                                    start!(m, input);
+                                }
+                                continue;
                             }
-                            continue;
                         }
                         Ok(Ok(done)) => done,
                         // The other attempt of a map that already committed.

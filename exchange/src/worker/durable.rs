@@ -31,13 +31,19 @@ impl WorkerState {
         Ok(())
     }
 
+    /// Whether `shuffle` is durable.
+    pub(crate) fn is_durable(&self, shuffle: ShuffleId) -> bool {
+        lock(&self.durable).contains_key(&shuffle)
+    }
+
     /// Forget a dropped shuffle's store (its client stays for other shuffles).
     pub(crate) fn forget_durable(&self, shuffle: ShuffleId) {
         lock(&self.durable).remove(&shuffle);
     }
 
-    /// Write the blocks `blocks` of one map attempt, held here, as one object of a durable
-    /// shuffle (None: `shuffle` is not durable; an empty record, no object: no block here).
+    /// Write the blocks of one map attempt as one object of a durable shuffle: `held` here,
+    /// and `sent` to other workers (with their bytes). None: `shuffle` is not durable; an
+    /// empty record and no object: the map wrote no block.
     /// The object's name carries the map and the attempt, so two attempts of a map never
     /// write the same object.
     pub(crate) async fn write_object(
@@ -45,24 +51,31 @@ impl WorkerState {
         shuffle: ShuffleId,
         map: u32,
         attempt: u32,
-        blocks: &[BlockMeta],
+        held: &[BlockMeta],
+        sent: &[(u32, BlockMeta, bytes::Bytes)],
     ) -> Result<Option<proto::StoredObject>> {
         let Some((storage, prefix)) = lock(&self.durable).get(&shuffle).cloned() else {
             return Ok(None);
         };
-        if blocks.is_empty() {
+        if held.is_empty() && sent.is_empty() {
             // Nothing held here (no rows, or all pushed elsewhere): no object, and a record
             // that says so (a lost worker that held nothing loses nothing).
             return Ok(Some(proto::StoredObject::default()));
         }
-        let mut ordered = blocks.to_vec();
-        ordered.sort_by_key(|m| (m.id.partition, m.id.seq));
+        let mut ordered: Vec<(BlockMeta, Option<&bytes::Bytes>)> = held
+            .iter()
+            .map(|m| (*m, None))
+            .chain(sent.iter().map(|(_, m, d)| (*m, Some(d))))
+            .collect();
+        ordered.sort_by_key(|(m, _)| (m.id.partition, m.id.seq));
         let mut w = ObjectWriter::new(&storage, format!("{prefix}/{map}-{attempt}.fsobj"));
-        for meta in &ordered {
-            let got = tokio::task::block_in_place(|| self.store.get_raw(&meta.id));
-            let pushed = match got {
-                Ok((_, data)) => w.push(meta, &data).await,
-                Err(e) => Err(e),
+        for (meta, data) in &ordered {
+            let pushed = match data {
+                Some(d) => w.push(meta, d).await,
+                None => match tokio::task::block_in_place(|| self.store.get_raw(&meta.id)) {
+                    Ok((_, d)) => w.push(meta, &d).await,
+                    Err(e) => Err(e),
+                },
             };
             if let Err(e) = pushed {
                 w.abort().await;

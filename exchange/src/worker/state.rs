@@ -197,7 +197,14 @@ impl WorkerState {
             pack: task.pack,
             ..self.map_cfg
         };
-        let push = crate::push::Pusher::for_task(&task, info.partitions, self.reader.clone())?;
+        let mut push =
+            crate::push::Pusher::for_task(&task, info.partitions, self.reader.clone())?;
+        // (A parity shuffle's lost blocks are rebuilt from parity: it writes no object.)
+        let durable = task.parity == 0 && self.is_durable(shuffle);
+        if let Some(p) = push.as_mut().filter(|_| durable) {
+            // Its pushed blocks go into the map's object too.
+            p.keep_sent();
+        }
         let hint = task
             .source
             .as_ref()
@@ -261,9 +268,13 @@ impl WorkerState {
         let out = result?;
         // A durable shuffle's output is in its store before the attempt reports done (a
         // failed write fails the attempt, the guard removing its blocks).
-        let object = self
-            .write_object(shuffle, task.map_id, task.attempt, &out.blocks)
-            .await?;
+        let object = match durable {
+            true => {
+                self.write_object(shuffle, task.map_id, task.attempt, &out.blocks, &out.sent)
+                    .await?
+            }
+            false => None,
+        };
         guard.armed = false;
         Ok(proto::TaskResult {
             object,
