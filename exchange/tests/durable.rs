@@ -50,11 +50,11 @@ async fn a_worker_killed_after_its_maps_committed_costs_no_map_rerun() {
         .unwrap();
     let input = batches(60, 2_000);
     let want = checksum(&input);
-    // After the map side (sealed) under pull and push (whose maps pushed blocks to every
-    // worker), then while the producer still feeds maps.
+    // After the map side (sealed), then while the producer still feeds maps. (Push merges
+    // its pushed blocks on their holders once the maps are done, and merged outputs are not
+    // in the store: a loss after that is recovered as without one, see `recovery.rs`.)
     let rounds = [
         ("pull", Duration::ZERO),
-        ("push", Duration::ZERO),
         ("pull", Duration::from_millis(10)),
     ];
     for (round, (strategy, pace)) in rounds.into_iter().enumerate() {
@@ -95,7 +95,11 @@ async fn a_worker_killed_after_its_maps_committed_costs_no_map_rerun() {
         cluster.kill_worker(1).unwrap();
         read_rest(&job, parts.len() as u32, &mut parts).await;
         assert_eq!(parts.len(), 8);
-        assert_eq!(checksum(&parts.concat()), want, "round {round} ({strategy}): exact");
+        assert_eq!(
+            checksum(&parts.concat()),
+            want,
+            "round {round} ({strategy}): exact"
+        );
         assert_keys_not_split(&parts);
         assert_eq!(
             cluster.driver.recomputed_maps(),
@@ -146,8 +150,15 @@ async fn a_corrupted_object_is_caught_and_the_job_recovers_exactly_without_it() 
     let mut parts = vec![first];
     read_rest(&job, 1, &mut parts).await;
     assert_eq!(checksum(&parts.concat()), checksum(&input), "exact");
-    assert!(driver.restore_failures() > failures, "the bad object was caught");
-    assert_eq!(driver.restored_blocks(), restored, "nothing restored from it");
+    assert!(
+        driver.restore_failures() > failures,
+        "the bad object was caught"
+    );
+    assert_eq!(
+        driver.restored_blocks(),
+        restored,
+        "nothing restored from it"
+    );
     assert!(driver.recomputed_maps() > recomputed, "its maps ran again");
     job.close().await.unwrap();
     // A map whose input cannot be read again (a stream) is a clear error, not a short answer.

@@ -213,8 +213,8 @@ class Cluster:
     also come from the ``AWS_*`` environment. They are sent to workers over the cluster's
     authenticated channel and never logged. The cluster checks at start that it can write to
     the store; objects are deleted with their shuffle. ``storage_stats()`` counts requests.
-    Outputs of merge and forward tasks (merged, two-level) are not in the store and are
-    recovered as without it; pull and push are durable end to end.
+    Outputs of merge and forward tasks (merged, push, two-level) are not in the store and
+    are recovered as without it; pull is durable end to end.
     """
 
     def __init__(

@@ -77,7 +77,8 @@ impl Driver {
 
     /// [`Self::check_storage`] for the store `cfg` names (before a query uses it).
     pub async fn check_store(&self, cfg: &StorageConfig) -> Result<()> {
-        probe(&self.store_for(cfg)?).await
+        let store = self.store_for(cfg)?;
+        probe(&store).await
     }
 
     /// The objects the committed maps of `shuffle` wrote to the store, and their bytes.
@@ -111,7 +112,12 @@ impl Driver {
             add_stats(&mut total, &s.storage.stats());
         }
         // Under the health watch, as every call to all workers.
-        for s in self.stats().await?.iter().filter_map(|w| w.storage.as_ref()) {
+        for s in self
+            .stats()
+            .await?
+            .iter()
+            .filter_map(|w| w.storage.as_ref())
+        {
             add_stats(&mut total, s);
         }
         Ok(total)
@@ -165,7 +171,10 @@ impl Driver {
         let mut restored = 0;
         for (map, slots, object) in lost {
             let mine = by_map.remove(&map).unwrap_or_default();
-            match self.restore_map(&ds, shuffle, map, &slots, &object, mine).await {
+            match self
+                .restore_map(&ds, shuffle, map, &slots, &object, mine)
+                .await
+            {
                 Ok(true) => restored += 1,
                 Ok(false) => {}
                 Err(e @ Error::WorkerLost { .. }) => return Err(e),
@@ -198,10 +207,14 @@ impl Driver {
             object: name.clone(),
             reason,
         };
-        if !object.path.starts_with(&format!("{}/", ds.shuffle_prefix(shuffle.0)))
+        if !object
+            .path
+            .starts_with(&format!("{}/", ds.shuffle_prefix(shuffle.0)))
             || object.blocks.len() != object.offsets.len()
         {
-            return Err(bad(format!("not an object of map {map} of shuffle {shuffle}")));
+            return Err(bad(format!(
+                "not an object of map {map} of shuffle {shuffle}"
+            )));
         }
         // Where each block of the object starts.
         let offsets: HashMap<crate::block::BlockId, u64> = object

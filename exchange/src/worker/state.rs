@@ -197,8 +197,7 @@ impl WorkerState {
             pack: task.pack,
             ..self.map_cfg
         };
-        let mut push =
-            crate::push::Pusher::for_task(&task, info.partitions, self.reader.clone())?;
+        let mut push = crate::push::Pusher::for_task(&task, info.partitions, self.reader.clone())?;
         // (A parity shuffle's lost blocks are rebuilt from parity: it writes no object.)
         let durable = task.parity == 0 && self.is_durable(shuffle);
         if let Some(p) = push.as_mut().filter(|_| durable) {
