@@ -55,7 +55,8 @@ def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return ") Z " not in f.read()
-    except FileNotFoundError:
+    # Gone before the open, or reaped between the open and the read (ESRCH).
+    except (FileNotFoundError, ProcessLookupError):
         return False
 
 
