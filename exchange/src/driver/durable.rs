@@ -21,6 +21,9 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+/// Maps restored from the store at once.
+const RESTORES_IN_FLIGHT: usize = 8;
+
 impl Driver {
     /// The store durable shuffles write to, if any.
     pub fn storage_config(&self) -> Option<&StorageConfig> {
@@ -168,13 +171,27 @@ impl Driver {
             by_map.entry(b.meta.id.map).or_default().push(b);
         }
         tracing::warn!(%shuffle, maps = lost.len(), "restoring map outputs lost with their worker from the store");
-        let mut restored = 0;
+        // Maps restored RESTORES_IN_FLIGHT at a time (each reads its object's ranges, then
+        // puts its blocks on their holders).
+        use futures::StreamExt;
+        let mut jobs: Vec<futures::future::BoxFuture<'_, (u32, Result<bool>)>> = Vec::new();
         for (map, slots, object) in lost {
             let mine = by_map.remove(&map).unwrap_or_default();
-            match self
-                .restore_map(&ds, shuffle, map, &slots, &object, mine)
-                .await
-            {
+            let ds = ds.clone();
+            jobs.push(Box::pin(async move {
+                let r = self
+                    .restore_map(&ds, shuffle, map, &slots, &object, mine)
+                    .await;
+                (map, r)
+            }));
+        }
+        let results: Vec<(u32, Result<bool>)> = futures::stream::iter(jobs)
+            .buffer_unordered(RESTORES_IN_FLIGHT)
+            .collect()
+            .await;
+        let mut restored = 0;
+        for (map, r) in results {
+            match r {
                 Ok(true) => restored += 1,
                 Ok(false) => {}
                 Err(e @ Error::WorkerLost { .. }) => return Err(e),
@@ -255,11 +272,21 @@ impl Driver {
             }
         }
         let mut put_on: HashMap<usize, (u32, u32)> = HashMap::new();
-        for (b, d) in want.iter().zip(data) {
-            self.worker(b.worker)?.put_raw(b.meta, d).await?;
-            let e = put_on.entry(b.worker).or_insert((b.meta.id.attempt, 0));
-            e.1 += 1;
+        for b in &want {
+            put_on.entry(b.worker).or_insert((b.meta.id.attempt, 0)).1 += 1;
         }
+        use futures::{StreamExt, TryStreamExt};
+        let mut puts: Vec<futures::future::BoxFuture<'_, Result<()>>> = Vec::new();
+        for (b, d) in want.iter().zip(data) {
+            let b = *b;
+            puts.push(Box::pin(async move {
+                self.worker(b.worker)?.put_raw(b.meta, d).await
+            }));
+        }
+        futures::stream::iter(puts)
+            .buffer_unordered(8)
+            .try_collect::<Vec<()>>()
+            .await?;
         for (&slot, &(attempt, blocks)) in &put_on {
             self.worker(slot)?
                 .commit(&proto::CommitTask {

@@ -130,6 +130,7 @@ pub async fn run_maps_observed(
     // A parity shuffle rebuilds the blocks a lost worker held from parity instead
     // ([`Driver::rebuild`]); its attempts that pushed to the lost worker run again.
     let coded = driver.parity_of(spec.id) > 0;
+    let replacements_at_start = driver.replacements();
     let recover = |driver: &Driver| {
         opts.recover && driver.replaces_workers() && (coded || driver.places_locally(spec.id))
     };
@@ -285,6 +286,27 @@ pub async fn run_maps_observed(
                                 return Err(e);
                             }
                             tracing::warn!(shuffle = %spec.id, map, worker, error = %e, "map attempt lost with its worker: running it again");
+                            rerun_lost!();
+                            if let Some(input) = again.get(&map).and_then(|i| i.again()) {
+                                start!(map, driver.refresh(input));
+                            }
+                            continue;
+                        }
+                        // A parity shuffle's attempt that failed while a peer it pushed to
+                        // was lost (its error names the broken push, not a lost worker):
+                        // rebuilt and run again like one whose own worker was lost.
+                        Ok(Err(e)) if coded
+                            && recover(driver)
+                            && again.contains_key(&map)
+                            && (driver.replacements() != replacements_at_start
+                                || driver.check_health().await.is_err()) =>
+                        {
+                            let retries = lost_attempts.entry(map).or_default();
+                            *retries += 1;
+                            if *retries > MAX_RERUNS {
+                                return Err(e);
+                            }
+                            tracing::warn!(shuffle = %spec.id, map, worker, error = %e, "map attempt failed with a lost peer: running it again");
                             rerun_lost!();
                             if let Some(input) = again.get(&map).and_then(|i| i.again()) {
                                 start!(map, driver.refresh(input));
