@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -77,6 +78,15 @@ def pids_gone():
         assert not left, f"processes left behind: {left}"
 
     return check
+
+
+@pytest.fixture(autouse=True)
+def _python_handles_ctrl_c() -> Iterator[None]:
+    """Every test starts with Python's own SIGINT handler, installed again (which also puts
+    back CPython's C-level handler): the Ctrl-C tests failed once in a full run, after some
+    earlier code in the process had taken SIGINT over, and never alone."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
 
 
 @pytest.fixture(scope="session")
