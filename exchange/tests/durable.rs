@@ -5,7 +5,6 @@
 //! clear error at start; dropping a shuffle deletes its objects.
 
 use flightshuffle::cluster::{LocalCluster, LocalClusterConfig};
-use flightshuffle::driver::MapInput;
 use flightshuffle::strategy::{pull, StrategyOptions};
 use flightshuffle::{Error, StorageConfig};
 use std::path::{Path, PathBuf};
@@ -164,13 +163,7 @@ async fn a_corrupted_object_is_caught_and_the_job_recovers_exactly_without_it() 
     // A map whose input cannot be read again (a stream) is a clear error, not a short answer.
     let spec = spec_k(4);
     driver.create_shuffle(&spec).await.unwrap();
-    let inputs: Vec<MapInput> = input
-        .chunks(4)
-        .map(|c| {
-            let owned = c.to_vec();
-            MapInput::Stream(Box::pin(futures::stream::iter(owned.into_iter().map(Ok))))
-        })
-        .collect();
+    let inputs = stream_inputs(&input, 4);
     let mapped = pull::run_maps(
         &driver,
         &spec,

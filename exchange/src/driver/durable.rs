@@ -298,17 +298,7 @@ impl Driver {
                 })
                 .await?;
         }
-        if let Some(&(slot, _)) = onto
-            .iter()
-            .find(|&&(s, g)| self.generation(s) != g || !self.is_alive(s))
-        {
-            return Err(Error::WorkerLost {
-                worker: slot,
-                addr: String::new(),
-                reason: format!("lost while map {map} was restored onto it"),
-                lost_blocks: 0,
-            });
-        }
+        self.still_live(&onto, &format!("map {map} was restored"))?;
         // Whole again on every holder.
         self.update_shuffle(shuffle, |e| {
             if let Some(made) = e.outputs.get_mut(&map) {

@@ -20,6 +20,25 @@ impl Driver {
             .map_or(0, |g| g.load(Ordering::SeqCst))
     }
 
+    /// The processes `onto` ((slot, generation)) that blocks were just put on are still their
+    /// slots' live ones; otherwise [`Error::WorkerLost`] naming the first that is not (a slot
+    /// found lost meanwhile may have taken the puts on its old process). `what` says what was
+    /// put there, e.g. "map 3 was rebuilt".
+    pub(super) fn still_live(&self, onto: &[(usize, u64)], what: &str) -> Result<()> {
+        match onto
+            .iter()
+            .find(|&&(s, g)| self.generation(s) != g || !self.is_alive(s))
+        {
+            Some(&(slot, _)) => Err(Error::WorkerLost {
+                worker: slot,
+                addr: String::new(),
+                reason: format!("lost while {what} onto it"),
+                lost_blocks: 0,
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// Replacements started so far, over all slots (changes when a worker is found lost).
     pub fn replacements(&self) -> u64 {
         (0..self.num_workers()).map(|i| self.generation(i)).sum()

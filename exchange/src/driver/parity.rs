@@ -161,17 +161,7 @@ impl Driver {
                     .await?;
                 // Recorded only if those processes are still the slots' live ones (a slot
                 // found lost meanwhile may have taken the puts on its old process).
-                if let Some(&(slot, _)) = onto
-                    .iter()
-                    .find(|&&(s, g)| self.generation(s) != g || !self.is_alive(s))
-                {
-                    return Err(Error::WorkerLost {
-                        worker: slot,
-                        addr: String::new(),
-                        reason: format!("lost while map {map} was rebuilt onto it"),
-                        lost_blocks: 0,
-                    });
-                }
+                self.still_live(&onto, &format!("map {map} was rebuilt"))?;
                 self.rebuilt_map(shuffle, map, &onto, put);
                 Ok::<_, Error>(())
             }

@@ -6,6 +6,7 @@
 
 use super::options::StrategyOptions;
 use super::speculation::Speculator;
+use crate::block::ShuffleId;
 use crate::checksum::Checksum;
 use crate::compute::AbortOnDrop;
 use crate::driver::{Driver, MapDone, MapInput, ShuffleSpec};
@@ -83,6 +84,19 @@ where
 
 /// Times one map side runs maps again after lost workers before it gives up.
 const MAX_RERUNS: usize = 3;
+
+/// Count one more loss of `map` (its output or a running attempt); an error once it has been
+/// lost more than [`MAX_RERUNS`] times.
+fn count_loss(lost: &mut HashMap<u32, usize>, shuffle: ShuffleId, map: u32) -> Result<()> {
+    let n = lost.entry(map).or_default();
+    *n += 1;
+    if *n > MAX_RERUNS {
+        return Err(crate::Error::Cluster(format!(
+            "map {map} of shuffle {shuffle} lost its worker {n} times"
+        )));
+    }
+    Ok(())
+}
 
 /// [`super::pull::run_maps`], calling `on_commit` with each map output as the driver commits it.
 ///
@@ -201,14 +215,7 @@ pub async fn run_maps_observed(
                 }
                 if recover(driver) && driver.any_lost(spec.id, &done) {
                     for (m, _, _) in &lost {
-                        let retries = lost_attempts.entry(*m).or_default();
-                        *retries += 1;
-                        if *retries > MAX_RERUNS {
-                            return Err(crate::Error::Cluster(format!(
-                                "map {m} of shuffle {} lost its worker {retries} times",
-                                spec.id
-                            )));
-                        }
+                        count_loss(&mut lost_attempts, spec.id, *m)?;
                     }
                     rerun_lost!();
                     continue;
@@ -252,11 +259,7 @@ pub async fn run_maps_observed(
                             if !driver.any_lost(spec.id, &[map]) {
                                 done
                             } else {
-                                let retries = lost_attempts.entry(map).or_default();
-                                *retries += 1;
-                                if *retries > MAX_RERUNS {
-                                    return Err(crate::Error::Cluster(format!("map {map} lost its worker {retries} times")));
-                                }
+                                count_loss(&mut lost_attempts, spec.id, map)?;
                                 for (m, input) in driver.forget_outputs(spec.id, &[map])? {
                                     start!(m, input);
                                 }
@@ -273,40 +276,22 @@ pub async fn run_maps_observed(
                             tracing::warn!(shuffle = %spec.id, map, worker, error = %e, "one attempt of a speculated map failed; another is running");
                             continue;
                         }
-                        // The attempt's own worker was lost (not a peer it read from): run it
-                        // again elsewhere, with the outputs that worker held.
+                        // The attempt's own worker was lost (not a peer it read from), or, in a
+                        // parity shuffle, a peer it pushed to (its error may name only the
+                        // broken push): run it again elsewhere, with the outputs lost rebuilt
+                        // or run again first.
                         Ok(Err(e)) if recover(driver)
                             && again.contains_key(&map)
                             && (driver.generation(worker) != generation
-                                || matches!(e, crate::Error::WorkerLost { worker: w, .. } if w == worker || coded)) =>
+                                || matches!(e, crate::Error::WorkerLost { worker: w, .. } if w == worker || coded)
+                                || (coded
+                                    && (driver.replacements() != replacements_at_start
+                                        || driver.check_health().await.is_err()))) =>
                         {
-                            let retries = lost_attempts.entry(map).or_default();
-                            *retries += 1;
-                            if *retries > MAX_RERUNS {
+                            if count_loss(&mut lost_attempts, spec.id, map).is_err() {
                                 return Err(e);
                             }
-                            tracing::warn!(shuffle = %spec.id, map, worker, error = %e, "map attempt lost with its worker: running it again");
-                            rerun_lost!();
-                            if let Some(input) = again.get(&map).and_then(|i| i.again()) {
-                                start!(map, driver.refresh(input));
-                            }
-                            continue;
-                        }
-                        // A parity shuffle's attempt that failed while a peer it pushed to
-                        // was lost (its error names the broken push, not a lost worker):
-                        // rebuilt and run again like one whose own worker was lost.
-                        Ok(Err(e)) if coded
-                            && recover(driver)
-                            && again.contains_key(&map)
-                            && (driver.replacements() != replacements_at_start
-                                || driver.check_health().await.is_err()) =>
-                        {
-                            let retries = lost_attempts.entry(map).or_default();
-                            *retries += 1;
-                            if *retries > MAX_RERUNS {
-                                return Err(e);
-                            }
-                            tracing::warn!(shuffle = %spec.id, map, worker, error = %e, "map attempt failed with a lost peer: running it again");
+                            tracing::warn!(shuffle = %spec.id, map, worker, error = %e, "map attempt lost with a worker: running it again");
                             rerun_lost!();
                             if let Some(input) = again.get(&map).and_then(|i| i.again()) {
                                 start!(map, driver.refresh(input));

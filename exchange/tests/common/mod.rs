@@ -62,6 +62,17 @@ pub fn spec_k(partitions: u32) -> ShuffleSpec {
     }
 }
 
+/// `input` as map inputs streamed from the driver (read once), `per` batches each.
+pub fn stream_inputs(input: &[RecordBatch], per: usize) -> Vec<MapInput> {
+    input
+        .chunks(per.max(1))
+        .map(|c| {
+            let owned: Vec<RecordBatch> = c.to_vec();
+            MapInput::Stream(Box::pin(futures::stream::iter(owned.into_iter().map(Ok))))
+        })
+        .collect()
+}
+
 /// Shuffle `input` from the driver in `maps` map tasks; return every partition's batches.
 pub async fn shuffle(
     cluster: &LocalCluster,
@@ -73,14 +84,7 @@ pub async fn shuffle(
     let spec = spec_k(partitions);
     driver.create_shuffle(&spec).await?;
     let chunk = input.len().div_ceil(maps);
-    let inputs: Vec<MapInput> = input
-        .chunks(chunk)
-        .map(|c| {
-            let owned: Vec<RecordBatch> = c.to_vec();
-            let s = futures::stream::iter(owned.into_iter().map(Ok));
-            MapInput::Stream(Box::pin(s))
-        })
-        .collect();
+    let inputs = stream_inputs(input, chunk);
     let mapped = pull::map_side(
         &driver,
         &spec,
