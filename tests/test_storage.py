@@ -72,7 +72,7 @@ def test_every_strategy_is_exact_and_leaves_no_object(durable, store, strategy):
     assert s3_keys(store[1], "fs-durable") == []
 
 
-@pytest.mark.parametrize("strategy", ["pull"])
+@pytest.mark.parametrize("strategy", ["pull", "merged", "push", "two-level"])
 def test_a_worker_killed_after_its_maps_committed_costs_no_map_rerun(durable, store, strategy):
     df = frame(120_000)
     before = durable.recovery()

@@ -464,9 +464,10 @@ impl<'a> ObjectWriter<'a> {
         }
     }
 
-    /// Append one block (its bytes as the store holds them).
-    pub async fn push(&mut self, meta: &BlockMeta, data: &[u8]) -> Result<()> {
+    /// Append one block (its bytes as the store holds them), held by worker slot `holder`.
+    pub async fn push(&mut self, meta: &BlockMeta, holder: u32, data: &[u8]) -> Result<()> {
         self.footer.blocks.push(meta.into());
+        self.footer.holders.push(holder);
         self.footer.offsets.push(self.at);
         self.at += data.len() as u64;
         self.buf.extend_from_slice(data);
@@ -636,7 +637,7 @@ mod tests {
             let mut want = Vec::new();
             for i in 0..blocks {
                 let data: Vec<u8> = (0..size + i).map(|j| (j * 31 + i) as u8).collect();
-                w.push(&meta(i as u32, data.len() as u64), &data)
+                w.push(&meta(i as u32, data.len() as u64), 0, &data)
                     .await
                     .unwrap();
                 want.push(data);
@@ -669,7 +670,7 @@ mod tests {
     async fn a_truncated_or_garbled_object_is_a_clear_error() {
         let storage = memory();
         let mut w = ObjectWriter::new(&storage, "x/y");
-        w.push(&meta(0, 10), &[1u8; 10]).await.unwrap();
+        w.push(&meta(0, 10), 0, &[1u8; 10]).await.unwrap();
         let obj = w.finish().await.unwrap();
         let whole = storage.get("x/y").await.unwrap();
         for cut in 0..whole.len() {

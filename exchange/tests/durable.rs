@@ -42,6 +42,7 @@ fn files(dir: &Path) -> Vec<PathBuf> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_after_its_maps_committed_costs_no_map_rerun() {
+    flightshuffle::worker::init_logging();
     let _serial = SERIAL.lock().await;
     let store = tempfile::tempdir().unwrap();
     let mut cluster = LocalCluster::start(durable_config(store.path()))
@@ -49,17 +50,22 @@ async fn a_worker_killed_after_its_maps_committed_costs_no_map_rerun() {
         .unwrap();
     let input = batches(60, 2_000);
     let want = checksum(&input);
-    // After the map side (sealed), then while the producer still feeds maps. (Push merges
-    // its pushed blocks on their holders once the maps are done, and merged outputs are not
-    // in the store: a loss after that is recovered as without one, see `recovery.rs`.)
+    // After the map side (sealed: the merging strategies merged blocks on the lost worker,
+    // which come back unmerged from the maps' objects), then while the producer still feeds
+    // maps (push: every running map pushes to the lost worker).
     let rounds = [
         ("pull", Duration::ZERO),
+        ("merged", Duration::ZERO),
+        ("push", Duration::ZERO),
+        ("two-level", Duration::ZERO),
         ("pull", Duration::from_millis(10)),
+        ("push", Duration::from_millis(10)),
     ];
     for (round, (strategy, pace)) in rounds.into_iter().enumerate() {
-        let (recomputed, restored) = (
+        let (recomputed, restored, reruns) = (
             cluster.driver.recomputed_maps(),
             cluster.driver.restored_blocks(),
+            cluster.driver.reruns(),
         );
         let opts = options(8, StrategyOptions::named(strategy).unwrap());
         let job = start_job(&cluster, &input, &opts, pace).await;
@@ -103,11 +109,16 @@ async fn a_worker_killed_after_its_maps_committed_costs_no_map_rerun() {
         assert_eq!(
             cluster.driver.recomputed_maps(),
             recomputed,
-            "round {round}: no committed map ran again"
+            "round {round} ({strategy}): no committed map ran again"
+        );
+        assert_eq!(
+            cluster.driver.reruns(),
+            reruns,
+            "round {round} ({strategy}): the job did not run again whole"
         );
         assert!(
             cluster.driver.restored_blocks() > restored,
-            "round {round}: the lost blocks came back from the store"
+            "round {round} ({strategy}): the lost blocks came back from the store"
         );
         job.close().await.unwrap();
         // Dropped with its shuffle: no object left.

@@ -50,14 +50,8 @@ impl Driver {
             return Err(self.classify(e).await);
         }
         let blocks = self.record_blocks(shuffle, worker, &result, &maps)?;
+        // The maps keep their objects: a lost group comes back as its maps' own blocks.
         self.update_shuffle(shuffle, |e| {
-            // The maps' blocks there are merged away: their objects no longer say where
-            // their rows are (a loss is recovered as without a store).
-            for m in &maps {
-                if let Some(made) = e.outputs.get_mut(m) {
-                    made.object = None;
-                }
-            }
             e.outputs.insert(
                 group,
                 Made {

@@ -7,8 +7,10 @@
 //! reads the lost blocks back from their objects by range (no LIST: the manifest names every
 //! object), checks each block's CRC32C, puts them on the slots' replacements under the
 //! committed attempt and commits them there. A map's object holds every block it wrote,
-//! those it kept and those it pushed. Outputs it cannot restore (merge and forward groups,
-//! whose blocks no object holds; parity shuffles, rebuilt from parity) are left as before.
+//! those it kept and those it pushed, so its blocks merged on a lost worker since (merged,
+//! push, two-level) come back unmerged, and the lost merge group is forgotten. Outputs it
+//! cannot restore (forwarded maps, whose blocks moved under another id; parity shuffles,
+//! rebuilt from parity) are left as before.
 //! Dropping a shuffle deletes its objects, then lists its prefix once for the objects of
 //! attempts that never committed.
 
@@ -24,6 +26,16 @@ use std::sync::Arc;
 /// Maps restored from the store at once.
 const RESTORES_IN_FLIGHT: usize = 8;
 
+/// A committed map with blocks on a lost worker, and the object that holds them.
+struct Lost {
+    map: u32,
+    /// The slot it ran on.
+    ran_on: usize,
+    /// Its holders whose process is gone.
+    slots: Vec<usize>,
+    object: proto::StoredObject,
+}
+
 impl Driver {
     /// The store durable shuffles write to, if any.
     pub fn storage_config(&self) -> Option<&StorageConfig> {
@@ -36,6 +48,11 @@ impl Driver {
         self.with_shuffle(shuffle, |e| e.store.clone())
             .flatten()
             .unwrap_or_else(|| self.storage.clone())
+    }
+
+    /// Whether `shuffle` writes its map outputs to a store.
+    pub fn is_durable(&self, shuffle: ShuffleId) -> bool {
+        self.store_of(shuffle).is_some()
     }
 
     /// The store message registering `shuffle` on workers carries (None: not durable); the
@@ -128,7 +145,8 @@ impl Driver {
 
     /// Restore from the store the committed map outputs of `shuffle` lost with their worker
     /// (see the module doc), onto the slots' replacements; returns how many maps were
-    /// restored. Outputs it cannot restore stay lost, for lineage.
+    /// restored. Outputs it cannot restore stay lost, for lineage (or, where maps pushed their
+    /// blocks, for the caller, who runs the shuffle again).
     pub async fn restore_stored(self: &Arc<Self>, shuffle: ShuffleId) -> Result<usize> {
         let Some(ds) = self.store_of(shuffle) else {
             return Ok(0);
@@ -136,27 +154,30 @@ impl Driver {
         if self.parity_of(shuffle) > 0 {
             return Ok(0); // rebuilt from parity instead
         }
+        // Whether maps kept their blocks where they ran (objects record each block's holder;
+        // this is for one that does not).
+        let local = self.places_locally(shuffle);
         let gen = |slot: usize| self.generation(slot);
-        let lost: Vec<(u32, Vec<usize>, proto::StoredObject)> = self
+        let lost: Vec<Lost> = self
             .with_shuffle(shuffle, |e| {
-                if e.outputs.values().any(|m| {
-                    matches!(m.lineage, super::Lineage::Merge(_)) && m.lost_holder(gen).is_some()
-                }) {
-                    // A lost merge group reruns its maps: nothing is restored.
-                    return vec![];
-                }
                 e.outputs
                     .iter()
+                    .filter(|(_, made)| !matches!(made.lineage, super::Lineage::Merge(_)))
                     .filter_map(|(map, made)| {
                         let object = made.object.as_ref()?;
                         made.lost_holder(gen)?;
-                        let lost_slots: Vec<usize> = made
+                        let slots: Vec<usize> = made
                             .holders
                             .iter()
                             .filter(|(s, g)| gen(*s) != *g)
                             .map(|(s, _)| *s)
                             .collect();
-                        Some((*map, lost_slots, object.clone()))
+                        Some(Lost {
+                            map: *map,
+                            ran_on: made.worker,
+                            slots,
+                            object: object.clone(),
+                        })
                     })
                     .collect()
             })
@@ -175,14 +196,12 @@ impl Driver {
         // puts its blocks on their holders).
         use futures::StreamExt;
         let mut jobs: Vec<futures::future::BoxFuture<'_, (u32, Result<bool>)>> = Vec::new();
-        for (map, slots, object) in lost {
-            let mine = by_map.remove(&map).unwrap_or_default();
+        for l in lost {
+            let mine = by_map.remove(&l.map).unwrap_or_default();
             let ds = ds.clone();
             jobs.push(Box::pin(async move {
-                let r = self
-                    .restore_map(&ds, shuffle, map, &slots, &object, mine)
-                    .await;
-                (map, r)
+                let r = self.restore_map(&ds, shuffle, &l, local, mine).await;
+                (l.map, r)
             }));
         }
         let results: Vec<(u32, Result<bool>)> = futures::stream::iter(jobs)
@@ -202,23 +221,51 @@ impl Driver {
                 }
             }
         }
+        // A lost merge group whose maps all came back as their own blocks is gone: readers
+        // read those instead. One with a map not restored is left to lineage.
+        self.update_shuffle(shuffle, |e| {
+            let whole: Vec<u32> = e
+                .outputs
+                .iter()
+                .filter_map(|(g, made)| {
+                    let super::Lineage::Merge(maps) = &made.lineage else {
+                        return None;
+                    };
+                    made.lost_holder(gen)?;
+                    maps.iter()
+                        .all(|m| {
+                            e.outputs
+                                .get(m)
+                                .is_some_and(|o| o.lost_holder(gen).is_none())
+                        })
+                        .then_some(*g)
+                })
+                .collect();
+            for g in whole {
+                e.outputs.remove(&g);
+                e.claims.remove(&g);
+                e.blocks.retain(|b| b.meta.id.map != g);
+            }
+        });
         tracing::warn!(%shuffle, maps = restored, "map outputs restored from the store");
         Ok(restored)
     }
 
-    /// Restore the blocks one committed map held on the lost `slots` from its `object`, where
-    /// `mine` are the map's live block refs; Ok(false) when the object does not hold them
-    /// all (left to lineage). Every block is read and checked before any is put, so a bad
-    /// object puts nothing.
+    /// Restore the blocks one committed map placed on its lost slots (its object records
+    /// where each was held; `local`: the map kept them all) from its object, where `mine` are
+    /// the map's live
+    /// block refs (blocks merged on a lost slot since have none); Ok(false) when the object
+    /// does not hold them all (left to lineage). Every block is read and checked before any
+    /// is put, so a bad object puts nothing.
     async fn restore_map(
         &self,
         ds: &RunStore,
         shuffle: ShuffleId,
-        map: u32,
-        slots: &[usize],
-        object: &proto::StoredObject,
+        lost: &Lost,
+        local: bool,
         mine: Vec<BlockRef>,
     ) -> Result<bool> {
+        let (map, slots, object) = (lost.map, &lost.slots, &lost.object);
         let name = ds.storage.name(&object.path);
         let bad = |reason: String| Error::Storage {
             object: name.clone(),
@@ -233,26 +280,37 @@ impl Driver {
                 "not an object of map {map} of shuffle {shuffle}"
             )));
         }
-        // Where each block of the object starts.
-        let offsets: HashMap<crate::block::BlockId, u64> = object
-            .blocks
+        // The blocks it placed on a lost slot, with where each starts in the object.
+        let mut want: Vec<(BlockRef, u64)> = Vec::new();
+        for (i, (m, &offset)) in object.blocks.iter().zip(&object.offsets).enumerate() {
+            let meta = crate::block::BlockMeta::try_from(m)
+                .map_err(|e| bad(format!("a block entry does not parse: {e}")))?;
+            if meta.id.map != map || meta.id.shuffle != shuffle {
+                return Err(bad(format!("block {} is not of map {map}", meta.id)));
+            }
+            // Where it was held: recorded per block, or (an object without holders) where
+            // the map ran when maps keep their blocks.
+            let worker = match object.holders.get(i) {
+                Some(&h) if object.holders.len() == object.blocks.len() => h as usize,
+                _ if local => lost.ran_on,
+                _ => return Ok(false),
+            };
+            if slots.contains(&worker) {
+                want.push((BlockRef { meta, worker }, offset));
+            }
+        }
+        if let Some(b) = mine
             .iter()
-            .zip(&object.offsets)
-            .filter_map(|(m, &o)| crate::block::BlockMeta::try_from(m).ok().map(|m| (m.id, o)))
-            .collect();
-        let want: Vec<BlockRef> = mine
-            .into_iter()
             .filter(|b| slots.contains(&b.worker))
-            .collect();
-        if let Some(b) = want.iter().find(|b| !offsets.contains_key(&b.meta.id)) {
+            .find(|b| !want.iter().any(|(w, _)| w.meta.id == b.meta.id))
+        {
             tracing::debug!(%shuffle, map, block = %b.meta.id, "not in the map's object; not restored");
             return Ok(false);
         }
         let mut ranges = Vec::with_capacity(want.len());
-        for b in &want {
-            let start = offsets[&b.meta.id];
+        for (b, start) in &want {
             match start.checked_add(b.meta.bytes) {
-                Some(end) if end <= object.size && b.meta.bytes > 0 => ranges.push(start..end),
+                Some(end) if end <= object.size && b.meta.bytes > 0 => ranges.push(*start..end),
                 _ => return Err(bad(format!("block {} runs past its end", b.meta.id))),
             }
         }
@@ -261,7 +319,7 @@ impl Driver {
             true => vec![],
             false => ds.storage.get_ranges(&object.path, &ranges).await?,
         };
-        for ((b, d), range) in want.iter().zip(&data).zip(&ranges) {
+        for (((b, _), d), range) in want.iter().zip(&data).zip(&ranges) {
             let crc = crc32c::crc32c(d);
             if crc != b.meta.crc32c || d.len() as u64 != b.meta.bytes {
                 return Err(bad(format!(
@@ -272,12 +330,12 @@ impl Driver {
             }
         }
         let mut put_on: HashMap<usize, (u32, u32)> = HashMap::new();
-        for b in &want {
+        for (b, _) in &want {
             put_on.entry(b.worker).or_insert((b.meta.id.attempt, 0)).1 += 1;
         }
         use futures::{StreamExt, TryStreamExt};
         let mut puts: Vec<futures::future::BoxFuture<'_, Result<()>>> = Vec::new();
-        for (b, d) in want.iter().zip(data) {
+        for ((b, _), d) in want.iter().zip(data) {
             let b = *b;
             puts.push(Box::pin(async move {
                 self.worker(b.worker)?.put_raw(b.meta, d).await
@@ -299,7 +357,7 @@ impl Driver {
                 .await?;
         }
         self.still_live(&onto, &format!("map {map} was restored"))?;
-        // Whole again on every holder.
+        // Whole again on every holder, its blocks there listed as they are now.
         self.update_shuffle(shuffle, |e| {
             if let Some(made) = e.outputs.get_mut(&map) {
                 for (s, g) in made.holders.iter_mut() {
@@ -308,6 +366,9 @@ impl Driver {
                     }
                 }
             }
+            e.blocks
+                .retain(|b| !(b.meta.id.map == map && slots.contains(&b.worker)));
+            e.blocks.extend(want.iter().map(|(b, _)| *b));
         });
         self.restored.fetch_add(want.len() as u64, Ordering::SeqCst);
         Ok(true)

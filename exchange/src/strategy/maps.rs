@@ -145,8 +145,26 @@ pub async fn run_maps_observed(
     // ([`Driver::rebuild`]); its attempts that pushed to the lost worker run again.
     let coded = driver.parity_of(spec.id) > 0;
     let replacements_at_start = driver.replacements();
+    // Maps that push their blocks to other workers (parity, or a durable push or two-level
+    // shuffle) lose an attempt with any peer it pushed to, and a lost output comes back
+    // whole (rebuilt or restored) or the shuffle runs again: it never runs again alone.
+    let durable = driver.is_durable(spec.id);
+    let pushes = coded || !driver.places_locally(spec.id);
     let recover = |driver: &Driver| {
-        opts.recover && driver.replaces_workers() && (coded || driver.places_locally(spec.id))
+        opts.recover
+            && driver.replaces_workers()
+            && (coded || durable || driver.places_locally(spec.id))
+    };
+    // Outputs still lost after a restore, where maps pushed: the shuffle must run again.
+    let unrestored = |driver: &Driver| -> Result<()> {
+        match driver.lost_outputs(spec.id).first() {
+            Some((m, slot, _)) if pushes && !coded => Err(crate::Error::Cluster(format!(
+                "shuffle {} lost blocks of map {m} with worker {slot} that the store could \
+                 not give back (its maps pushed them to all workers): it must run again",
+                spec.id
+            ))),
+            _ => Ok(()),
+        }
     };
     let mut again: HashMap<u32, MapInput> = HashMap::new();
     let mut lost_attempts: HashMap<u32, usize> = HashMap::new();
@@ -194,6 +212,7 @@ pub async fn run_maps_observed(
                     } else {
                         // Durable: restored from the store, never run again.
                         driver.restore_stored(spec.id).await?;
+                        unrestored(driver)?;
                         let done: Vec<u32> = done_maps.iter().copied().collect();
                         for (map, input) in driver.forget_outputs(spec.id, &done)? {
                             done_maps.remove(&map);
@@ -256,6 +275,7 @@ pub async fn run_maps_observed(
                             // Durable: back from the store (now, or by an earlier restore),
                             // and done.
                             driver.restore_stored(spec.id).await?;
+                            unrestored(driver)?;
                             if !driver.any_lost(spec.id, &[map]) {
                                 done
                             } else {
@@ -276,15 +296,15 @@ pub async fn run_maps_observed(
                             tracing::warn!(shuffle = %spec.id, map, worker, error = %e, "one attempt of a speculated map failed; another is running");
                             continue;
                         }
-                        // The attempt's own worker was lost (not a peer it read from), or, in a
-                        // parity shuffle, a peer it pushed to (its error may name only the
+                        // The attempt's own worker was lost (not a peer it read from), or a peer
+                        // it pushed to (its error may name only the
                         // broken push): run it again elsewhere, with the outputs lost rebuilt
                         // or run again first.
                         Ok(Err(e)) if recover(driver)
                             && again.contains_key(&map)
                             && (driver.generation(worker) != generation
-                                || matches!(e, crate::Error::WorkerLost { worker: w, .. } if w == worker || coded)
-                                || (coded
+                                || matches!(e, crate::Error::WorkerLost { worker: w, .. } if w == worker || pushes)
+                                || (pushes
                                     && (driver.replacements() != replacements_at_start
                                         || driver.check_health().await.is_err()))) =>
                         {

@@ -165,11 +165,13 @@ pub(super) async fn merge(
                 busy[w] = false;
                 match result {
                     Ok(group) => merges.push((group, maps)),
-                    // A lost worker fails the shuffle, unless the maps run again in place
-                    // (their new outputs come back as commits); any other failure leaves the
-                    // maps' own blocks in place (best effort).
+                    // A lost worker fails the shuffle, unless the maps run again in place or
+                    // come back from the store (the map runner does either); any other
+                    // failure leaves the maps' own blocks in place (best effort).
                     Err(Error::WorkerLost { .. })
-                        if opts.recover && driver.replaces_workers() && driver.places_locally(spec.id) =>
+                        if opts.recover
+                            && driver.replaces_workers()
+                            && (driver.places_locally(spec.id) || driver.is_durable(spec.id)) =>
                     {
                         tracing::warn!(shuffle = %spec.id, worker = w, "merge lost with its worker");
                         if let Some(list) = waiting.get_mut(w) {

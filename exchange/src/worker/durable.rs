@@ -41,8 +41,9 @@ impl WorkerState {
         lock(&self.durable).remove(&shuffle);
     }
 
-    /// Write the blocks of one map attempt as one object of a durable shuffle: `held` here,
-    /// and `sent` to other workers (with their bytes). None: `shuffle` is not durable; an
+    /// Write the blocks of one map attempt as one object of a durable shuffle: `held` here
+    /// (worker slot `here`), and `sent` to other workers (with their bytes; each block's
+    /// holder is recorded). None: `shuffle` is not durable; an
     /// empty record and no object: the map wrote no block.
     /// The object's name carries the map and the attempt, so two attempts of a map never
     /// write the same object.
@@ -51,6 +52,7 @@ impl WorkerState {
         shuffle: ShuffleId,
         map: u32,
         attempt: u32,
+        here: u32,
         held: &[BlockMeta],
         sent: &[(u32, BlockMeta, bytes::Bytes)],
     ) -> Result<Option<proto::StoredObject>> {
@@ -62,18 +64,18 @@ impl WorkerState {
             // that says so (a lost worker that held nothing loses nothing).
             return Ok(Some(proto::StoredObject::default()));
         }
-        let mut ordered: Vec<(BlockMeta, Option<&bytes::Bytes>)> = held
+        let mut ordered: Vec<(BlockMeta, u32, Option<&bytes::Bytes>)> = held
             .iter()
-            .map(|m| (*m, None))
-            .chain(sent.iter().map(|(_, m, d)| (*m, Some(d))))
+            .map(|m| (*m, here, None))
+            .chain(sent.iter().map(|(to, m, d)| (*m, *to, Some(d))))
             .collect();
-        ordered.sort_by_key(|(m, _)| (m.id.partition, m.id.seq));
+        ordered.sort_by_key(|(m, _, _)| (m.id.partition, m.id.seq));
         let mut w = ObjectWriter::new(&storage, format!("{prefix}/{map}-{attempt}.fsobj"));
-        for (meta, data) in &ordered {
+        for (meta, holder, data) in &ordered {
             let pushed = match data {
-                Some(d) => w.push(meta, d).await,
+                Some(d) => w.push(meta, *holder, d).await,
                 None => match tokio::task::block_in_place(|| self.store.get_raw(&meta.id)) {
-                    Ok((_, d)) => w.push(meta, &d).await,
+                    Ok((_, d)) => w.push(meta, *holder, &d).await,
                     Err(e) => Err(e),
                 },
             };

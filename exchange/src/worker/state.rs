@@ -269,8 +269,15 @@ impl WorkerState {
         // failed write fails the attempt, the guard removing its blocks).
         let object = match durable {
             true => {
-                self.write_object(shuffle, task.map_id, task.attempt, &out.blocks, &out.sent)
-                    .await?
+                self.write_object(
+                    shuffle,
+                    task.map_id,
+                    task.attempt,
+                    task.worker_index,
+                    &out.blocks,
+                    &out.sent,
+                )
+                .await?
             }
             false => None,
         };
