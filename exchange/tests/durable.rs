@@ -217,3 +217,50 @@ async fn a_store_that_cannot_be_written_fails_the_start_naming_it() {
     // A URL the store does not know is refused before anything starts.
     assert!(StorageConfig::new("gopher://x/y", []).is_err());
 }
+
+/// Requests at M = R = 1000, direct layout (one object per map): the maps write exactly one
+/// object each (counted on disk, the store's side, and by the client's counters), nothing is
+/// read or listed while the shuffle lives, and the drop lists its prefix once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_maps_write_a_thousand_objects_and_list_nothing() {
+    let _serial = SERIAL.lock().await;
+    let store = tempfile::tempdir().unwrap();
+    let cluster = LocalCluster::start(durable_config(store.path()))
+        .await
+        .unwrap();
+    let driver = cluster.driver.clone();
+    let before = driver.storage_stats().await.unwrap();
+    let (maps, partitions) = (1000usize, 1000u32);
+    let input = batches(maps, 20);
+    let spec = spec_k(partitions);
+    driver.create_shuffle(&spec).await.unwrap();
+    let mapped = pull::map_side(
+        &driver,
+        &spec,
+        futures::stream::iter(stream_inputs(&input, 1)),
+        StrategyOptions::default(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(mapped.maps.len(), maps);
+    let objects = files(store.path())
+        .into_iter()
+        .filter(|p| p.to_string_lossy().ends_with(".fsobj"))
+        .count();
+    assert_eq!(objects, maps, "one object per map, on the store's side");
+    let mut out = Vec::new();
+    for p in 0..partitions {
+        let s = driver.read_partition(spec.id, p, true).await.unwrap();
+        out.extend(futures::TryStreamExt::try_collect::<Vec<_>>(s).await.unwrap());
+    }
+    assert_eq!(checksum(&out), checksum(&input), "exact");
+    let live = driver.storage_stats().await.unwrap();
+    assert_eq!(live.puts - before.puts, maps as u64, "{live:?}");
+    assert_eq!(live.lists - before.lists, 0, "no LIST while it lives: {live:?}");
+    assert_eq!(live.gets - before.gets, 0, "reads went to the workers: {live:?}");
+    driver.drop_shuffle(spec.id).await.unwrap();
+    let dropped = driver.storage_stats().await.unwrap();
+    assert_eq!(dropped.lists - before.lists, 1, "{dropped:?}");
+    assert_eq!(dropped.deletes - before.deletes, maps as u64, "{dropped:?}");
+    assert_eq!(files(store.path()), Vec::<PathBuf>::new());
+}
