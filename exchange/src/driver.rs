@@ -49,6 +49,9 @@ pub struct DriverConfig {
     /// Durable shuffles: the object store every shuffle's map outputs are also written to
     /// ([`crate::storage`]); None keeps shuffle data on the workers only.
     pub storage: Option<crate::storage::StorageConfig>,
+    /// Whether shuffles with a store write their map outputs to it (durable); false keeps the
+    /// store as the tier below the workers' local disk only (past their disk budget).
+    pub durable: bool,
 }
 
 impl Default for DriverConfig {
@@ -58,6 +61,7 @@ impl Default for DriverConfig {
             health_interval: Duration::from_secs(1),
             health_timeout: Duration::from_secs(10),
             storage: None,
+            durable: true,
         }
     }
 }

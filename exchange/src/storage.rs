@@ -66,6 +66,7 @@ impl std::fmt::Debug for proto::Storage {
             .field("url", &self.url)
             .field("options", &keys)
             .field("prefix", &self.prefix)
+            .field("tier_only", &self.tier_only)
             .finish()
     }
 }
@@ -101,6 +102,7 @@ impl StorageConfig {
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect(),
             prefix: prefix.to_string(),
+            tier_only: false,
         }
     }
 

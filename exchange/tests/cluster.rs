@@ -325,6 +325,7 @@ async fn bad_requests_get_clear_statuses() {
                 .into_iter()
                 .collect(),
             prefix: "p".into(),
+            ..Default::default()
         });
         let err = w.create_shuffle(&msg).await.unwrap_err();
         let text = err.to_string();

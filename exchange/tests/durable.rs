@@ -251,13 +251,25 @@ async fn a_thousand_maps_write_a_thousand_objects_and_list_nothing() {
     let mut out = Vec::new();
     for p in 0..partitions {
         let s = driver.read_partition(spec.id, p, true).await.unwrap();
-        out.extend(futures::TryStreamExt::try_collect::<Vec<_>>(s).await.unwrap());
+        out.extend(
+            futures::TryStreamExt::try_collect::<Vec<_>>(s)
+                .await
+                .unwrap(),
+        );
     }
     assert_eq!(checksum(&out), checksum(&input), "exact");
     let live = driver.storage_stats().await.unwrap();
     assert_eq!(live.puts - before.puts, maps as u64, "{live:?}");
-    assert_eq!(live.lists - before.lists, 0, "no LIST while it lives: {live:?}");
-    assert_eq!(live.gets - before.gets, 0, "reads went to the workers: {live:?}");
+    assert_eq!(
+        live.lists - before.lists,
+        0,
+        "no LIST while it lives: {live:?}"
+    );
+    assert_eq!(
+        live.gets - before.gets,
+        0,
+        "reads went to the workers: {live:?}"
+    );
     driver.drop_shuffle(spec.id).await.unwrap();
     let dropped = driver.storage_stats().await.unwrap();
     assert_eq!(dropped.lists - before.lists, 1, "{dropped:?}");

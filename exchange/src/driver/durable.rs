@@ -52,7 +52,7 @@ impl Driver {
 
     /// Whether `shuffle` writes its map outputs to a store.
     pub fn is_durable(&self, shuffle: ShuffleId) -> bool {
-        self.store_of(shuffle).is_some()
+        self.cfg.durable && self.store_of(shuffle).is_some()
     }
 
     /// The store message registering `shuffle` on workers carries (None: not durable); the
@@ -61,7 +61,9 @@ impl Driver {
         let store = self.store_of(shuffle);
         self.update_shuffle(shuffle, |e| e.store = Some(store.clone()));
         let s = store?;
-        Some(s.cfg.to_proto(&s.shuffle_prefix(shuffle.0)))
+        let mut msg = s.cfg.to_proto(&s.shuffle_prefix(shuffle.0));
+        msg.tier_only = !self.cfg.durable;
+        Some(msg)
     }
 
     /// Make `shuffle` (before it is registered) durable in the store `cfg` names, or not

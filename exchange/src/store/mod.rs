@@ -12,6 +12,7 @@
 
 mod read;
 pub mod segment;
+pub mod tier;
 
 use crate::block::{BlockId, BlockMeta, EncodedBlock, ShuffleId};
 use crate::error::{Error, Result};
@@ -24,6 +25,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use tier::Tier;
 use tokio::sync::watch;
 
 /// Default size at which a spill segment file is closed and a new one started.
@@ -34,6 +36,9 @@ pub struct StoreConfig {
     pub memory_budget: u64,
     pub spill_dir: PathBuf,
     pub segment_bytes: u64,
+    /// Bytes of spill segment files past which closed segments of shuffles with a tier move
+    /// to it ([`tier`]); None: no limit.
+    pub disk_budget: Option<u64>,
 }
 
 /// What a shuffle is: its schema, partition count and partitioner.
@@ -126,6 +131,8 @@ struct ShuffleState {
     /// Maps whose blocks a committed merge group replaced, and that group.
     merged_into: HashMap<u32, u32>,
     segments: Vec<Arc<Segment>>,
+    /// Where its closed segments move past the disk budget, if anywhere.
+    tier: Option<Arc<Tier>>,
     version: watch::Sender<u64>,
 }
 
@@ -141,6 +148,11 @@ pub struct StoreMetrics {
     pub spill_files: u64,
     pub restored_bytes: u64,
     pub restored_blocks: u64,
+    /// Bytes of blocks in local spill files now.
+    pub disk_bytes: u64,
+    /// Segments (and their blocks' bytes) moved to the tier below disk so far.
+    pub tiered_segments: u64,
+    pub tiered_bytes: u64,
 }
 
 pub struct BlockStore {
@@ -157,6 +169,11 @@ pub struct BlockStore {
     /// Blocks decoded without arrow's re-validation (encoded here, CRC matched).
     unvalidated_decodes: AtomicU64,
     segment_seq: AtomicU64,
+    disk_bytes: AtomicU64,
+    tiered_segments: AtomicU64,
+    tiered_bytes: AtomicU64,
+    /// Held while segments move to the tier (one mover at a time).
+    tiering: Mutex<()>,
     /// The worker's task grants, kept out of the in-memory share (see [`crate::admission`]).
     admission: Option<Arc<crate::admission::Admission>>,
     /// The store made its spill directory (it did not exist): it may remove it when empty.
@@ -185,6 +202,10 @@ impl BlockStore {
             restored_blocks: AtomicU64::new(0),
             unvalidated_decodes: AtomicU64::new(0),
             segment_seq: AtomicU64::new(0),
+            disk_bytes: AtomicU64::new(0),
+            tiered_segments: AtomicU64::new(0),
+            tiered_bytes: AtomicU64::new(0),
+            tiering: Mutex::new(()),
             admission: None,
             made_dir,
         })
@@ -250,9 +271,18 @@ impl BlockStore {
                 reads_started: false,
                 merged_into: HashMap::new(),
                 segments: Vec::new(),
+                tier: None,
                 version,
             },
         );
+        Ok(())
+    }
+
+    /// Let `shuffle`'s closed spill segments move to `tier` past the disk budget.
+    pub fn set_tier(&self, shuffle: ShuffleId, tier: Arc<Tier>) -> Result<()> {
+        let mut st = lock(&self.state);
+        let sh = st.get_mut(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
+        sh.tier = Some(tier);
         Ok(())
     }
 
@@ -599,12 +629,60 @@ impl BlockStore {
         };
         self.spilled_bytes.fetch_add(meta.bytes, Ordering::SeqCst);
         self.spilled_blocks.fetch_add(1, Ordering::SeqCst);
+        self.disk_bytes.fetch_add(meta.bytes, Ordering::SeqCst);
         if active.len() >= self.cfg.segment_bytes {
             if let Some(full) = w.take() {
                 full.finish()?;
             }
+            drop(w);
+            self.tier_down();
         }
         Ok(Location::Spilled { segment, offset })
+    }
+
+    /// Past the disk budget, move the oldest closed segments of shuffles with a tier to it
+    /// until the spill files fit again (or none is left to move). A failed move leaves the
+    /// segment on disk and is logged: the store only goes over its disk budget.
+    fn tier_down(&self) {
+        let Some(budget) = self.cfg.disk_budget else {
+            return;
+        };
+        if self.disk_bytes.load(Ordering::SeqCst) <= budget {
+            return;
+        }
+        // Another thread moving segments does this one's share too.
+        let Ok(_moving) = self.tiering.try_lock() else {
+            return;
+        };
+        let mut movable: Vec<(u64, Arc<Segment>, Arc<Tier>)> = {
+            let st = lock(&self.state);
+            st.values()
+                .filter_map(|sh| sh.tier.clone().map(|t| (sh, t)))
+                .flat_map(|(sh, t)| {
+                    sh.segments
+                        .iter()
+                        .filter(|g| g.movable())
+                        .map(move |g| (segment_number(&g.path), g.clone(), t.clone()))
+                })
+                .collect()
+        };
+        movable.sort_by_key(|(n, _, _)| *n);
+        for (_, seg, tier) in movable {
+            if self.disk_bytes.load(Ordering::SeqCst) <= budget {
+                break;
+            }
+            match seg.move_to(&tier) {
+                Ok(()) => {
+                    self.disk_bytes.fetch_sub(seg.bytes(), Ordering::SeqCst);
+                    self.tiered_bytes.fetch_add(seg.bytes(), Ordering::SeqCst);
+                    self.tiered_segments.fetch_add(1, Ordering::SeqCst);
+                }
+                Err(e) => {
+                    tracing::warn!(segment = %seg.path.display(), "spill segment not moved to the store (it stays on disk): {e}");
+                    break;
+                }
+            }
+        }
     }
 
     fn register_segment(&self, shuffle: ShuffleId, seg: Arc<Segment>) -> Result<()> {
@@ -651,9 +729,12 @@ impl BlockStore {
     /// Seal `shuffle` with the rows its manifest lists for each partition (see
     /// [`Self::expected_rows`]).
     pub fn seal_counted(&self, shuffle: ShuffleId, expected: Option<Arc<[u64]>>) -> Result<()> {
-        if let Some(w) = lock(&self.writers).get(&shuffle) {
-            if let Some(active) = lock(w).take() {
+        let writer = lock(&self.writers).get(&shuffle).cloned();
+        if let Some(w) = writer {
+            let active = lock(&w).take();
+            if let Some(active) = active {
                 active.finish()?;
+                self.tier_down();
             }
         }
         let mut st = lock(&self.state);
@@ -691,11 +772,10 @@ impl BlockStore {
         self.memory_bytes.fetch_sub(in_memory, Ordering::SeqCst);
         sh.version.send_modify(|v| *v += 1);
         for seg in &sh.segments {
-            match std::fs::remove_file(&seg.path) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(Error::io(&seg.path, e)),
+            if !seg.tiered() {
+                self.disk_bytes.fetch_sub(seg.bytes(), Ordering::SeqCst);
             }
+            seg.remove()?;
         }
         Ok(())
     }
@@ -719,8 +799,20 @@ impl BlockStore {
             spill_files: self.spill_files.load(Ordering::SeqCst),
             restored_bytes: self.restored_bytes.load(Ordering::SeqCst),
             restored_blocks: self.restored_blocks.load(Ordering::SeqCst),
+            disk_bytes: self.disk_bytes.load(Ordering::SeqCst),
+            tiered_segments: self.tiered_segments.load(Ordering::SeqCst),
+            tiered_bytes: self.tiered_bytes.load(Ordering::SeqCst),
         }
     }
+}
+
+/// The sequence number in a segment file's name (`<shuffle>-<n>.seg`): lower is older.
+fn segment_number(path: &std::path::Path) -> u64 {
+    path.file_stem()
+        .and_then(|s| s.to_str())
+        .and_then(|s| s.rsplit('-').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
 }
 
 /// Whether `id` may be put into `sh` now.

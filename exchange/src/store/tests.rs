@@ -10,6 +10,7 @@ fn store(budget: u64, segment_bytes: u64) -> (tempfile::TempDir, BlockStore) {
         memory_budget: budget,
         spill_dir: dir.path().to_path_buf(),
         segment_bytes,
+        disk_budget: None,
     })
     .unwrap();
     (dir, s)

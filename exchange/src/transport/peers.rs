@@ -226,6 +226,7 @@ mod tests {
             memory_budget: 1 << 20,
             spill_dir: dir.path().to_path_buf(),
             segment_bytes: 1 << 20,
+            disk_budget: None,
         })
         .unwrap();
         let schema = Arc::new(Schema::new(vec![Field::new("a", DataType::Int32, false)]));

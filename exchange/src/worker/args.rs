@@ -28,6 +28,10 @@ pub struct WorkerArgs {
     /// Size at which a spill segment file is closed.
     #[arg(long, default_value_t = DEFAULT_SEGMENT_BYTES)]
     pub segment_bytes: u64,
+    /// Bytes of spill files past which the closed segments of shuffles registered with a
+    /// store (the cluster's `storage=`) move to it and are read back by range.
+    #[arg(long)]
+    pub disk_budget: Option<u64>,
     /// IPC compression of blocks: none, lz4 or zstd.
     #[arg(long, default_value = "none")]
     pub compression: String,
@@ -77,6 +81,7 @@ impl WorkerArgs {
             memory_budget: self.memory_budget,
             spill_dir: self.spill_dir.clone(),
             segment_bytes: self.segment_bytes.max(1),
+            disk_budget: self.disk_budget,
             compression: self.compression.parse()?,
             timeout: std::time::Duration::from_secs(self.timeout_secs.max(1)),
             lose_commit_replies: self.fault_lose_commit_replies,

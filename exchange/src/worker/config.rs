@@ -19,6 +19,9 @@ pub struct WorkerConfig {
     pub spill_dir: PathBuf,
     /// Size at which a spill segment file is closed.
     pub segment_bytes: u64,
+    /// Bytes of spill files past which the closed segments of shuffles registered with a
+    /// store move to it ([`crate::store::tier`]); None: no limit.
+    pub disk_budget: Option<u64>,
     /// IPC compression of the blocks this worker's maps write.
     pub compression: Compression,
     /// How long a call or a wait for new blocks may take.
@@ -37,6 +40,7 @@ impl WorkerConfig {
             memory_budget: 2 << 30,
             spill_dir: spill_dir.into(),
             segment_bytes: DEFAULT_SEGMENT_BYTES,
+            disk_budget: None,
             compression: Compression::None,
             timeout: Duration::from_secs(600),
             lose_commit_replies: 0,

@@ -2,12 +2,16 @@
 //! each map attempt's blocks held here written as one object before the attempt reports
 //! done, so the commit that follows can record the object in the driver's manifest. The
 //! worker keeps one store client per store (URL and options) for all its shuffles.
+//!
+//! With a disk budget, the same store is the tier below local disk for the shuffle's spill
+//! segments ([`crate::store::tier`]); a shuffle registered `tier_only` uses it for that alone.
 
 use super::state::WorkerState;
 use crate::block::{BlockMeta, ShuffleId};
 use crate::error::Result;
 use crate::proto;
 use crate::storage::{add_stats, ObjectWriter, Storage, StorageConfig};
+use crate::store::tier::Tier;
 use crate::sync::lock;
 use std::sync::Arc;
 
@@ -27,8 +31,32 @@ impl WorkerState {
                 }
             }
         };
-        lock(&self.durable).insert(shuffle, (client, storage.prefix.clone()));
+        if !storage.tier_only {
+            lock(&self.durable).insert(shuffle, (client, storage.prefix.clone()));
+        }
         Ok(())
+    }
+
+    /// With a disk budget, let the closed spill segments of `shuffle` (registered) move to
+    /// its store past the budget ([`crate::store::tier`]).
+    pub(crate) fn use_tier(&self, shuffle: ShuffleId, storage: &proto::Storage) -> Result<()> {
+        if self.store.config().disk_budget.is_none() {
+            return Ok(());
+        }
+        let cfg = StorageConfig::from_proto(storage)?;
+        let client = {
+            let mut clients = lock(&self.tier_storages);
+            match clients.iter().find(|(c, _)| *c == cfg) {
+                Some((_, s)) => s.clone(),
+                None => {
+                    let s = Arc::new(Storage::open(&cfg)?);
+                    clients.push((cfg, s.clone()));
+                    s
+                }
+            }
+        };
+        let tier = Tier::new(client, storage.prefix.clone(), tier_runtime()?);
+        self.store.set_tier(shuffle, Arc::new(tier))
     }
 
     /// Whether `shuffle` is durable.
@@ -90,9 +118,31 @@ impl WorkerState {
     /// Requests this worker made to object stores, over all its clients.
     pub fn storage_stats(&self) -> proto::StorageStats {
         let mut total = proto::StorageStats::default();
-        for (_, s) in lock(&self.storages).iter() {
+        for (_, s) in lock(&self.storages)
+            .iter()
+            .chain(lock(&self.tier_storages).iter())
+        {
             add_stats(&mut total, &s.stats());
         }
         total
     }
+}
+
+/// The runtime every tier of this process runs its requests on: one thread of its own, so a
+/// block store caller waiting for a tiered read never blocks the requests it waits for.
+fn tier_runtime() -> Result<tokio::runtime::Handle> {
+    static RUNTIME: std::sync::OnceLock<tokio::runtime::Handle> = std::sync::OnceLock::new();
+    if let Some(h) = RUNTIME.get() {
+        return Ok(h.clone());
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("flightshuffle-tier")
+        .enable_all()
+        .build()
+        .map_err(|e| crate::error::Error::Cluster(format!("tier runtime: {e}")))?;
+    let handle = RUNTIME.get_or_init(|| rt.handle().clone()).clone();
+    // It lives as long as the process (a runtime cannot be dropped from async code).
+    std::mem::forget(rt);
+    Ok(handle)
 }

@@ -113,6 +113,7 @@ fn small_block_cost(spill_dir: &Path) -> Result<f64> {
         memory_budget: 64 << 20,
         spill_dir: dir.clone(),
         segment_bytes: crate::store::DEFAULT_SEGMENT_BYTES,
+        disk_budget: None,
     })?;
     let schema = lineitem_schema();
     let shuffle = ShuffleId::random();
@@ -160,6 +161,7 @@ fn merge_rate(spill_dir: &Path) -> Result<f64> {
         memory_budget: 64 << 20,
         spill_dir: dir.clone(),
         segment_bytes: crate::store::DEFAULT_SEGMENT_BYTES,
+        disk_budget: None,
     })?;
     let result = (|| {
         let schema = lineitem_schema();

@@ -70,6 +70,9 @@ pub struct WorkerState {
     pub(crate) durable: Mutex<HashMap<ShuffleId, (Arc<crate::storage::Storage>, String)>>,
     /// One client per object store in use.
     pub(crate) storages: Mutex<Vec<(crate::storage::StorageConfig, Arc<crate::storage::Storage>)>>,
+    /// One client per store spill segments move to (used on the tier's own runtime only).
+    pub(crate) tier_storages:
+        Mutex<Vec<(crate::storage::StorageConfig, Arc<crate::storage::Storage>)>>,
 }
 
 pub(crate) type FoldKeys = Arc<Mutex<std::collections::HashSet<(ShuffleId, u32)>>>;
@@ -103,6 +106,7 @@ impl WorkerState {
             memory_budget: cfg.memory_budget,
             spill_dir: cfg.spill_dir.clone(),
             segment_bytes: cfg.segment_bytes.max(1),
+            disk_budget: cfg.disk_budget,
         })?;
         let (admission, store) = if !crate::admission::enabled() {
             (Admission::new(u64::MAX), store)
@@ -139,6 +143,7 @@ impl WorkerState {
             lose_commit_replies: cfg.lose_commit_replies.into(),
             durable: Default::default(),
             storages: Default::default(),
+            tier_storages: Default::default(),
         })
     }
 
@@ -177,7 +182,11 @@ impl WorkerState {
             combiner,
             order: m.order,
             group: m.group,
-        })
+        })?;
+        match &m.storage {
+            Some(storage) => self.use_tier(ShuffleId(m.shuffle_id), storage),
+            None => Ok(()),
+        }
     }
 
     /// Run a map attempt as an abortable task. Its blocks stay pending until the driver
