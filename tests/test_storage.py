@@ -249,3 +249,43 @@ def test_set_flightshuffle_storage_picks_the_store_per_query(durable, store, tpc
         durable.sql("SET flightshuffle.storage = ''")
     assert run()[0] > 0
     assert s3_keys(store[1], "fs-durable") == []
+
+
+def test_a_disk_budget_moves_spill_segments_to_the_store_and_reads_them_back(s3_server):
+    """``durable=False, disk_budget=0``: the store is only the tier below local disk. Every
+    spill segment moves to it once closed, the shuffle reads back exact by range, no map
+    object is written, and nothing is left on the server after the drop."""
+    options = s3_bucket(s3_server, "fs-tier")
+    with fs.Cluster(
+        workers=2,
+        memory_budget="2MiB",
+        timeout=60,
+        storage="s3://fs-tier/spill",
+        storage_options=options,
+        durable=False,
+        disk_budget=0,
+    ) as c:
+        df = frame(300_000)
+        before = c.storage_stats()
+        result = c.shuffle(df, by="key", partitions=4, map_bytes="256KiB")
+        result.wait_mapped()
+        keys = s3_keys(options, "fs-tier")
+        assert keys and all("/spill/" in k and k.endswith(".seg") for k in keys), keys
+        stats = c.stats()
+        tiered = sum(w["tiered_segments"] for w in stats)
+        assert tiered == len(keys), (stats, keys)
+        assert all(w["disk_bytes"] == 0 for w in stats), stats
+        parts = [pl.from_arrow(p) for p in result]
+        assert_same_multiset(df, parts)
+        assert_keys_not_split(parts, ["key"])
+        requests = c.storage_stats()
+        assert requests["puts"] - before["puts"] == tiered, (before, requests)
+        assert requests["gets"] > before["gets"], (before, requests)
+        assert c.recovery()["restored_blocks"] == 0
+        del result
+        deadline = time.monotonic() + 30
+        while s3_keys(options, "fs-tier") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert s3_keys(options, "fs-tier") == []
+    with pytest.raises(ValueError, match="need storage="):
+        fs.Cluster(workers=1, disk_budget="1GiB")

@@ -20,6 +20,9 @@ pub struct LocalClusterConfig {
     pub workers: usize,
     /// Block store budget of each worker, in bytes.
     pub memory_budget: u64,
+    /// Spill file bytes of each worker past which segments move to the cluster's store
+    /// (`driver.storage`); None: no limit.
+    pub disk_budget: Option<u64>,
     /// Parent of the workers' spill dirs; a temporary dir when `None`.
     pub spill_dir: Option<PathBuf>,
     /// none, lz4, zstd or auto (none: every worker shares this host).
@@ -71,6 +74,7 @@ impl LocalClusterConfig {
         LocalClusterConfig {
             workers,
             memory_budget: 1 << 30,
+            disk_budget: None,
             spill_dir: None,
             compression: "auto".into(),
             worker_command,
@@ -109,6 +113,7 @@ struct Launcher {
     program: String,
     lead: Vec<String>,
     memory_budget: u64,
+    disk_budget: Option<u64>,
     spill_root: PathBuf,
     compression: String,
     rpc_timeout: Duration,
@@ -146,6 +151,11 @@ impl Launcher {
             .arg(self.rpc_timeout.as_secs().max(1).to_string())
             .arg("--exit-with-stdin")
             .arg("--token-stdin")
+            .args(
+                self.disk_budget
+                    .map(|b| vec!["--disk-budget".to_string(), b.to_string()])
+                    .unwrap_or_default(),
+            )
             .args(&self.tls_args)
             .env_remove(TOKEN_ENV)
             .stdin(Stdio::piped())
@@ -377,6 +387,7 @@ impl LocalCluster {
             program: program.clone(),
             lead: lead.to_vec(),
             memory_budget: cfg.memory_budget,
+            disk_budget: cfg.disk_budget,
             spill_root: spill_root.clone(),
             compression,
             rpc_timeout: cfg.driver.rpc_timeout,

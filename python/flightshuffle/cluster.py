@@ -213,8 +213,14 @@ class Cluster:
     also come from the ``AWS_*`` environment. They are sent to workers over the cluster's
     authenticated channel and never logged. The cluster checks at start that it can write to
     the store; objects are deleted with their shuffle. ``storage_stats()`` counts requests.
-    Outputs of merge and forward tasks (merged, push, two-level) are not in the store and
-    are recovered as without it; pull is durable end to end.
+    Blocks forwarded by ``auto`` are not in the store (recovered as without it); pull,
+    merged, push and two-level are durable end to end.
+
+    ``disk_budget`` (bytes, with ``storage=``) makes the store the tier below each worker's
+    local disk: past that many bytes of spill files, a worker moves its oldest closed spill
+    segments to the store and reads their blocks back by range (``stats()`` shows
+    ``disk_bytes``, ``tiered_segments``, ``tiered_bytes``). ``durable=False`` keeps the store
+    as that tier only: map outputs are not written to it.
     """
 
     def __init__(
@@ -233,9 +239,15 @@ class Cluster:
         ray_resources: dict[str, float] | None = None,
         storage: str | None = None,
         storage_options: dict[str, str] | None = None,
+        durable: bool = True,
+        disk_budget: int | str | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError("a cluster needs at least one worker")
+        if storage is None and (disk_budget is not None or not durable):
+            raise ValueError(
+                "disk_budget= and durable=False need storage= (the store spill segments move to)"
+            )
         tls_mode, tls_files = _tls_setting(tls)
         if parity not in (0, 1, 2):
             raise ValueError(f"parity must be 0, 1 or 2, not {parity!r}")
@@ -256,6 +268,8 @@ class Cluster:
             "tls_files": tls_files,
             "storage": None if storage is None else str(storage),
             "storage_options": _storage_options(storage, storage_options),
+            "durable": bool(durable),
+            "disk_budget": None if disk_budget is None else parse_bytes(disk_budget),
         }
         if runtime == "ray":
             self._native = self._start_on_ray(workers, options, tls, ray_address, ray_resources)
@@ -302,6 +316,11 @@ class Cluster:
                     "--timeout-secs",
                     str(max(1, int(timeout))),
                 ]
+                + (
+                    []
+                    if options["disk_budget"] is None
+                    else ["--disk-budget", str(options["disk_budget"])]
+                )
             )
             options = {**options, "tls": ray.tls_mode, "tls_files": ray.tls_files}
             return NativeCluster.connect(addresses, ray.token, ray.replace, options)

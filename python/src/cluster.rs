@@ -126,6 +126,11 @@ struct ClusterOptions {
     /// Durable shuffles: an object store URL, and object_store's options for it.
     storage: Option<String>,
     storage_options: Option<std::collections::BTreeMap<String, String>>,
+    /// Whether map outputs are written to the store (false: it is only the tier below the
+    /// workers' disk).
+    durable: bool,
+    /// Spill file bytes per worker past which segments move to the store.
+    disk_budget: Option<u64>,
 }
 
 impl ClusterOptions {
@@ -182,6 +187,8 @@ impl NativeCluster {
             options.tls_files,
         )?;
         cfg.driver.storage = storage;
+        cfg.driver.durable = options.durable;
+        cfg.disk_budget = options.disk_budget;
         // Ctrl-C while the workers start drops the start: the processes started so far are
         // killed, and every worker exits when its driver's pipe closes.
         let cluster = wait(py, &rt, async {
@@ -211,6 +218,7 @@ impl NativeCluster {
         let cfg = flightshuffle::driver::DriverConfig {
             rpc_timeout: Duration::from_secs_f64(options.timeout_secs.max(1.0)),
             storage,
+            durable: options.durable,
             ..Default::default()
         };
         let scratch = options.spill_dir;
@@ -310,6 +318,8 @@ impl NativeCluster {
                     "peak_operator_bytes": s.peak_operator_bytes,
                     "peak_unspillable_bytes": s.peak_unspillable_bytes,
                     "granted_bytes": s.granted_bytes, "running_tasks": s.running_tasks,
+                    "disk_bytes": s.disk_bytes, "tiered_segments": s.tiered_segments,
+                    "tiered_bytes": s.tiered_bytes,
                 })
             })
             .collect();

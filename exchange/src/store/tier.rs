@@ -17,8 +17,9 @@ use std::sync::Arc;
 /// on.
 pub struct Tier {
     storage: Arc<Storage>,
-    /// Where this shuffle's segments go (under the shuffle's prefix, so the driver's drop
-    /// and `flightshuffle storage sweep` find them too).
+    /// Where this shuffle's segments from this process go (under the shuffle's prefix, so
+    /// the driver's drop and `flightshuffle storage sweep` find them too; one name per
+    /// process, as every worker numbers its segment files alike).
     prefix: String,
     runtime: tokio::runtime::Handle,
 }
@@ -44,7 +45,7 @@ impl Tier {
 
     /// The object a segment file named `file` moves to.
     pub fn object_of(&self, file: &str) -> String {
-        format!("{}/spill/{file}", self.prefix)
+        format!("{}/{file}", self.prefix)
     }
 
     /// The full name of `object`, for messages.
@@ -167,7 +168,7 @@ mod tests {
         s.create_shuffle(info(2)).unwrap();
         let tier = Arc::new(Tier::new(
             storage.clone(),
-            "run/1".into(),
+            "run/1/spill/a".into(),
             rt.handle().clone(),
         ));
         s.set_tier(ShuffleId(1), tier).unwrap();

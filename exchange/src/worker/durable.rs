@@ -55,7 +55,11 @@ impl WorkerState {
                 }
             }
         };
-        let tier = Tier::new(client, storage.prefix.clone(), tier_runtime()?);
+        // Segment files are numbered alike on every worker: each process has its own name.
+        static PROCESS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+        let me = PROCESS.get_or_init(rand::random::<u64>);
+        let prefix = format!("{}/spill/{me:016x}", storage.prefix);
+        let tier = Tier::new(client, prefix, tier_runtime()?);
         self.store.set_tier(shuffle, Arc::new(tier))
     }
 

@@ -473,7 +473,10 @@ impl FlightService for WorkerService {
             actions::SEAL_SHUFFLE => {
                 let m: proto::ShuffleRef = decode(&body)?;
                 let rows = (!m.partition_rows.is_empty()).then(|| m.partition_rows.into());
-                s.store.seal_counted(ShuffleId(m.shuffle_id), rows)?;
+                // Blocking: sealing may move segments to the tier below disk.
+                tokio::task::block_in_place(|| {
+                    s.store.seal_counted(ShuffleId(m.shuffle_id), rows)
+                })?;
                 vec![]
             }
             actions::DROP_SHUFFLE => {

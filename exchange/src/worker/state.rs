@@ -632,6 +632,9 @@ impl WorkerState {
             restored_blocks: m.restored_blocks,
             rpcs: self.rpcs.load(std::sync::atomic::Ordering::Relaxed),
             storage: Some(self.storage_stats()),
+            disk_bytes: m.disk_bytes,
+            tiered_segments: m.tiered_segments,
+            tiered_bytes: m.tiered_bytes,
         }
     }
 }
