@@ -82,6 +82,7 @@ def run_mode(args: argparse.Namespace, df: Any, maps: int, storage: dict[str, An
             assert checksum(parts) == want, "output multiset differs"
         out["seconds"] = best
         out["requests_per_shuffle"] = requests
+        out["tiered_segments"] = sum(w["tiered_segments"] for w in c.stats())
         # A worker killed once the map side committed: time to read every partition.
         before_rec, before_req = c.recovery(), c.storage_stats()
         t = time.monotonic()
@@ -189,6 +190,20 @@ def run(args: argparse.Namespace) -> int:
                     "flight_spilling": {"memory_budget": args.spill_budget},
                     "durable_file": {"storage": f"file://{shared}"},
                     "durable_s3": {"storage": "s3://fs-bench/b", "storage_options": s3_options},
+                    # Spill past a 0-byte disk budget goes to S3 (not durable).
+                    "tiered_s3": {
+                        "memory_budget": args.spill_budget,
+                        "storage": "s3://fs-bench/t",
+                        "storage_options": s3_options,
+                        "durable": False,
+                        "disk_budget": 0,
+                    },
+                    "flight_push": {"strategy": "push"},
+                    "durable_s3_push": {
+                        "strategy": "push",
+                        "storage": "s3://fs-bench/p",
+                        "storage_options": s3_options,
+                    },
                 }
                 shape: dict[str, Any] = {}
                 for name, storage in modes.items():

@@ -23,6 +23,9 @@ use tonic::{Request, Response, Status, Streaming};
 
 /// Blocks read ahead of the one being sent on a partition stream.
 const PREFETCH: usize = 2;
+/// Blocks read ahead when they may be in the tier below disk: each is one request to the
+/// store, so a partition read keeps this many in flight.
+const TIERED_PREFETCH: usize = 16;
 
 /// The worker's Flight service, serving blocks, map input and actions over its state.
 pub struct WorkerService {
@@ -48,6 +51,10 @@ impl WorkerService {
         let info = self.state.store.shuffle_info(shuffle)?;
         let schema = FlightData::from(SchemaAsIpc::new(&info.schema, &IpcWriteOptions::default()));
         let state = self.state.clone();
+        let prefetch = match state.store.has_tier(shuffle) {
+            true => TIERED_PREFETCH,
+            false => PREFETCH,
+        };
         let blocks = ids
             .map(move |id| {
                 let state = state.clone();
@@ -58,7 +65,7 @@ impl WorkerService {
                         .map_err(|e| Error::Cluster(format!("block read task failed: {e}")))?
                 }
             })
-            .buffered(PREFETCH)
+            .buffered(prefetch)
             .map(|data| -> Result<Vec<Result<FlightData, Status>>, Status> {
                 let msgs = ipc_to_flight(&data?)?;
                 Ok(msgs
