@@ -102,7 +102,7 @@ pub fn predict(c: &Calibration, shape: &Shape, strategy: Strategy) -> f64 {
     let merged_reads = read(reads(n), n) + transfer;
     let specific = match strategy {
         // Every reducer streams its blocks from N workers.
-        Strategy::Pull | Strategy::Auto => {
+        Strategy::Pull | Strategy::Auto | Strategy::Store => {
             map_blocks * local_block + read(map_blocks, n) + transfer
         }
         Strategy::Merged => merge(blocks_to(1.0)) + merged_reads,

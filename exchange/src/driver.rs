@@ -9,6 +9,7 @@
 
 mod commit;
 mod create;
+mod direct;
 mod durable;
 mod live;
 mod manifest;
@@ -398,7 +399,8 @@ impl Driver {
         // Readers on the workers (stage inputs, folds) check partitions against these.
         let rows = self.expected_rows_all(shuffle).unwrap_or_default();
         let rows = &rows;
-        self.on_all(|w| async move { w.seal(shuffle.0, rows.clone()).await })
+        let objects = &self.objects_to_read(shuffle)?;
+        self.on_all(|w| async move { w.seal(shuffle.0, rows.clone(), objects.clone()).await })
             .await
     }
 
@@ -409,6 +411,9 @@ impl Driver {
         partition: u32,
         wait_sealed: bool,
     ) -> Result<BatchStream> {
+        if let Some(read) = self.read_from_store(shuffle, partition, wait_sealed)? {
+            return Ok(read);
+        }
         let readers = self
             .placement(shuffle)
             .readers(partition, self.num_workers());

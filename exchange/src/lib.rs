@@ -14,6 +14,7 @@ pub mod cluster;
 pub mod combine;
 mod compute;
 mod cost;
+mod direct;
 pub mod driver;
 mod error;
 mod forward;

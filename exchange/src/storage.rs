@@ -103,6 +103,7 @@ impl StorageConfig {
                 .collect(),
             prefix: prefix.to_string(),
             tier_only: false,
+            read_through: false,
         }
     }
 

@@ -276,3 +276,58 @@ async fn a_thousand_maps_write_a_thousand_objects_and_list_nothing() {
     assert_eq!(dropped.deletes - before.deletes, maps as u64, "{dropped:?}");
     assert_eq!(files(store.path()), Vec::<PathBuf>::new());
 }
+
+/// Strategy `store` (Seer's direct exchange): readers read every map's object by range, so a
+/// worker killed once the maps committed costs nothing at all: no map runs again, nothing is
+/// restored, and the answer is exact; the drop leaves no object.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_the_store_readers_read_the_objects_not_the_workers() {
+    let _serial = SERIAL.lock().await;
+    let store = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::start(durable_config(store.path()))
+        .await
+        .unwrap();
+    let input = batches(40, 2_000);
+    let want = checksum(&input);
+    let before = cluster.driver.storage_stats().await.unwrap();
+    let (recomputed, restored) = (
+        cluster.driver.recomputed_maps(),
+        cluster.driver.restored_blocks(),
+    );
+    let opts = options(8, StrategyOptions::named("store").unwrap());
+    let job = start_job(&cluster, &input, &opts, Duration::ZERO).await;
+    let summary = job.mapped().await.unwrap();
+    let mapped = cluster.driver.storage_stats().await.unwrap();
+    cluster.kill_worker(1).unwrap();
+    let mut parts = Vec::new();
+    read_rest(&job, 0, &mut parts).await;
+    assert_eq!(checksum(&parts.concat()), want, "exact");
+    assert_keys_not_split(&parts);
+    assert_eq!(cluster.driver.recomputed_maps(), recomputed);
+    assert_eq!(
+        cluster.driver.restored_blocks(),
+        restored,
+        "nothing to restore"
+    );
+    let maps = summary.maps as u64;
+    assert_eq!(mapped.puts - before.puts, maps, "{mapped:?}");
+    // (The killed worker's counters went with it: the driver's own reads are all there.)
+    let _ = cluster.driver.check_health().await;
+    cluster
+        .driver
+        .wait_all_live(Duration::from_secs(60))
+        .await
+        .unwrap();
+    let after = cluster.driver.storage_stats().await.unwrap();
+    // One ranged read per (map, partition) holding rows at most.
+    let gets = after.gets - before.gets;
+    assert!(gets >= 8 && gets <= maps * 8, "{gets} GETs for {maps} maps");
+    assert_eq!(after.lists, before.lists, "no LIST on a read path");
+    job.close().await.unwrap();
+    assert_eq!(files(store.path()), Vec::<PathBuf>::new());
+    // Without a store the strategy is refused, clearly.
+    let plain = LocalCluster::start(config(2, 1 << 30)).await.unwrap();
+    let job = start_job(&plain, &input, &opts, Duration::ZERO).await;
+    let err = job.mapped().await.unwrap_err();
+    assert!(err.to_string().contains("storage="), "{err}");
+}

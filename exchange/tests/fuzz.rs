@@ -201,7 +201,21 @@ async fn a_worker_survives_fuzzed_actions_tickets_and_puts() {
             actions::SEAL_SHUFFLE,
             proto::ShuffleRef {
                 shuffle_id: 78,
-                partition_rows: vec![],
+                ..Default::default()
+            }
+            .encode_to_vec(),
+        ),
+        // Objects to read through a store the shuffle was never registered with.
+        (
+            actions::SEAL_SHUFFLE,
+            proto::ShuffleRef {
+                shuffle_id: 78,
+                objects: vec![proto::StoredObject {
+                    path: "../../etc/passwd".into(),
+                    size: u64::MAX,
+                    ..Default::default()
+                }],
+                ..Default::default()
             }
             .encode_to_vec(),
         ),
@@ -209,7 +223,7 @@ async fn a_worker_survives_fuzzed_actions_tickets_and_puts() {
             actions::DROP_SHUFFLE,
             proto::ShuffleRef {
                 shuffle_id: 78,
-                partition_rows: vec![],
+                ..Default::default()
             }
             .encode_to_vec(),
         ),

@@ -20,9 +20,9 @@ if TYPE_CHECKING:
     from flightshuffle.dataset import Dataset, Grouped
     from flightshuffle.online import OnlineResult
 
-Strategy = Literal["pull", "merged", "push", "two-level", "auto"]
+Strategy = Literal["pull", "merged", "push", "two-level", "auto", "store"]
 #: Exchange strategies a shuffle or a query can ask for.
-STRATEGIES: tuple[str, ...] = ("pull", "merged", "push", "two-level", "auto")
+STRATEGIES: tuple[str, ...] = ("pull", "merged", "push", "two-level", "auto", "store")
 
 
 _UNITS = {
@@ -353,7 +353,9 @@ class Cluster:
         into a few large blocks per partition while the maps run (Riffle); ``"push"`` sends
         each partition's blocks to the worker that reduces it while the maps run, which
         merges them (Magnet); ``"two-level"`` pushes within a row of a √N grid and reads
-        within a column (Seer), for many workers. ``parity`` (default: the cluster's) protects
+        within a column (Seer), for many workers; ``"store"`` (with ``storage=``) exchanges
+        through the object store: every map writes one object, readers fetch their partition
+        from each object by range (Seer's direct exchange). ``parity`` (default: the cluster's) protects
         this shuffle with that many parity shards per stripe (see :class:`Cluster`).
         """
         keys = [by] if isinstance(by, str) else list(by or [])

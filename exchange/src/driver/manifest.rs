@@ -70,6 +70,8 @@ pub(crate) struct ShuffleEntry {
     pub store: Option<Option<Arc<crate::storage::RunStore>>>,
     /// Its maps write packed blocks from now on.
     pub packing: bool,
+    /// Readers read it from its map objects in the store, once sealed ([`crate::direct`]).
+    pub via_store: bool,
     /// How its strategy was chosen (`auto`: its pick and predicted times).
     pub choice: Option<String>,
     /// The committed blocks readers see now (maps' not merged or forwarded since, merge

@@ -134,6 +134,11 @@ struct ShuffleState {
     segments: Vec<Arc<Segment>>,
     /// Where its closed segments move past the disk budget, if anywhere.
     tier: Option<Arc<Tier>>,
+    /// Exchanged through the store: the client and every committed map's object, from which
+    /// readers here read its partitions ([`crate::direct`]).
+    objects: Option<(Arc<crate::storage::Storage>, Arc<[proto::StoredObject]>)>,
+    /// Readers here wait for the seal and its objects ([`Self::wait_read_through`]).
+    reads_through: bool,
     version: watch::Sender<u64>,
 }
 
@@ -273,6 +278,8 @@ impl BlockStore {
                 merged_into: HashMap::new(),
                 segments: Vec::new(),
                 tier: None,
+                objects: None,
+                reads_through: false,
                 version,
             },
         );
@@ -285,6 +292,74 @@ impl BlockStore {
         let sh = st.get_mut(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
         sh.tier = Some(tier);
         Ok(())
+    }
+
+    /// Read `shuffle` from its map `objects` through `storage` from now on (it is sealed).
+    pub fn read_through(
+        &self,
+        shuffle: ShuffleId,
+        storage: Arc<crate::storage::Storage>,
+        objects: Arc<[proto::StoredObject]>,
+    ) -> Result<()> {
+        let mut st = lock(&self.state);
+        let sh = st.get_mut(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
+        sh.objects = Some((storage, objects));
+        Ok(())
+    }
+
+    /// Whether readers of `shuffle` read it through the store.
+    pub fn reads_through(&self, shuffle: ShuffleId) -> bool {
+        lock(&self.state)
+            .get(&shuffle)
+            .is_some_and(|sh| sh.reads_through || sh.objects.is_some())
+    }
+
+    /// Make readers of `shuffle` wait for its seal and read its map objects.
+    pub fn expect_read_through(&self, shuffle: ShuffleId) -> Result<()> {
+        let mut st = lock(&self.state);
+        let sh = st.get_mut(&shuffle).ok_or(Error::UnknownShuffle(shuffle))?;
+        sh.reads_through = true;
+        Ok(())
+    }
+
+    /// The store and map objects `shuffle` is read from, once sealed, if it is exchanged
+    /// through one: None at once for any other shuffle; for one exchanged through a store,
+    /// after waiting (at most `timeout`) for its seal.
+    pub async fn wait_read_through(
+        &self,
+        shuffle: ShuffleId,
+        timeout: std::time::Duration,
+    ) -> Result<Option<(Arc<crate::storage::Storage>, Arc<[proto::StoredObject]>)>> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let mut rx = {
+                let st = lock(&self.state);
+                let Some(sh) = st.get(&shuffle) else {
+                    return Ok(None);
+                };
+                if let Some(o) = &sh.objects {
+                    return Ok(Some(o.clone()));
+                }
+                if !sh.reads_through {
+                    return Ok(None);
+                }
+                if sh.sealed {
+                    return Err(Error::Cluster(format!(
+                        "shuffle {shuffle} was sealed without the objects to read it through"
+                    )));
+                }
+                sh.version.subscribe()
+            };
+            if tokio::time::timeout_at(deadline, rx.changed())
+                .await
+                .is_err()
+            {
+                return Err(Error::Timeout {
+                    what: format!("shuffle {shuffle} to be sealed (read through the store)"),
+                    seconds: timeout.as_secs_f64(),
+                });
+            }
+        }
     }
 
     /// Whether `shuffle`'s segments may move to a tier (their blocks then read by request).

@@ -29,6 +29,26 @@ pub async fn map_side(
     inputs: impl futures::Stream<Item = crate::driver::MapInput> + Unpin,
     opts: StrategyOptions,
 ) -> Result<pull::Mapped> {
+    if opts.strategy == Strategy::Store {
+        if opts.parity > 0 || !driver.is_durable(spec.id) {
+            return Err(crate::error::Error::invalid(
+                "strategy \"store\" exchanges through the object store: it needs the \
+                 cluster's storage= (durable, the default) or SET flightshuffle.storage, and \
+                 no parity",
+            ));
+        }
+        driver.exchange_via_store(spec.id).await?;
+        driver.note_choice(
+            spec.id,
+            "store: readers read every map's object by range".into(),
+        );
+        // Packed blocks hold several partitions: not read by range.
+        let opts = StrategyOptions {
+            pack: false,
+            ..opts
+        };
+        return pull::map_side(driver, spec, inputs, opts).await;
+    }
     if opts.parity > 0 {
         driver.protect(spec.id, opts.parity)?;
         driver.place(spec.id, Placement::Owner);
@@ -48,5 +68,6 @@ pub async fn map_side(
         Strategy::Push => push::map_side(driver, spec, inputs, opts).await,
         Strategy::TwoLevel => two_level::map_side(driver, spec, inputs, opts).await,
         Strategy::Auto => auto::map_side(driver, spec, inputs, opts).await,
+        Strategy::Store => unreachable!("handled above"),
     }
 }

@@ -16,6 +16,9 @@ pub enum Strategy {
     TwoLevel,
     /// Chosen per exchange by a calibrated cost model ([`auto`]).
     Auto,
+    /// Through the object store (Seer's direct exchange, [`crate::direct`]): maps write one
+    /// object each, reducers read their partition from every object by range.
+    Store,
 }
 
 impl std::fmt::Display for Strategy {
@@ -26,12 +29,13 @@ impl std::fmt::Display for Strategy {
             Strategy::Push => "push",
             Strategy::TwoLevel => "two-level",
             Strategy::Auto => "auto",
+            Strategy::Store => "store",
         })
     }
 }
 
 /// Strategies a user can ask for by name.
-pub const AVAILABLE: &[&str] = &["pull", "merged", "push", "two-level", "auto"];
+pub const AVAILABLE: &[&str] = &["pull", "merged", "push", "two-level", "auto", "store"];
 
 impl std::str::FromStr for Strategy {
     type Err = Error;
@@ -42,6 +46,7 @@ impl std::str::FromStr for Strategy {
             "push" => Ok(Strategy::Push),
             "two-level" => Ok(Strategy::TwoLevel),
             "auto" => Ok(Strategy::Auto),
+            "store" => Ok(Strategy::Store),
             "streaming" => Err(Error::invalid(format!(
                 "the streaming strategy runs online aggregation (Cluster.online / \
                  strategy::streaming::run), not single exchanges; available: {AVAILABLE:?}"

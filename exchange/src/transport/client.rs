@@ -202,7 +202,7 @@ impl WorkerClient {
     pub async fn shuffle_action(&self, kind: &str, shuffle: u64) -> Result<()> {
         let m = proto::ShuffleRef {
             shuffle_id: shuffle,
-            partition_rows: Vec::new(),
+            ..Default::default()
         };
         self.action(kind, m.encode_to_vec(), self.timeout)
             .await
@@ -210,10 +210,16 @@ impl WorkerClient {
     }
 
     /// Seal `shuffle` here, with the rows its manifest lists per partition (empty: unknown).
-    pub async fn seal(&self, shuffle: u64, partition_rows: Vec<u64>) -> Result<()> {
+    pub async fn seal(
+        &self,
+        shuffle: u64,
+        partition_rows: Vec<u64>,
+        objects: Vec<proto::StoredObject>,
+    ) -> Result<()> {
         let m = proto::ShuffleRef {
             shuffle_id: shuffle,
             partition_rows,
+            objects,
         };
         self.action(actions::SEAL_SHUFFLE, m.encode_to_vec(), self.timeout)
             .await

@@ -121,6 +121,32 @@ impl PeerReader {
     }
 }
 
+impl PeerReader {
+    /// Partition `partition` (its `slice`) of `shuffle` read from the map objects, when this
+    /// worker's store says it is exchanged through a store (waiting for its seal); None for
+    /// any other shuffle.
+    fn read_through(
+        &self,
+        shuffle: ShuffleId,
+        partition: u32,
+        slice: Slice,
+    ) -> Option<BatchStream> {
+        let (_, store) = self.local.as_ref()?;
+        if !store.reads_through(shuffle) {
+            return None;
+        }
+        let (store, timeout) = (store.clone(), self.timeout);
+        let read = async move {
+            let Some((storage, objects)) = store.wait_read_through(shuffle, timeout).await? else {
+                return Err(Error::UnknownShuffle(shuffle));
+            };
+            let ranges = crate::direct::ranges_of(&storage, &objects, partition, slice)?;
+            Ok(crate::direct::read(storage, ranges))
+        };
+        Some(Box::pin(futures::stream::once(read).try_flatten()))
+    }
+}
+
 /// Where one peer's blocks come from.
 enum Peer {
     Local(Arc<BlockStore>),
@@ -136,6 +162,10 @@ impl ShuffleReader for PeerReader {
         slice: Slice,
     ) -> BatchStream {
         let timeout = self.timeout;
+        // Exchanged through the store: once sealed (waiting for it), read every map's object.
+        if let Some(through) = self.read_through(shuffle, partition, slice) {
+            return through;
+        }
         let check = match &self.local {
             Some((me, store))
                 if slice.is_whole() && peers.contains(me) && crate::checksum::verify_reads() =>

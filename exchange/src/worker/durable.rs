@@ -63,6 +63,11 @@ impl WorkerState {
         self.store.set_tier(shuffle, Arc::new(tier))
     }
 
+    /// The store client `shuffle` writes its map outputs with, if durable.
+    pub(crate) fn durable_storage(&self, shuffle: ShuffleId) -> Option<Arc<Storage>> {
+        lock(&self.durable).get(&shuffle).map(|(s, _)| s.clone())
+    }
+
     /// Whether `shuffle` is durable.
     pub(crate) fn is_durable(&self, shuffle: ShuffleId) -> bool {
         lock(&self.durable).contains_key(&shuffle)

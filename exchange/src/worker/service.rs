@@ -480,6 +480,17 @@ impl FlightService for WorkerService {
             actions::SEAL_SHUFFLE => {
                 let m: proto::ShuffleRef = decode(&body)?;
                 let rows = (!m.partition_rows.is_empty()).then(|| m.partition_rows.into());
+                if !m.objects.is_empty() {
+                    // Exchanged through the store: readers here read the map objects.
+                    let storage = s.durable_storage(ShuffleId(m.shuffle_id)).ok_or_else(|| {
+                        bad(format!(
+                            "shuffle {} is read through a store it was not registered with",
+                            m.shuffle_id
+                        ))
+                    })?;
+                    s.store
+                        .read_through(ShuffleId(m.shuffle_id), storage, m.objects.into())?;
+                }
                 // Blocking: sealing may move segments to the tier below disk.
                 tokio::task::block_in_place(|| {
                     s.store.seal_counted(ShuffleId(m.shuffle_id), rows)

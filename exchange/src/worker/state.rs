@@ -184,7 +184,12 @@ impl WorkerState {
             group: m.group,
         })?;
         match &m.storage {
-            Some(storage) => self.use_tier(ShuffleId(m.shuffle_id), storage),
+            Some(storage) => {
+                if storage.read_through {
+                    self.store.expect_read_through(ShuffleId(m.shuffle_id))?;
+                }
+                self.use_tier(ShuffleId(m.shuffle_id), storage)
+            }
             None => Ok(()),
         }
     }
