@@ -198,6 +198,12 @@ def run(args: argparse.Namespace) -> int:
                         "durable": False,
                         "disk_budget": 0,
                     },
+                    # Seer's direct exchange: readers read every map's object by range.
+                    "through_s3": {
+                        "strategy": "store",
+                        "storage": "s3://fs-bench/s",
+                        "storage_options": s3_options,
+                    },
                     "flight_push": {"strategy": "push"},
                     "durable_s3_push": {
                         "strategy": "push",

@@ -244,6 +244,10 @@ class Cluster:
     ) -> None:
         if workers < 1:
             raise ValueError("a cluster needs at least one worker")
+        if storage is None and strategy == "store":
+            raise ValueError(
+                'strategy="store" exchanges through an object store: it needs storage='
+            )
         if storage is None and (disk_budget is not None or not durable):
             raise ValueError(
                 "disk_budget= and durable=False need storage= (the store spill segments move to)"
