@@ -13,8 +13,9 @@ use crate::storage::Storage;
 use futures::{StreamExt, TryStreamExt};
 use std::sync::Arc;
 
-/// Objects read at once by one reader.
-const OBJECTS_IN_FLIGHT: usize = 8;
+/// Objects read at once by one reader (each read is one request; a store answers one in some
+/// milliseconds, so many are kept in flight).
+const OBJECTS_IN_FLIGHT: usize = 64;
 
 /// One partition's blocks in the map objects: each object's path and its blocks there, with
 /// the offset each starts at.

@@ -234,7 +234,7 @@ pub async fn map_side(
     };
     let (mut mapped, merges) = futures::future::try_join(maps, decide).await?;
     mapped.merges = merges;
-    driver.seal(spec.id).await?;
+    pull::seal(driver, spec, opts).await?;
     Ok(mapped)
 }
 

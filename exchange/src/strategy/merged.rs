@@ -59,7 +59,7 @@ pub async fn map_side(
     let (mut mapped, merges) =
         futures::future::try_join(maps, merge(driver, spec, commits, opts)).await?;
     mapped.merges = merges;
-    driver.seal(spec.id).await?;
+    pull::seal(driver, spec, opts).await?;
     Ok(mapped)
 }
 

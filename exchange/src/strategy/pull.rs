@@ -18,8 +18,24 @@ pub async fn map_side(
     opts: StrategyOptions,
 ) -> Result<Mapped> {
     let out = run_maps(driver, spec, inputs, 0, opts).await?;
-    driver.seal(spec.id).await?;
+    seal(driver, spec, opts).await?;
     Ok(out)
+}
+
+/// Seal `spec` once its maps are done. A worker found lost by the seal itself (after the map
+/// runner last looked, e.g. by a merge or the seal's own calls) costs a durable shuffle no
+/// rerun: its outputs come back from the store ([`Driver::repair`], which seals); otherwise
+/// the loss is the caller's to handle.
+pub async fn seal(driver: &Arc<Driver>, spec: &ShuffleSpec, opts: StrategyOptions) -> Result<()> {
+    match driver.seal(spec.id).await {
+        Err(crate::Error::WorkerLost { .. })
+            if opts.recover && driver.replaces_workers() && driver.is_durable(spec.id) =>
+        {
+            tracing::warn!(shuffle = %spec.id, "worker lost before the seal: restoring from the store");
+            driver.repair(spec.id).await.map(|_| ())
+        }
+        r => r,
+    }
 }
 
 /// Run map tasks for every input, numbering them from `first_map`, without sealing.
