@@ -331,3 +331,47 @@ async fn through_the_store_readers_read_the_objects_not_the_workers() {
     let err = job.mapped().await.unwrap_err();
     assert!(err.to_string().contains("storage="), "{err}");
 }
+
+/// A worker lost after the map runner last looked and before the seal (here: after the maps,
+/// before the seal is asked for) costs a durable shuffle no rerun: the seal finds the loss,
+/// restores its outputs from the store and seals; the answer is exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_lost_just_before_the_seal_is_restored_by_the_seal() {
+    let _serial = SERIAL.lock().await;
+    let store = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::start(durable_config(store.path()))
+        .await
+        .unwrap();
+    let driver = cluster.driver.clone();
+    let input = batches(30, 2_000);
+    let spec = spec_k(6);
+    driver.create_shuffle(&spec).await.unwrap();
+    let opts = StrategyOptions {
+        recover: true,
+        ..StrategyOptions::default()
+    };
+    let inputs = futures::stream::iter(stream_inputs(&input, 1));
+    let mapped = pull::run_maps(&driver, &spec, inputs, 0, opts)
+        .await
+        .unwrap();
+    assert_eq!(mapped.maps.len(), 30);
+    let (recomputed, restored) = (driver.recomputed_maps(), driver.restored_blocks());
+    cluster.kill_worker(1).unwrap();
+    pull::seal(&driver, &spec, opts).await.unwrap();
+    assert_eq!(driver.recomputed_maps(), recomputed, "no map ran again");
+    assert!(
+        driver.restored_blocks() > restored,
+        "restored from the store"
+    );
+    let mut out = Vec::new();
+    for p in 0..6 {
+        let s = driver.read_partition(spec.id, p, true).await.unwrap();
+        out.extend(
+            futures::TryStreamExt::try_collect::<Vec<_>>(s)
+                .await
+                .unwrap(),
+        );
+    }
+    assert_eq!(checksum(&out), checksum(&input), "exact");
+    driver.drop_shuffle(spec.id).await.unwrap();
+}
