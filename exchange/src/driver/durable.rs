@@ -253,6 +253,24 @@ impl Driver {
         Ok(restored)
     }
 
+    /// [`Self::restore_stored`], for a shuffle whose lost outputs are then run again in
+    /// place: where maps pushed their blocks to every worker, an output the store could not
+    /// give back cannot run again alone (its blocks on live workers are committed), so that
+    /// is an error, and the shuffle must run again whole.
+    pub async fn restore_in_place(self: &Arc<Self>, shuffle: ShuffleId) -> Result<usize> {
+        let restored = self.restore_stored(shuffle).await?;
+        if self.parity_of(shuffle) == 0 && !self.places_locally(shuffle) {
+            if let Some((m, slot, _)) = self.lost_outputs(shuffle).first() {
+                return Err(Error::Cluster(format!(
+                    "shuffle {shuffle} lost blocks of map {m} with worker {slot} that the \
+                     store could not give back (its maps pushed them to all workers): it \
+                     must run again"
+                )));
+            }
+        }
+        Ok(restored)
+    }
+
     /// Restore the blocks one committed map placed on its lost slots (its object records
     /// where each was held; `local`: the map kept them all) from its object, where `mine` are
     /// the map's live

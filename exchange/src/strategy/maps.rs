@@ -6,9 +6,9 @@
 
 use super::options::StrategyOptions;
 use super::speculation::Speculator;
-use crate::block::ShuffleId;
 use crate::checksum::Checksum;
 use crate::compute::AbortOnDrop;
+use crate::driver::{count_loss, MAX_RERUNS};
 use crate::driver::{Driver, MapDone, MapInput, ShuffleSpec};
 use crate::error::Result;
 use futures::stream::FuturesUnordered;
@@ -82,22 +82,6 @@ where
     })
 }
 
-/// Times one map side runs maps again after lost workers before it gives up.
-const MAX_RERUNS: usize = 3;
-
-/// Count one more loss of `map` (its output or a running attempt); an error once it has been
-/// lost more than [`MAX_RERUNS`] times.
-fn count_loss(lost: &mut HashMap<u32, usize>, shuffle: ShuffleId, map: u32) -> Result<()> {
-    let n = lost.entry(map).or_default();
-    *n += 1;
-    if *n > MAX_RERUNS {
-        return Err(crate::Error::Cluster(format!(
-            "map {map} of shuffle {shuffle} lost its worker {n} times"
-        )));
-    }
-    Ok(())
-}
-
 /// [`super::pull::run_maps`], calling `on_commit` with each map output as the driver commits it.
 ///
 /// With `opts.recover` (readers start after the seal) and a driver that replaces lost
@@ -155,17 +139,6 @@ pub async fn run_maps_observed(
             && driver.replaces_workers()
             && (coded || durable || driver.places_locally(spec.id))
     };
-    // Outputs still lost after a restore, where maps pushed: the shuffle must run again.
-    let unrestored = |driver: &Driver| -> Result<()> {
-        match driver.lost_outputs(spec.id).first() {
-            Some((m, slot, _)) if pushes && !coded => Err(crate::Error::Cluster(format!(
-                "shuffle {} lost blocks of map {m} with worker {slot} that the store could \
-                 not give back (its maps pushed them to all workers): it must run again",
-                spec.id
-            ))),
-            _ => Ok(()),
-        }
-    };
     let mut again: HashMap<u32, MapInput> = HashMap::new();
     let mut lost_attempts: HashMap<u32, usize> = HashMap::new();
     let mut health = crate::driver::ticker(driver.config().health_interval);
@@ -211,8 +184,7 @@ pub async fn run_maps_observed(
                         driver.rebuild(spec.id).await?;
                     } else {
                         // Durable: restored from the store, never run again.
-                        driver.restore_stored(spec.id).await?;
-                        unrestored(driver)?;
+                        driver.restore_in_place(spec.id).await?;
                         let done: Vec<u32> = done_maps.iter().copied().collect();
                         for (map, input) in driver.forget_outputs(spec.id, &done)? {
                             done_maps.remove(&map);
@@ -274,8 +246,7 @@ pub async fn run_maps_observed(
                             driver.wait_all_live(crate::driver::REPLACE_TIMEOUT).await?;
                             // Durable: back from the store (now, or by an earlier restore),
                             // and done.
-                            driver.restore_stored(spec.id).await?;
-                            unrestored(driver)?;
+                            driver.restore_in_place(spec.id).await?;
                             if !driver.any_lost(spec.id, &[map]) {
                                 done
                             } else {

@@ -13,24 +13,16 @@ use crate::proto;
 use crate::storage::{add_stats, ObjectWriter, Storage, StorageConfig};
 use crate::store::tier::Tier;
 use crate::sync::lock;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+/// Open store clients, one per store (URL and options).
+pub(crate) type Clients = Vec<(StorageConfig, Arc<Storage>)>;
 
 impl WorkerState {
     /// Remember that `shuffle` writes its map outputs to `storage` (opening a client for a
     /// store not seen before).
     pub(crate) fn set_durable(&self, shuffle: ShuffleId, storage: &proto::Storage) -> Result<()> {
-        let cfg = StorageConfig::from_proto(storage)?;
-        let client = {
-            let mut clients = lock(&self.storages);
-            match clients.iter().find(|(c, _)| *c == cfg) {
-                Some((_, s)) => s.clone(),
-                None => {
-                    let s = Arc::new(Storage::open(&cfg)?);
-                    clients.push((cfg, s.clone()));
-                    s
-                }
-            }
-        };
+        let client = client_of(&self.storages, storage)?;
         if !storage.tier_only {
             lock(&self.durable).insert(shuffle, (client, storage.prefix.clone()));
         }
@@ -43,18 +35,7 @@ impl WorkerState {
         if self.store.config().disk_budget.is_none() {
             return Ok(());
         }
-        let cfg = StorageConfig::from_proto(storage)?;
-        let client = {
-            let mut clients = lock(&self.tier_storages);
-            match clients.iter().find(|(c, _)| *c == cfg) {
-                Some((_, s)) => s.clone(),
-                None => {
-                    let s = Arc::new(Storage::open(&cfg)?);
-                    clients.push((cfg, s.clone()));
-                    s
-                }
-            }
-        };
+        let client = client_of(&self.tier_storages, storage)?;
         // Segment files are numbered alike on every worker: each process has its own name.
         static PROCESS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
         let me = PROCESS.get_or_init(rand::random::<u64>);
@@ -135,6 +116,18 @@ impl WorkerState {
         }
         total
     }
+}
+
+/// The client in `clients` of the store `storage` names, opened and added if it is new.
+fn client_of(clients: &Mutex<Clients>, storage: &proto::Storage) -> Result<Arc<Storage>> {
+    let cfg = StorageConfig::from_proto(storage)?;
+    let mut clients = lock(clients);
+    if let Some((_, s)) = clients.iter().find(|(c, _)| *c == cfg) {
+        return Ok(s.clone());
+    }
+    let s = Arc::new(Storage::open(&cfg)?);
+    clients.push((cfg, s.clone()));
+    Ok(s)
 }
 
 /// The runtime every tier of this process runs its requests on: one thread of its own, so a
