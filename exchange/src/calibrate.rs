@@ -3,7 +3,8 @@
 //! what only calls can show: the latency of one request, and from probe shuffles read back as
 //! reducers read them, the cost of a remote block and the bytes per second of the transport
 //! ([`crate::driver::Driver::calibration`]). Takes about a second. The result is cached in the
-//! driver on first use.
+//! driver on first use. A store's rates ([`store_rates`]) are measured apart, on first use by
+//! an exchange that has one, and cached with the store.
 
 use crate::block::ShuffleId;
 use crate::driver::{Driver, MapInput, ShuffleSpec};
@@ -23,6 +24,61 @@ impl Driver {
             .await
             .cloned()
     }
+}
+
+/// Small ranged reads timed for a store's request rate, and how many are in flight at once
+/// (as a reader keeps them, [`crate::direct`]).
+const STORE_REQUESTS: usize = 256;
+const STORE_IN_FLIGHT: usize = 64;
+/// The object written and read whole for a store's byte rates.
+const STORE_PROBE_BYTES: usize = 16 << 20;
+
+/// The rates of the store `run` for the cost model, measured once from the driver: seconds
+/// per request with [`STORE_IN_FLIGHT`] in flight, bytes per second of one large read and of
+/// one large write. One probe object is written, read and deleted (its requests count in the
+/// store's stats). The rates are one process's: the model takes them as the cluster's, which
+/// is right for a store on this machine and conservative for one that scales with clients.
+pub async fn store_rates(run: &crate::storage::RunStore) -> Result<[f64; 3]> {
+    run.rates
+        .get_or_try_init(|| async {
+            let storage = &run.storage;
+            let path = format!("{}/calibrate-{:016x}.bin", run.run, rand::random::<u64>());
+            let data = bytes::Bytes::from(vec![7u8; STORE_PROBE_BYTES]);
+            let t = std::time::Instant::now();
+            storage.put(&path, data).await?;
+            let write = STORE_PROBE_BYTES as f64 / t.elapsed().as_secs_f64().max(1e-6);
+            let measured = async {
+                let t = std::time::Instant::now();
+                storage.get(&path).await?;
+                let read = STORE_PROBE_BYTES as f64 / t.elapsed().as_secs_f64().max(1e-6);
+                let t = std::time::Instant::now();
+                let path = &path;
+                let small = (0..STORE_REQUESTS).map(|i| async move {
+                    let at = (i * 4096) as u64;
+                    let range = at..at + 1024;
+                    storage.get_ranges(path, std::slice::from_ref(&range)).await
+                });
+                let done: Vec<Result<Vec<bytes::Bytes>>> = futures::stream::iter(small)
+                    .buffer_unordered(STORE_IN_FLIGHT)
+                    .collect()
+                    .await;
+                for d in done {
+                    d?;
+                }
+                let request = t.elapsed().as_secs_f64() / STORE_REQUESTS as f64;
+                Ok::<_, Error>([request, read, write])
+            }
+            .await;
+            let _ = storage.delete(&path).await;
+            let rates = measured?;
+            tracing::info!(
+                ?rates,
+                "store calibrated (s per request, read and write B/s)"
+            );
+            Ok(rates)
+        })
+        .await
+        .copied()
 }
 
 async fn on_cluster(driver: &Arc<Driver>) -> Result<proto::Calibration> {

@@ -12,6 +12,13 @@
 //! makes ~√N requests per map and per reducer. Under `auto` the maps run before the choice are merged
 //! where they ran (merged) or forwarded to the holders and merged there (push, two-level):
 //! their blocks are read back once more.
+//!
+//! Through the store (Seer §4, with this store's calibrated request time and byte rates, taken
+//! as the cluster's, not divided by the cores): `store` makes one ranged GET per map object
+//! per reducer and reads every byte once; `store-two-level` reads every byte twice and writes
+//! it once more, in M·√R + √M·√R + R·√M requests. The map objects themselves are written under
+//! every strategy of a durable shuffle, so they are not counted. A calibration without the
+//! store's figures ranks neither.
 
 use crate::proto::Calibration;
 use crate::strategy::options::Strategy;
@@ -102,9 +109,12 @@ pub fn predict(c: &Calibration, shape: &Shape, strategy: Strategy) -> f64 {
     let merged_reads = read(reads(n), n) + transfer;
     let specific = match strategy {
         // Every reducer streams its blocks from N workers.
-        Strategy::Pull | Strategy::Auto | Strategy::Store => {
+        Strategy::Pull | Strategy::Auto => {
             map_blocks * local_block + read(map_blocks, n) + transfer
         }
+        // Readers decode every block; the store's part is added apart, below (the second
+        // level of two-level copies blocks as bytes: a CRC and a copy, not a decode).
+        Strategy::Store | Strategy::StoreTwoLevel => map_blocks * local_block,
         Strategy::Merged => merge(blocks_to(1.0)) + merged_reads,
         // Blocks cross once, as pushes (a quarter of the transfer hides behind the map side);
         // a reducer reads its own store. The maps run in place before the choice are
@@ -136,19 +146,47 @@ pub fn predict(c: &Calibration, shape: &Shape, strategy: Strategy) -> f64 {
             merge(blocks) + pushes + forwards + reduce
         }
     };
-    (common + specific) / p
+    (common + specific) / p + store_part(c, shape, strategy, map_blocks)
 }
 
-/// Every strategy with its predicted seconds, cheapest first.
+/// Seconds of the requests and bytes an exchange through the store makes of it (0 for the
+/// others): see the module doc.
+fn store_part(c: &Calibration, shape: &Shape, strategy: Strategy, map_blocks: f64) -> f64 {
+    let rate = |r: f64| if r > 0.0 { r } else { 1e9 };
+    let m = shape.maps.max(1) as f64;
+    let r = shape.partitions.max(1) as f64;
+    let b = shape.bytes.max(0.0);
+    let (read, write) = (
+        b / rate(c.store_read_bytes_per_s),
+        b / rate(c.store_write_bytes_per_s),
+    );
+    match strategy {
+        Strategy::Store => map_blocks * c.store_request_s + read,
+        Strategy::StoreTwoLevel => {
+            let (groups, columns) = (m.sqrt().ceil(), r.sqrt().ceil());
+            let requests = (m * columns).min(map_blocks) + groups * columns + r * groups;
+            requests * c.store_request_s + 2.0 * read + write
+        }
+        _ => 0.0,
+    }
+}
+
+/// Every strategy with its predicted seconds, cheapest first; the two through the store only
+/// when `c` has the store's figures.
 pub fn ranking(c: &Calibration, shape: &Shape) -> Vec<(Strategy, f64)> {
+    let store: &[Strategy] = match c.store_request_s > 0.0 {
+        true => &[Strategy::Store, Strategy::StoreTwoLevel],
+        false => &[],
+    };
     let mut all: Vec<(Strategy, f64)> = [
         Strategy::Pull,
         Strategy::Merged,
         Strategy::Push,
         Strategy::TwoLevel,
     ]
-    .into_iter()
-    .map(|s| (s, predict(c, shape, s)))
+    .iter()
+    .chain(store)
+    .map(|&s| (s, predict(c, shape, s)))
     .collect();
     all.sort_by(|a, b| a.1.total_cmp(&b.1));
     all
@@ -171,7 +209,45 @@ mod tests {
             parallelism: 2,
             remote_block_s: 150e-6,
             merge_bytes_per_s: 1e9,
+            ..Default::default()
         }
+    }
+
+    /// Seer's trade-off with a store like S3 seen from many clients (20 ms a request, 1000
+    /// in flight: 20 µs each; 1 GB/s each way), and Flight made slow (a shared 50 MB/s link):
+    /// direct wins with few large objects, two-level with p² tiny ranges; no store figures,
+    /// neither is ranked.
+    #[test]
+    fn the_store_two_level_pays_twice_the_bytes_for_fewer_requests() {
+        let c = Calibration {
+            store_request_s: 20e-6,
+            store_read_bytes_per_s: 1e9,
+            store_write_bytes_per_s: 1e9,
+            network_bytes_per_s: 50e6,
+            remote_block_s: 5e-3,
+            ..machine()
+        };
+        let order = |s: &Shape| {
+            ranking(&c, s)
+                .iter()
+                .map(|(s, _)| *s)
+                .filter(|s| matches!(s, Strategy::Store | Strategy::StoreTwoLevel))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(order(&shape(50, 50))[0], Strategy::Store);
+        let big = Shape {
+            bytes: 2e9,
+            ..shape(10_000, 10_000)
+        };
+        assert_eq!(order(&big)[0], Strategy::StoreTwoLevel);
+        assert!(ranking(&machine(), &big)
+            .iter()
+            .all(|(s, _)| !matches!(s, Strategy::Store | Strategy::StoreTwoLevel)));
+        // Predictions of the store's two-level count its requests: 10 000 × 100 + 100 × 100
+        // + 10 000 × 100, against direct's 10⁸ (both decode the same blocks).
+        let direct = predict(&c, &big, Strategy::Store);
+        let two = predict(&c, &big, Strategy::StoreTwoLevel);
+        assert!(direct - two > 0.95 * 1e8 * 20e-6, "{direct} {two}");
     }
 
     fn shape(partitions: u32, maps: usize) -> Shape {

@@ -4,6 +4,12 @@
 //! each map's object by byte range: one ranged GET per (map, reducer), no LIST (the manifest
 //! names every object and range), each block checked against its CRC32C before it is
 //! decoded. Readers then depend on the store only, never on the worker that ran the map.
+//!
+//! Seer's two-level exchange (§3.2, strategy `store-two-level`) adds a level: [`combine`]
+//! gathers the blocks of one range of partitions (a column) from a group of map objects into
+//! one object, partition by partition; readers then read the combined objects exactly as they
+//! read map objects (a block keeps its map's id), one ranged GET per object, so a shuffle of
+//! p maps and p partitions makes about 2·p·√p requests instead of p².
 
 use crate::block::{decode_block, BlockMeta, Slice};
 use crate::error::{Error, Result};
@@ -93,4 +99,89 @@ pub fn read(storage: Arc<Storage>, ranges: PartitionRanges) -> BatchStream {
         .buffered(OBJECTS_IN_FLIGHT)
         .try_flatten();
     Box::pin(reads)
+}
+
+/// One block read from a map object, with its holder when the map committed.
+type Fetched = (BlockMeta, u32, bytes::Bytes);
+
+/// The blocks of partitions `partitions` in `object`, in one ranged request, each checked
+/// against its CRC32C.
+async fn fetch_column(
+    storage: Arc<Storage>,
+    object: proto::StoredObject,
+    partitions: std::ops::Range<u32>,
+) -> Result<Vec<Fetched>> {
+    let bad = |reason: String| Error::Storage {
+        object: storage.name(&object.path),
+        reason,
+    };
+    if object.blocks.len() != object.offsets.len() {
+        return Err(bad("its index lists blocks and offsets apart".into()));
+    }
+    let mut want = Vec::new();
+    for (i, (m, &offset)) in object.blocks.iter().zip(&object.offsets).enumerate() {
+        let meta = BlockMeta::try_from(m).map_err(|e| bad(format!("a block entry: {e}")))?;
+        if meta.id.partition == crate::ids::PACKED {
+            return Err(bad("it holds packed blocks, not read by range".into()));
+        }
+        if !partitions.contains(&meta.id.partition) {
+            continue;
+        }
+        match offset.checked_add(meta.bytes) {
+            Some(end) if end <= object.size => {}
+            _ => return Err(bad(format!("block {} runs past its end", meta.id))),
+        }
+        let holder = object.holders.get(i).copied().unwrap_or(u32::MAX);
+        want.push((meta, holder, offset));
+    }
+    if want.is_empty() {
+        return Ok(vec![]);
+    }
+    let ranges: Vec<std::ops::Range<u64>> = want.iter().map(|(m, _, o)| *o..o + m.bytes).collect();
+    let data = storage.get_ranges(&object.path, &ranges).await?;
+    let mut out = Vec::with_capacity(want.len());
+    for ((meta, holder, offset), d) in want.into_iter().zip(data) {
+        let crc = crc32c::crc32c(&d);
+        if crc != meta.crc32c || d.len() as u64 != meta.bytes {
+            return Err(bad(format!(
+                "block {} at {offset} has CRC32C {crc:#010x}, the commit recorded {:#010x} \
+                 (corrupted object)",
+                meta.id, meta.crc32c
+            )));
+        }
+        out.push((meta, holder, d));
+    }
+    Ok(out)
+}
+
+/// The second level of the two-level exchange: the blocks of `partitions` in each of
+/// `objects` (one ranged request per object, each block CRC-checked), written to `storage` as
+/// the one object `path`, ordered by partition so a reader's partition is one range of it.
+/// An empty record (no path) and no object when the objects hold none of those partitions.
+pub async fn combine(
+    storage: Arc<Storage>,
+    objects: Vec<proto::StoredObject>,
+    partitions: std::ops::Range<u32>,
+    path: String,
+) -> Result<proto::StoredObject> {
+    let reads = objects
+        .into_iter()
+        .filter(|o| !o.path.is_empty())
+        .map(|o| fetch_column(storage.clone(), o, partitions.clone()));
+    let mut blocks: Vec<Fetched> = futures::stream::iter(reads)
+        .buffered(OBJECTS_IN_FLIGHT)
+        .try_concat()
+        .await?;
+    if blocks.is_empty() {
+        return Ok(proto::StoredObject::default());
+    }
+    blocks.sort_by_key(|(m, _, _)| (m.id.partition, m.id.map, m.id.seq));
+    let mut w = crate::storage::ObjectWriter::new(&storage, path);
+    for (meta, holder, data) in &blocks {
+        if let Err(e) = w.push(meta, *holder, data).await {
+            w.abort().await;
+            return Err(e);
+        }
+    }
+    w.finish().await
 }

@@ -421,6 +421,10 @@ pub struct RunStore {
     /// A random name of this run (`run-<16 hex digits>`): two clusters sharing a store never
     /// share objects, and a sweep recognises what runs left.
     pub run: String,
+    /// The store's rates for the cost model, measured on first use
+    /// ([`crate::calibrate::store_rates`]): seconds per request with many in flight, bytes
+    /// per second read, bytes per second written.
+    pub rates: tokio::sync::OnceCell<[f64; 3]>,
 }
 
 impl RunStore {
@@ -430,6 +434,7 @@ impl RunStore {
             cfg: cfg.clone(),
             storage: Arc::new(Storage::open(cfg)?),
             run: format!("run-{:016x}", rand::random::<u64>()),
+            rates: tokio::sync::OnceCell::new(),
         })
     }
 

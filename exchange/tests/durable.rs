@@ -375,3 +375,134 @@ async fn a_worker_lost_just_before_the_seal_is_restored_by_the_seal() {
     assert_eq!(checksum(&out), checksum(&input), "exact");
     driver.drop_shuffle(spec.id).await.unwrap();
 }
+
+/// Strategy `store-two-level` (Seer §3.2) at M = R = 1000: the maps write 1000 objects, the
+/// second level ⌈√M⌉ × ⌈√R⌉ = 1024 combined objects, and the requests stay near 2·p·√p
+/// (reads: one per (map, column) and one per (partition, group)) where the direct exchange
+/// reads up to p² ranges; the answer is exact, nothing is listed, the drop leaves no object.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_level_through_the_store_makes_p_sqrt_p_requests_not_p_squared() {
+    let _serial = SERIAL.lock().await;
+    let store = tempfile::tempdir().unwrap();
+    let cluster = LocalCluster::start(durable_config(store.path()))
+        .await
+        .unwrap();
+    let driver = cluster.driver.clone();
+    let (maps, partitions) = (1000usize, 1000u32);
+    let input = batches(maps, 20);
+    let spec = spec_k(partitions);
+    driver.create_shuffle(&spec).await.unwrap();
+    let before = driver.storage_stats().await.unwrap();
+    let mapped = flightshuffle::strategy::map_side(
+        &driver,
+        &spec,
+        futures::stream::iter(stream_inputs(&input, 1)),
+        StrategyOptions::named("store-two-level").unwrap(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(mapped.maps.len(), maps);
+    let choice = driver.choice(spec.id).unwrap_or_default();
+    assert!(choice.contains("32 groups x 32 columns"), "{choice}");
+    let objects = files(store.path())
+        .into_iter()
+        .filter(|p| p.to_string_lossy().ends_with(".fsobj"))
+        .count();
+    let combined = 32 * 32;
+    assert_eq!(objects, maps + combined, "on the store's side");
+    let mut out = Vec::new();
+    for p in 0..partitions {
+        let s = driver.read_partition(spec.id, p, true).await.unwrap();
+        out.extend(
+            futures::TryStreamExt::try_collect::<Vec<_>>(s)
+                .await
+                .unwrap(),
+        );
+    }
+    assert_eq!(checksum(&out), checksum(&input), "exact");
+    let live = driver.storage_stats().await.unwrap();
+    let p = maps as u64;
+    assert_eq!(live.puts - before.puts, p + combined as u64, "{live:?}");
+    // The second level reads each map object at most once per column (32 000 GETs),
+    // readers each combined object at most once per partition (32 000): within 2·p·√p,
+    // whatever the rows. The direct exchange reads one range per (map, partition) holding
+    // rows: up to p² = 1 000 000 (here, with 20 rows per map, at most 20 000).
+    let gets = live.gets - before.gets;
+    assert!(gets <= 2 * p * 32, "{gets} GETs: {live:?}");
+    assert_eq!(
+        gets,
+        driver.store_reads(spec.id),
+        "the manifest's count is the client's"
+    );
+    assert_eq!(live.lists - before.lists, 0, "no LIST: {live:?}");
+    driver.drop_shuffle(spec.id).await.unwrap();
+    assert_eq!(files(store.path()), Vec::<PathBuf>::new());
+}
+
+/// `auto` on a durable shuffle weighs the store with its own measured rates: under a
+/// calibration whose Flight transport is 1 MB/s, reading through the store (here `file://`
+/// on local disk) is cheaper, so it picks one of the store's two layouts late, after its
+/// first wave, and the answer is exact; the choice shows the store's predictions. Readers
+/// that stream during the map side (no `pack`) keep it off the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_goes_through_the_store_when_the_model_says_it_is_cheaper() {
+    let _serial = SERIAL.lock().await;
+    let store = tempfile::tempdir().unwrap();
+    let cluster = LocalCluster::start(durable_config(store.path()))
+        .await
+        .unwrap();
+    let driver = cluster.driver.clone();
+    driver
+        .use_calibration(flightshuffle::proto::Calibration {
+            partition_bytes_per_s: 1e9,
+            encode_bytes_per_s: 1e9,
+            decode_bytes_per_s: 1e9,
+            block_overhead_s: 50e-6,
+            disk_write_bytes_per_s: 1e9,
+            disk_read_bytes_per_s: 1e9,
+            request_s: 100e-6,
+            network_bytes_per_s: 1e6,
+            parallelism: 2,
+            remote_block_s: 100e-6,
+            merge_bytes_per_s: 1e9,
+            ..Default::default()
+        })
+        .unwrap();
+    let input = batches(24, 2_000);
+    for pack in [true, false] {
+        let spec = spec_k(8);
+        driver.create_shuffle(&spec).await.unwrap();
+        let opts = StrategyOptions {
+            pack,
+            ..StrategyOptions::named("auto").unwrap()
+        };
+        flightshuffle::strategy::map_side(
+            &driver,
+            &spec,
+            futures::stream::iter(stream_inputs(&input, 1)),
+            opts,
+        )
+        .await
+        .unwrap();
+        let choice = driver.choice(spec.id).unwrap_or_default();
+        let mut out = Vec::new();
+        for p in 0..8 {
+            let s = driver.read_partition(spec.id, p, true).await.unwrap();
+            out.extend(
+                futures::TryStreamExt::try_collect::<Vec<_>>(s)
+                    .await
+                    .unwrap(),
+            );
+        }
+        assert_eq!(checksum(&out), checksum(&input), "exact ({choice})");
+        if pack {
+            assert!(choice.starts_with("auto: store"), "{choice}");
+            assert!(choice.contains("store-two-level "), "{choice}");
+            assert!(driver.via_store(spec.id));
+        } else {
+            assert!(!choice.contains("store"), "{choice}");
+            assert!(!driver.via_store(spec.id));
+        }
+        driver.drop_shuffle(spec.id).await.unwrap();
+    }
+}

@@ -388,6 +388,7 @@ fn push_wins() -> flightshuffle::proto::Calibration {
         parallelism: 2,
         remote_block_s: 100e-6,
         merge_bytes_per_s: 1e9,
+        ..Default::default()
     }
 }
 

@@ -20,9 +20,17 @@ if TYPE_CHECKING:
     from flightshuffle.dataset import Dataset, Grouped
     from flightshuffle.online import OnlineResult
 
-Strategy = Literal["pull", "merged", "push", "two-level", "auto", "store"]
+Strategy = Literal["pull", "merged", "push", "two-level", "auto", "store", "store-two-level"]
 #: Exchange strategies a shuffle or a query can ask for.
-STRATEGIES: tuple[str, ...] = ("pull", "merged", "push", "two-level", "auto", "store")
+STRATEGIES: tuple[str, ...] = (
+    "pull",
+    "merged",
+    "push",
+    "two-level",
+    "auto",
+    "store",
+    "store-two-level",
+)
 
 
 _UNITS = {
@@ -244,9 +252,9 @@ class Cluster:
     ) -> None:
         if workers < 1:
             raise ValueError("a cluster needs at least one worker")
-        if storage is None and strategy == "store":
+        if storage is None and strategy in ("store", "store-two-level"):
             raise ValueError(
-                'strategy="store" exchanges through an object store: it needs storage='
+                f"strategy={strategy!r} exchanges through an object store: it needs storage="
             )
         if storage is None and (disk_budget is not None or not durable):
             raise ValueError(
@@ -359,7 +367,10 @@ class Cluster:
         merges them (Magnet); ``"two-level"`` pushes within a row of a √N grid and reads
         within a column (Seer), for many workers; ``"store"`` (with ``storage=``) exchanges
         through the object store: every map writes one object, readers fetch their partition
-        from each object by range (Seer's direct exchange). ``parity`` (default: the cluster's) protects
+        from each object by range (Seer's direct exchange); ``"store-two-level"`` adds Seer's
+        second level, which gathers each column of partitions of a group of map objects into
+        one object first: about 2·p·√p requests instead of p², for many maps and partitions;
+        ``"auto"`` on a durable cluster weighs both against Flight. ``parity`` (default: the cluster's) protects
         this shuffle with that many parity shards per stripe (see :class:`Cluster`).
         """
         keys = [by] if isinstance(by, str) else list(by or [])

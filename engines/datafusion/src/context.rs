@@ -79,6 +79,9 @@ pub struct StageMetrics {
     pub stored_objects: u64,
     /// Bytes of those objects.
     pub stored_bytes: u64,
+    /// Read through the store (strategy `store` or `store-two-level`): the ranged GETs its
+    /// readers (and the second level) make, one per object and partition it holds.
+    pub store_gets: u64,
 }
 
 /// A query's rows and how its exchanges went.
@@ -411,9 +414,13 @@ impl DistributedContext {
             let (batches, stages) = self.execute(&staged).await?;
             out.push_str("\nExchanges:\n");
             for s in &stages {
-                let stored = match s.stored_objects {
-                    0 => String::new(),
-                    n => format!(", {n} objects ({} bytes) to the store", s.stored_bytes),
+                let stored = match (s.stored_objects, s.store_gets) {
+                    (0, _) => String::new(),
+                    (n, 0) => format!(", {n} objects ({} bytes) to the store", s.stored_bytes),
+                    (n, g) => format!(
+                        ", {n} objects ({} bytes) to the store, {g} ranged GETs",
+                        s.stored_bytes
+                    ),
                 };
                 out.push_str(&format!(
                     "  stage {}: {} — {} tasks, {} rows, {} bytes, {} blocks, {} bytes spilled, \
@@ -536,6 +543,7 @@ impl DistributedContext {
                 end_s: r.end_s,
                 stored_objects: r.stored_objects,
                 stored_bytes: r.stored_bytes,
+                store_gets: r.store_gets,
             })
             .collect();
         Ok((batches, metrics))

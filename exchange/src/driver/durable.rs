@@ -44,7 +44,7 @@ impl Driver {
 
     /// The store `shuffle` writes to (None: not durable): the one chosen for it, or the
     /// cluster's.
-    pub(super) fn store_of(&self, shuffle: ShuffleId) -> Option<Arc<RunStore>> {
+    pub(crate) fn store_of(&self, shuffle: ShuffleId) -> Option<Arc<RunStore>> {
         self.with_shuffle(shuffle, |e| e.store.clone())
             .flatten()
             .unwrap_or_else(|| self.storage.clone())
@@ -103,12 +103,15 @@ impl Driver {
         probe(&store).await
     }
 
-    /// The objects the committed maps of `shuffle` wrote to the store, and their bytes.
+    /// The objects the committed maps of `shuffle` wrote to the store (and, two-level
+    /// through the store, its second level), and their bytes.
     pub fn stored(&self, shuffle: ShuffleId) -> (u64, u64) {
         self.with_shuffle(shuffle, |e| {
             e.outputs
                 .values()
-                .filter_map(|m| m.object.as_ref().filter(|o| !o.path.is_empty()))
+                .filter_map(|m| m.object.as_ref())
+                .chain(e.combined.iter().flatten())
+                .filter(|o| !o.path.is_empty())
                 .fold((0, 0), |(n, b), o| (n + 1, b + o.size))
         })
         .unwrap_or((0, 0))

@@ -72,6 +72,11 @@ pub(crate) struct ShuffleEntry {
     pub packing: bool,
     /// Readers read it from its map objects in the store, once sealed ([`crate::direct`]).
     pub via_store: bool,
+    /// Two-level through the store: the combined objects readers read in place of the map
+    /// objects, once the second level wrote them ([`crate::direct::combine`]).
+    pub combined: Option<Vec<proto::StoredObject>>,
+    /// The ranged GETs the second level made (one per map object and column it read).
+    pub combine_gets: u64,
     /// How its strategy was chosen (`auto`: its pick and predicted times).
     pub choice: Option<String>,
     /// The committed blocks readers see now (maps' not merged or forwarded since, merge

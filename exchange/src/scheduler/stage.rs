@@ -77,6 +77,8 @@ pub struct StageReport {
     pub stored_objects: u64,
     /// Bytes of those objects.
     pub stored_bytes: u64,
+    /// Read through the store: the ranged GETs its readers (and second level) make.
+    pub store_gets: u64,
 }
 
 /// A stage as the run keeps it: what recovery needs to finish it after the pipelined pass.
@@ -137,6 +139,7 @@ pub(crate) fn report(
     StageReport {
         stored_objects,
         stored_bytes,
+        store_gets: driver.store_reads(spec.id),
         strategy,
         max_partition_bytes,
         median_partition_bytes,

@@ -13,10 +13,15 @@
 //! first wave's maps write unpacked blocks in place. The pick, the predicted times and the
 //! forwards are noted on the driver and shown by `EXPLAIN ANALYZE`.
 //!
+//! A durable shuffle whose readers start after the seal may also go through the store
+//! ([`super::store`]): the model then has the store's calibrated rates, and a pick of `store`
+//! or `store-two-level` marks the exchange read through the store while the rest of the maps
+//! run, unpacked, and runs the second level (two-level) before the seal.
+//!
 //! The model itself is [`crate::cost`].
 
 use super::options::{Strategy, StrategyOptions};
-use super::{merged, pull};
+use super::{merged, pull, store};
 use crate::cost::{ranking, Shape};
 use crate::driver::Placement;
 use crate::driver::{Driver, MapDone, MapInput, ShuffleSpec};
@@ -118,7 +123,17 @@ pub async fn map_side(
     inputs: impl Stream<Item = MapInput> + Unpin,
     opts: StrategyOptions,
 ) -> Result<pull::Mapped> {
-    let calibration = driver.calibration().await?;
+    let mut calibration = driver.calibration().await?;
+    // A durable shuffle whose readers start after the seal may also go through the store:
+    // the model then weighs it with the store's own rates.
+    if opts.pack && opts.parity == 0 && driver.is_durable(spec.id) {
+        if let Some(store) = driver.store_of(spec.id) {
+            let [request, read, write] = crate::calibrate::store_rates(&store).await?;
+            calibration.store_request_s = request;
+            calibration.store_read_bytes_per_s = read;
+            calibration.store_write_bytes_per_s = write;
+        }
+    }
     // The number of maps, where the input says it (SQL stages, benchmarks) or the caller
     // estimated it (a Python shuffle of a table); otherwise the maps submitted by the time
     // of the choice (at least the first wave).
@@ -168,7 +183,13 @@ pub async fn map_side(
         // Every map has been submitted in place already: only pull and merged are open
         // (push and two-level are still shown, marked).
         let in_place = exhausted.load(std::sync::atomic::Ordering::SeqCst);
-        let open = |s: Strategy| !in_place || matches!(s, Strategy::Pull | Strategy::Merged);
+        let open = |s: Strategy| {
+            !in_place
+                || matches!(
+                    s,
+                    Strategy::Pull | Strategy::Merged | Strategy::Store | Strategy::StoreTwoLevel
+                )
+        };
         let pick = ranked
             .iter()
             .find(|(s, _)| open(*s))
@@ -193,6 +214,13 @@ pub async fn map_side(
         );
         tracing::info!(shuffle = %spec.id, %note, "strategy chosen");
         driver.note_choice(spec.id, note.clone());
+        if matches!(pick, Strategy::Store | Strategy::StoreTwoLevel) {
+            // Readers wait for the objects; the maps to come run unpacked, in place.
+            driver.exchange_via_store(spec.id).await?;
+            let _ = decided.send(true);
+            while rx.recv().await.is_some() {}
+            return Ok((Vec::new(), Some((pick, note))));
+        }
         let placement = match pick {
             Strategy::Push => Some(Placement::Owner),
             Strategy::TwoLevel => Some(Placement::Grid),
@@ -207,7 +235,7 @@ pub async fn map_side(
         let _ = decided.send(true);
         if pick == Strategy::Pull {
             while rx.recv().await.is_some() {}
-            return Ok(Vec::new());
+            return Ok((Vec::new(), None));
         }
         // The first wave's maps are merged where they ran, or forwarded to the holders
         // beside the maps that follow and merged there (those that could not go stay and
@@ -230,11 +258,14 @@ pub async fn map_side(
         let commits = futures::stream::select(wave_done, rest);
         let ((), merges) =
             futures::future::try_join(forward, merged::merge(driver, spec, commits, opts)).await?;
-        Ok(merges)
+        Ok((merges, None))
     };
-    let (mut mapped, merges) = futures::future::try_join(maps, decide).await?;
+    let (mut mapped, (merges, through)) = futures::future::try_join(maps, decide).await?;
     mapped.merges = merges;
-    pull::seal(driver, spec, opts).await?;
+    match through {
+        Some((pick, note)) => store::finish(driver, spec, pick, &format!("{note}; "), opts).await?,
+        None => pull::seal(driver, spec, opts).await?,
+    }
     Ok(mapped)
 }
 

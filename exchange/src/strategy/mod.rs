@@ -14,6 +14,7 @@ pub mod options;
 pub mod pull;
 pub mod push;
 pub mod speculation;
+pub mod store;
 pub mod streaming;
 pub mod two_level;
 
@@ -29,25 +30,16 @@ pub async fn map_side(
     inputs: impl futures::Stream<Item = crate::driver::MapInput> + Unpin,
     opts: StrategyOptions,
 ) -> Result<pull::Mapped> {
-    if opts.strategy == Strategy::Store {
+    if matches!(opts.strategy, Strategy::Store | Strategy::StoreTwoLevel) {
         if opts.parity > 0 || !driver.is_durable(spec.id) {
-            return Err(crate::error::Error::invalid(
-                "strategy \"store\" exchanges through the object store: it needs the \
+            return Err(crate::error::Error::invalid(format!(
+                "strategy \"{}\" exchanges through the object store: it needs the \
                  cluster's storage= (durable, the default) or SET flightshuffle.storage, and \
                  no parity",
-            ));
+                opts.strategy
+            )));
         }
-        driver.exchange_via_store(spec.id).await?;
-        driver.note_choice(
-            spec.id,
-            "store: readers read every map's object by range".into(),
-        );
-        // Packed blocks hold several partitions: not read by range.
-        let opts = StrategyOptions {
-            pack: false,
-            ..opts
-        };
-        return pull::map_side(driver, spec, inputs, opts).await;
+        return store::map_side(driver, spec, inputs, opts).await;
     }
     if opts.parity > 0 {
         driver.protect(spec.id, opts.parity)?;
@@ -68,6 +60,6 @@ pub async fn map_side(
         Strategy::Push => push::map_side(driver, spec, inputs, opts).await,
         Strategy::TwoLevel => two_level::map_side(driver, spec, inputs, opts).await,
         Strategy::Auto => auto::map_side(driver, spec, inputs, opts).await,
-        Strategy::Store => unreachable!("handled above"),
+        Strategy::Store | Strategy::StoreTwoLevel => unreachable!("handled above"),
     }
 }

@@ -184,6 +184,15 @@ impl WorkerClient {
         decode(&body)
     }
 
+    /// Run the second level of a two-level exchange through the store on the worker: it
+    /// writes one combined object and returns its record ([`crate::direct::combine`]).
+    pub async fn combine(&self, m: &proto::CombineTask) -> Result<proto::StoredObject> {
+        let body = self
+            .action(actions::COMBINE, m.encode_to_vec(), self.timeout)
+            .await?;
+        decode(&body)
+    }
+
     /// Commit one map attempt (its blocks become visible to readers).
     pub async fn commit(&self, m: &proto::CommitTask) -> Result<()> {
         self.action(actions::COMMIT, m.encode_to_vec(), self.timeout)

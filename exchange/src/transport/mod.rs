@@ -80,6 +80,9 @@ pub mod actions {
     pub const COMMIT: &str = "commit";
     /// Run a merge task (or a forward) over committed map outputs.
     pub const MERGE: &str = "merge";
+    /// Combine a column of a group of map objects into one object (two-level through the
+    /// store).
+    pub const COMBINE: &str = "combine_objects";
     /// Report the worker's block store and task counters.
     pub const STATS: &str = "stats";
     /// Answer with the worker's id and process id.
@@ -97,6 +100,7 @@ pub mod actions {
         CANCEL,
         COMMIT,
         MERGE,
+        COMBINE,
         STATS,
         HEALTH,
         CALIBRATE,

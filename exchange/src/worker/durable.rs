@@ -105,6 +105,41 @@ impl WorkerState {
         w.finish().await.map(Some)
     }
 
+    /// The second level of a two-level exchange through the store: the blocks of one range
+    /// of partitions of a group of map objects written as one object, named by its group,
+    /// column and attempt ([`crate::direct::combine`]).
+    pub(crate) async fn combine_objects(
+        &self,
+        task: proto::CombineTask,
+    ) -> Result<proto::StoredObject> {
+        let shuffle = ShuffleId(task.shuffle_id);
+        let info = self.store.shuffle_info(shuffle)?;
+        let Some((storage, prefix)) = lock(&self.durable).get(&shuffle).cloned() else {
+            return Err(crate::Error::invalid(format!(
+                "shuffle {shuffle} has no store to combine objects in"
+            )));
+        };
+        let parts = task.first_partition..task.end_partition;
+        if parts.is_empty() || parts.end > info.partitions {
+            return Err(crate::Error::invalid(format!(
+                "combine of partitions {parts:?}: shuffle {shuffle} has {}",
+                info.partitions
+            )));
+        }
+        let mine = format!("{prefix}/");
+        if let Some(o) = task.objects.iter().find(|o| !o.path.starts_with(&mine)) {
+            return Err(crate::Error::invalid(format!(
+                "combine of object {:?}: not an object of shuffle {shuffle}",
+                o.path
+            )));
+        }
+        let path = format!(
+            "{prefix}/c{}-{}-{}.fsobj",
+            task.group, task.column, task.attempt
+        );
+        crate::direct::combine(storage, task.objects, parts, path).await
+    }
+
     /// Requests this worker made to object stores, over all its clients.
     pub fn storage_stats(&self) -> proto::StorageStats {
         let mut total = proto::StorageStats::default();

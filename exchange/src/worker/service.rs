@@ -533,6 +533,7 @@ impl FlightService for WorkerService {
                 vec![]
             }
             actions::MERGE => s.merge(decode(&body)?).await?.encode_to_vec(),
+            actions::COMBINE => s.combine_objects(decode(&body)?).await?.encode_to_vec(),
             actions::STATS => s.stats().encode_to_vec(),
             actions::CALIBRATE => s.calibrate(decode(&body)?).await?.encode_to_vec(),
             actions::HEALTH => proto::Health {
