@@ -1,6 +1,7 @@
 """``flightshuffle-bench storage-bench``: the same shuffle (M maps into R = M partitions) on the
 in-memory Flight path, durable through a shared directory (``file://``) and durable through an
-S3-compatible server, in one run; then a worker killed after the map side under each. Prints
+S3-compatible server, through the store directly and in two levels, with parity, in one run;
+then a worker killed after the map side under each (``--modes`` picks some). Prints
 JSON: seconds (best of ``--repeat``), the ratio to the Flight path, requests per shuffle as
 counted, and the S3 request cost per TB of shuffled data at list prices for this layout (one
 object per map, ranged reads) beside a layout of one object per (map, reducer) read by LIST
@@ -98,6 +99,7 @@ def run_mode(args: argparse.Namespace, df: Any, maps: int, storage: dict[str, An
             "seconds": took,
             "recomputed_maps": rec["recomputed_maps"] - before_rec["recomputed_maps"],
             "restored_blocks": rec["restored_blocks"] - before_rec["restored_blocks"],
+            "rebuilt_blocks": rec["rebuilt_blocks"] - before_rec["rebuilt_blocks"],
             "rerun_jobs": rec["rerun_jobs"] - before_rec["rerun_jobs"],
             "bytes_read_from_store": delta(c.storage_stats(), before_req)["bytes_read"],
         }
@@ -204,6 +206,16 @@ def run(args: argparse.Namespace) -> int:
                         "storage": "s3://fs-bench/s",
                         "storage_options": s3_options,
                     },
+                    # Seer's two-level exchange: a second level combines each column of
+                    # partitions of a group of map objects into one object first.
+                    "through_s3_two_level": {
+                        "strategy": "store-two-level",
+                        "storage": "s3://fs-bench/g",
+                        "storage_options": s3_options,
+                    },
+                    # Recovery by parity (one shard per stripe): the lost worker's blocks
+                    # rebuilt, nothing re-run.
+                    "flight_parity": {"parity": 1},
                     "flight_push": {"strategy": "push"},
                     "durable_s3_push": {
                         "strategy": "push",
@@ -213,15 +225,21 @@ def run(args: argparse.Namespace) -> int:
                 }
                 shape: dict[str, Any] = {}
                 for name, storage in modes.items():
+                    if args.modes and name not in args.modes and name != "flight_in_memory":
+                        continue
                     print(f"M = R = {maps}: {name}", file=sys.stderr)
                     shape[name] = run_mode(args, df, maps, storage)
             base = shape["flight_in_memory"]["seconds"]
             for r in shape.values():
                 r["ratio_to_flight"] = r["seconds"] / base
             m = shape["flight_in_memory"]["maps"]
-            req = shape["durable_s3"]["requests_per_shuffle"]
+            costs: dict[str, float] = {}
+            for name in ("durable_s3", "through_s3", "through_s3_two_level"):
+                if name in shape:
+                    r = shape[name]["requests_per_shuffle"]
+                    costs[name] = request_cost_per_tb(r["puts"], r["gets"], r["lists"], data_bytes)
             shape["s3_request_cost_per_tb"] = {
-                "this_layout_write": request_cost_per_tb(req["puts"], 0, req["lists"], data_bytes),
+                "as_counted": costs,
                 # Reads after a loss: at most one ranged GET per (map, lost reducer range).
                 "this_layout_read_all_by_range": request_cost_per_tb(0, m * maps, 0, data_bytes),
                 "object_per_map_and_reducer_with_list": request_cost_per_tb(
@@ -261,5 +279,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="the S3 server started on loopback (default s3s-fs, a Rust server)",
     )
     s.add_argument("--s3-endpoint", help="an S3-compatible endpoint instead of starting one")
+    s.add_argument(
+        "--modes",
+        nargs="+",
+        help="only these modes (besides flight_in_memory, the baseline); default: all",
+    )
     s.add_argument("--json", help="also write the JSON to this file")
     s.set_defaults(run=run)

@@ -185,3 +185,100 @@ pub async fn combine(
     }
     w.finish().await
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::block::{BlockId, ShuffleId};
+    use crate::storage::{ObjectWriter, StorageConfig};
+
+    /// A map object of map `map` with one block per partition 0..6, each `map` x `p` bytes;
+    /// `bad` gets a CRC the bytes do not match.
+    async fn map_object(storage: &Storage, map: u32, bad: Option<u32>) -> proto::StoredObject {
+        let mut w = ObjectWriter::new(storage, format!("s/{map}-0.fsobj"));
+        for p in 0..6u32 {
+            let data = vec![(map * 10 + p) as u8; (10 + p) as usize];
+            let crc = crc32c::crc32c(&data) ^ u32::from(bad == Some(p));
+            let meta = BlockMeta {
+                id: BlockId {
+                    shuffle: ShuffleId(1),
+                    map,
+                    partition: p,
+                    attempt: 0,
+                    seq: 0,
+                },
+                rows: 1,
+                bytes: data.len() as u64,
+                crc32c: crc,
+            };
+            w.push(&meta, map % 2, &data).await.unwrap();
+        }
+        w.finish().await.unwrap()
+    }
+
+    fn memory() -> Arc<Storage> {
+        Arc::new(Storage::open(&StorageConfig::new("memory:///", []).unwrap()).unwrap())
+    }
+
+    /// A column of three map objects becomes one object holding exactly their blocks of
+    /// those partitions, partition by partition, one ranged GET per map object; a reader's
+    /// partition in it is then one range. A block whose bytes fail their CRC fails the
+    /// combine naming the object, and nothing is written.
+    #[tokio::test]
+    async fn a_column_of_map_objects_becomes_one_object_of_its_partitions() {
+        let storage = memory();
+        let mut objects = Vec::new();
+        for m in 0..3 {
+            objects.push(map_object(&storage, m, None).await);
+        }
+        let gets = storage.stats().gets;
+        let out = combine(
+            storage.clone(),
+            objects.clone(),
+            2..4,
+            "s/c0-0-0.fsobj".into(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            storage.stats().gets - gets,
+            3,
+            "one ranged GET per map object"
+        );
+        let got: Vec<(u32, u32)> = out
+            .blocks
+            .iter()
+            .map(|b| BlockMeta::try_from(b).unwrap().id)
+            .map(|id| (id.partition, id.map))
+            .collect();
+        assert_eq!(got, vec![(2, 0), (2, 1), (2, 2), (3, 0), (3, 1), (3, 2)]);
+        assert_eq!(out.holders, vec![0, 1, 0, 0, 1, 0]);
+        // Read back through the reader's path: partition 3 from the combined object.
+        let ranges = ranges_of(&storage, std::slice::from_ref(&out), 3, Slice::WHOLE).unwrap();
+        assert_eq!(ranges.len(), 1);
+        let (path, blocks) = &ranges[0];
+        let want: Vec<std::ops::Range<u64>> = blocks.iter().map(|(m, o)| *o..o + m.bytes).collect();
+        let data = storage.get_ranges(path, &want).await.unwrap();
+        let bytes: Vec<Vec<u8>> = data.iter().map(|d| d.to_vec()).collect();
+        assert_eq!(bytes, vec![vec![3u8; 13], vec![13u8; 13], vec![23u8; 13]]);
+        // No block of the column: no object, no request.
+        let none = combine(storage.clone(), vec![], 0..6, "s/c1-0-0.fsobj".into())
+            .await
+            .unwrap();
+        assert!(none.path.is_empty());
+        // A corrupted block.
+        objects.push(map_object(&storage, 3, Some(2)).await);
+        let err = combine(storage.clone(), objects, 2..4, "s/c0-0-1.fsobj".into())
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("s/3-0.fsobj") && err.contains("CRC32C"),
+            "{err}"
+        );
+        assert!(
+            storage.get("s/c0-0-1.fsobj").await.is_err(),
+            "nothing written"
+        );
+    }
+}

@@ -248,15 +248,7 @@ async fn a_thousand_maps_write_a_thousand_objects_and_list_nothing() {
         .filter(|p| p.to_string_lossy().ends_with(".fsobj"))
         .count();
     assert_eq!(objects, maps, "one object per map, on the store's side");
-    let mut out = Vec::new();
-    for p in 0..partitions {
-        let s = driver.read_partition(spec.id, p, true).await.unwrap();
-        out.extend(
-            futures::TryStreamExt::try_collect::<Vec<_>>(s)
-                .await
-                .unwrap(),
-        );
-    }
+    let out = read_partitions(&driver, spec.id, partitions).await;
     assert_eq!(checksum(&out), checksum(&input), "exact");
     let live = driver.storage_stats().await.unwrap();
     assert_eq!(live.puts - before.puts, maps as u64, "{live:?}");
@@ -363,15 +355,7 @@ async fn a_worker_lost_just_before_the_seal_is_restored_by_the_seal() {
         driver.restored_blocks() > restored,
         "restored from the store"
     );
-    let mut out = Vec::new();
-    for p in 0..6 {
-        let s = driver.read_partition(spec.id, p, true).await.unwrap();
-        out.extend(
-            futures::TryStreamExt::try_collect::<Vec<_>>(s)
-                .await
-                .unwrap(),
-        );
-    }
+    let out = read_partitions(&driver, spec.id, 6).await;
     assert_eq!(checksum(&out), checksum(&input), "exact");
     driver.drop_shuffle(spec.id).await.unwrap();
 }
@@ -410,15 +394,7 @@ async fn two_level_through_the_store_makes_p_sqrt_p_requests_not_p_squared() {
         .count();
     let combined = 32 * 32;
     assert_eq!(objects, maps + combined, "on the store's side");
-    let mut out = Vec::new();
-    for p in 0..partitions {
-        let s = driver.read_partition(spec.id, p, true).await.unwrap();
-        out.extend(
-            futures::TryStreamExt::try_collect::<Vec<_>>(s)
-                .await
-                .unwrap(),
-        );
-    }
+    let out = read_partitions(&driver, spec.id, partitions).await;
     assert_eq!(checksum(&out), checksum(&input), "exact");
     let live = driver.storage_stats().await.unwrap();
     let p = maps as u64;
@@ -452,22 +428,7 @@ async fn auto_goes_through_the_store_when_the_model_says_it_is_cheaper() {
         .await
         .unwrap();
     let driver = cluster.driver.clone();
-    driver
-        .use_calibration(flightshuffle::proto::Calibration {
-            partition_bytes_per_s: 1e9,
-            encode_bytes_per_s: 1e9,
-            decode_bytes_per_s: 1e9,
-            block_overhead_s: 50e-6,
-            disk_write_bytes_per_s: 1e9,
-            disk_read_bytes_per_s: 1e9,
-            request_s: 100e-6,
-            network_bytes_per_s: 1e6,
-            parallelism: 2,
-            remote_block_s: 100e-6,
-            merge_bytes_per_s: 1e9,
-            ..Default::default()
-        })
-        .unwrap();
+    driver.use_calibration(slow_network()).unwrap();
     let input = batches(24, 2_000);
     for pack in [true, false] {
         let spec = spec_k(8);
@@ -485,15 +446,7 @@ async fn auto_goes_through_the_store_when_the_model_says_it_is_cheaper() {
         .await
         .unwrap();
         let choice = driver.choice(spec.id).unwrap_or_default();
-        let mut out = Vec::new();
-        for p in 0..8 {
-            let s = driver.read_partition(spec.id, p, true).await.unwrap();
-            out.extend(
-                futures::TryStreamExt::try_collect::<Vec<_>>(s)
-                    .await
-                    .unwrap(),
-            );
-        }
+        let out = read_partitions(&driver, spec.id, 8).await;
         assert_eq!(checksum(&out), checksum(&input), "exact ({choice})");
         if pack {
             assert!(choice.starts_with("auto: store"), "{choice}");

@@ -373,25 +373,6 @@ async fn a_forward_moves_maps_run_in_place_to_their_holders() {
     driver.drop_shuffle(spec.id).await.unwrap();
 }
 
-/// A calibration under which push wins for certain: a slow network, whose transfer push
-/// overlaps with the map side.
-fn push_wins() -> flightshuffle::proto::Calibration {
-    flightshuffle::proto::Calibration {
-        partition_bytes_per_s: 1e9,
-        encode_bytes_per_s: 1e9,
-        decode_bytes_per_s: 1e9,
-        block_overhead_s: 50e-6,
-        disk_write_bytes_per_s: 1e9,
-        disk_read_bytes_per_s: 1e9,
-        request_s: 100e-6,
-        network_bytes_per_s: 1e6,
-        parallelism: 2,
-        remote_block_s: 100e-6,
-        merge_bytes_per_s: 1e9,
-        ..Default::default()
-    }
-}
-
 /// `auto` picking push after its first wave ran in place forwards that wave to the owners,
 /// which merge it with the maps pushed there: every block ends on its partition's owner,
 /// readers read the owners only, and the output is exact. Where readers stream during the map side (a pipelined consumer) it cannot (the
@@ -403,8 +384,8 @@ async fn auto_picking_push_forwards_its_first_wave_unless_readers_stream() {
     use futures::StreamExt;
     let cluster = LocalCluster::start(config(3, 1 << 30)).await.unwrap();
     let driver = cluster.driver.clone();
-    driver.use_calibration(push_wins()).unwrap();
-    assert!(driver.use_calibration(push_wins()).is_err(), "set once");
+    driver.use_calibration(slow_network()).unwrap();
+    assert!(driver.use_calibration(slow_network()).is_err(), "set once");
     for streaming in [false, true] {
         let spec = ShuffleSpec {
             partitions: 7,

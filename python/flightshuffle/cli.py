@@ -1,5 +1,5 @@
-"""The ``flightshuffle`` command line: what users run (``sql``, ``online``, ``calibrate``,
-``worker``). The benchmarks are ``flightshuffle-bench``, a package of the repository that the
+"""The ``flightshuffle`` command line: what users run (``sql``, ``serve``, ``online``,
+``calibrate``, ``storage``, ``worker``). The benchmarks are ``flightshuffle-bench``, a package of the repository that the
 wheel does not ship."""
 
 from __future__ import annotations
@@ -46,6 +46,46 @@ def _sql(args: argparse.Namespace) -> int:
                 f"{table.num_rows} rows in {c.last_metrics.get('seconds', 0):.3f} s",
                 file=sys.stderr,
             )
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """A local cluster serving Flight SQL until interrupted. The token and the CA go to
+    owner-only files in a private directory (never to the terminal or a log)."""
+    import os
+    import signal
+    import tempfile
+
+    tables = _tables(args.table)
+    with Cluster(workers=args.workers, memory_budget=args.memory_budget) as c:
+        for name, path in tables.items():
+            c.register_parquet(name, path)
+        info = c.serve_flight_sql(host=args.host, port=args.port)
+        secrets = tempfile.mkdtemp(prefix="flightshuffle-serve-")  # mode 0700
+        paths = {"token_file": os.path.join(secrets, "token")}
+        if info["ca"] is not None:
+            paths["ca_file"] = os.path.join(secrets, "ca.pem")
+        for key, text in (("token_file", info["token"]), ("ca_file", info["ca"])):
+            if key in paths:
+                fd = os.open(paths[key], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+        print(json.dumps({"uri": info["uri"], **paths}), flush=True)
+        print("serving Flight SQL; Ctrl-C stops", file=sys.stderr, flush=True)
+
+        def stop(*_: object) -> None:
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, stop)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            for path in paths.values():
+                os.remove(path)
+            os.rmdir(secrets)
     return 0
 
 
@@ -220,6 +260,22 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--memory-budget", default="2GiB")
     q.add_argument("--max-rows", type=int, default=20)
     q.set_defaults(run=_sql)
+
+    sv = sub.add_parser(
+        "serve",
+        help="serve Arrow Flight SQL on a local cluster (ADBC, JDBC, BI tools)",
+        description="Start a local cluster and serve Arrow Flight SQL from this process until "
+        "Ctrl-C. Prints one JSON line: the uri, and files holding the token (send "
+        "'authorization: Bearer <token>') and the CA certificate to trust.",
+    )
+    sv.add_argument("--workers", type=int, default=2)
+    sv.add_argument(
+        "--table", action="append", default=[], metavar="NAME=PATH", help="Parquet table"
+    )
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    sv.add_argument("--port", type=int, default=0, help="port (0: a free one)")
+    sv.add_argument("--memory-budget", default="2GiB")
+    sv.set_defaults(run=_serve)
 
     o = sub.add_parser(
         "online",

@@ -668,6 +668,29 @@ class Cluster:
                 info["cert"], info["key"] = identity
         return info
 
+    def serve_flight_sql(self, host: str = "127.0.0.1", port: int = 0) -> dict[str, Any]:
+        """Serve Arrow Flight SQL from this process over the cluster's SQL session (its tables,
+        ``SET flightshuffle.*``), until the cluster closes; returns ``{"uri", "token", "ca"}``.
+
+        Any Flight SQL client runs distributed SQL through it, e.g. ADBC::
+
+            import adbc_driver_flightsql.dbapi as flight_sql
+            from adbc_driver_flightsql import DatabaseOptions
+
+            info = cluster.serve_flight_sql()
+            conn = flight_sql.connect(info["uri"], db_kwargs={
+                DatabaseOptions.AUTHORIZATION_HEADER.value: "Bearer " + info["token"],
+                DatabaseOptions.TLS_ROOT_CERTS.value: info["ca"],
+            }, autocommit=True)
+
+        Every call needs ``authorization: Bearer <token>`` (the cluster's token: keep it
+        secret). Under TLS (the default) the endpoint has a certificate of its own for
+        ``localhost``, ``127.0.0.1`` and ``host``, signed by the CA in ``ca``; on a plaintext
+        cluster the URI is ``grpc+tcp://`` and ``ca`` is None. Port 0 picks a free port; a
+        second call replaces the first endpoint. See ``docs/guide/flight-sql.md``."""
+        uri, token, ca = self._native.serve_flight_sql(host, int(port))
+        return {"uri": uri, "token": token, "ca": ca}
+
     @property
     def worker_addresses(self) -> list[str]:
         return list(self._native.worker_addresses())

@@ -26,6 +26,8 @@ pub struct NativeCluster {
     pub(crate) stages: stage::Stages,
     /// Strategy knobs of every shuffle, stage and query of this cluster (speculation).
     pub(crate) strategy: flightshuffle::strategy::StrategyOptions,
+    /// The Flight SQL endpoint, once served (stopped with the cluster).
+    pub(crate) flight_sql: Mutex<Option<flightshuffle_datafusion::flight_sql::FlightSqlServer>>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -335,6 +337,10 @@ impl NativeCluster {
 
     /// Stop every worker process. Safe to call more than once.
     fn close(&self, py: Python<'_>) {
+        self.flight_sql
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
         self.sql.lock().unwrap_or_else(|p| p.into_inner()).take();
         self.online.close();
         let taken = self
@@ -360,6 +366,7 @@ impl NativeCluster {
             ),
             stages: Default::default(),
             strategy,
+            flight_sql: Mutex::new(None),
         }
     }
 

@@ -14,6 +14,7 @@ pub mod codec;
 pub mod combine;
 pub mod context;
 pub mod double;
+pub mod flight_sql;
 pub mod fold;
 pub mod online;
 pub mod planner;

@@ -112,27 +112,29 @@ fn read(path: &Path) -> Result<String> {
     })
 }
 
-/// A local cluster's CA and its one certificate, as files in a private directory.
-#[derive(Clone, Debug)]
-pub struct LocalTls {
-    /// Path of the CA certificate (PEM).
-    pub ca: PathBuf,
-    /// Path of the certificate (PEM) the CA signed, for the workers and their clients.
-    pub cert: PathBuf,
-    /// Path of the certificate's private key (PEM), readable by the owner only.
-    pub key: PathBuf,
+/// A CA and one certificate it signs, made in memory (PEM text; `ca_key` signs more).
+pub struct MadeTls {
+    /// The CA's certificate.
+    pub ca: String,
+    /// The CA's private key.
+    pub ca_key: String,
+    /// The certificate the CA signed.
+    pub cert: String,
+    /// Its private key.
+    pub key: String,
 }
 
-impl LocalTls {
-    /// Make a CA and a certificate it signs for `localhost` and `127.0.0.1` (server and
-    /// client use) and write them to `dir` (created; the key readable by the owner only).
-    pub fn generate(dir: &Path) -> Result<Self> {
-        Self::generate_for(dir, &[])
+/// Shown without key material.
+impl std::fmt::Debug for MadeTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MadeTls").finish_non_exhaustive()
     }
+}
 
-    /// [`LocalTls::generate`] with a certificate that also names `hosts` (host names or IP
-    /// addresses workers are reached by, e.g. the nodes of a Ray cluster).
-    pub fn generate_for(dir: &Path, hosts: &[String]) -> Result<Self> {
+impl MadeTls {
+    /// A new CA and a certificate it signs for `localhost`, `127.0.0.1` and `hosts`, for
+    /// server and client use.
+    pub fn generate(hosts: &[String]) -> Result<Self> {
         use rcgen::{
             BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
             KeyPair, KeyUsagePurpose,
@@ -156,6 +158,48 @@ impl LocalTls {
         let ca_key_pem = ca_key.serialize_pem();
         let issuer = Issuer::new(ca, ca_key);
         let cert = leaf.signed_by(&key, &issuer).map_err(fail)?;
+        Ok(MadeTls {
+            ca: ca_cert.pem(),
+            ca_key: ca_key_pem,
+            cert: cert.pem(),
+            key: key.serialize_pem(),
+        })
+    }
+
+    /// Serve with this certificate (clients not asked for one).
+    pub fn server(&self) -> ServerTls {
+        ServerTls {
+            cert: self.cert.clone(),
+            key: self.key.clone(),
+            ca: self.ca.clone(),
+            client_auth: false,
+        }
+    }
+}
+
+/// A local cluster's CA and its one certificate, as files in a private directory.
+#[derive(Clone, Debug)]
+pub struct LocalTls {
+    /// Path of the CA certificate (PEM).
+    pub ca: PathBuf,
+    /// Path of the certificate (PEM) the CA signed, for the workers and their clients.
+    pub cert: PathBuf,
+    /// Path of the certificate's private key (PEM), readable by the owner only.
+    pub key: PathBuf,
+}
+
+impl LocalTls {
+    /// Make a CA and a certificate it signs for `localhost` and `127.0.0.1` (server and
+    /// client use) and write them to `dir` (created; the key readable by the owner only).
+    pub fn generate(dir: &Path) -> Result<Self> {
+        Self::generate_for(dir, &[])
+    }
+
+    /// [`LocalTls::generate`] with a certificate that also names `hosts` (host names or IP
+    /// addresses workers are reached by, e.g. the nodes of a Ray cluster).
+    pub fn generate_for(dir: &Path, hosts: &[String]) -> Result<Self> {
+        let made = MadeTls::generate(hosts)?;
+        let (key, cert, ca_cert, ca_key_pem) = (made.key, made.cert, made.ca, made.ca_key);
         std::fs::create_dir_all(dir).map_err(|e| Error::Io {
             path: dir.to_path_buf(),
             source: e,
@@ -165,9 +209,9 @@ impl LocalTls {
             cert: dir.join("worker.pem"),
             key: dir.join("worker.key"),
         };
-        write_private(&files.key, &key.serialize_pem())?;
-        write_private(&files.cert, &cert.pem())?;
-        write_private(&files.ca, &ca_cert.pem())?;
+        write_private(&files.key, &key)?;
+        write_private(&files.cert, &cert)?;
+        write_private(&files.ca, &ca_cert)?;
         // Kept beside the CA (private, in the driver's directory) to sign the certificate
         // requests of workers that make their own keys ([`sign_request`]).
         write_private(&files.ca_key(), &ca_key_pem)?;

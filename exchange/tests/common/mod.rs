@@ -297,3 +297,37 @@ pub async fn read_rest(job: &ShuffleJob, next: u32, parts: &mut Vec<Vec<RecordBa
         parts.push(b);
     }
 }
+
+/// Every partition of a sealed `shuffle` read on the driver, in partition order.
+pub async fn read_partitions(
+    driver: &Arc<flightshuffle::driver::Driver>,
+    shuffle: ShuffleId,
+    partitions: u32,
+) -> Vec<RecordBatch> {
+    let mut out = Vec::new();
+    for p in 0..partitions {
+        let s = driver.read_partition(shuffle, p, true).await.unwrap();
+        out.extend(s.try_collect::<Vec<_>>().await.unwrap());
+    }
+    out
+}
+
+/// A calibration whose Flight transport is slow (1 MB/s) and everything else fast: push wins
+/// among the Flight strategies (it overlaps the transfer with the map side), and an exchange
+/// through a store on local disk beats them all.
+pub fn slow_network() -> proto::Calibration {
+    proto::Calibration {
+        partition_bytes_per_s: 1e9,
+        encode_bytes_per_s: 1e9,
+        decode_bytes_per_s: 1e9,
+        block_overhead_s: 50e-6,
+        disk_write_bytes_per_s: 1e9,
+        disk_read_bytes_per_s: 1e9,
+        request_s: 100e-6,
+        network_bytes_per_s: 1e6,
+        parallelism: 2,
+        remote_block_s: 100e-6,
+        merge_bytes_per_s: 1e9,
+        ..Default::default()
+    }
+}

@@ -38,6 +38,47 @@ impl NativeCluster {
         Ok((table.into_pyarrow(py)?.unbind(), seconds))
     }
 
+    /// Serve Arrow Flight SQL on `host:port` (0: any free port) over this cluster's SQL
+    /// session; returns (uri, token, CA PEM or None without TLS). A second call replaces the
+    /// first endpoint. Under TLS the endpoint has a certificate of its own, for `localhost`,
+    /// `127.0.0.1` and `host`, signed by a CA made for it.
+    fn serve_flight_sql(
+        &self,
+        host: String,
+        port: u16,
+    ) -> PyResult<(String, String, Option<String>)> {
+        let ctx = self.sql_context()?;
+        let driver = self.driver()?;
+        let listener = std::net::TcpListener::bind((host.as_str(), port)).map_err(|e| {
+            pyo3::exceptions::PyOSError::new_err(format!("cannot listen on {host}:{port}: {e}"))
+        })?;
+        let made = match driver.credentials().tls.is_some() {
+            true => Some(
+                flightshuffle::transport::tls::MadeTls::generate(std::slice::from_ref(&host))
+                    .map_err(to_py)?,
+            ),
+            false => None,
+        };
+        let tls = made.as_ref().map(|m| m.server().config());
+        let _runtime = self.rt.enter();
+        let server = flightshuffle_datafusion::flight_sql::serve(
+            ctx,
+            listener,
+            driver.token(),
+            tls,
+            driver.num_workers(),
+        )
+        .map_err(sql::df_err)?;
+        let scheme = if made.is_some() {
+            "grpc+tls"
+        } else {
+            "grpc+tcp"
+        };
+        let uri = format!("{scheme}://{host}:{}", server.addr.port());
+        *self.flight_sql.lock().unwrap_or_else(|p| p.into_inner()) = Some(server);
+        Ok((uri, driver.token().to_string(), made.map(|m| m.ca)))
+    }
+
     /// Run a query on the cluster; returns (pyarrow.Table, metrics as JSON).
     #[pyo3(signature = (query, strategy=None))]
     fn sql(

@@ -1,0 +1,519 @@
+//! An Arrow Flight SQL endpoint over a [`DistributedContext`]: any Flight SQL client (the ADBC
+//! driver, the JDBC driver behind BI tools) runs distributed SQL on the cluster.
+//!
+//! - Statements and prepared statements (without parameters) run through
+//!   [`DistributedContext::sql`]; `SET flightshuffle.*` and `CREATE EXTERNAL TABLE` work as there.
+//!   A query's rows are kept on the driver under a random handle and handed out as endpoints,
+//!   one per contiguous run of result batches (at most one per worker), `ordered`: reading them
+//!   in order gives the query's order. Each endpoint is read once; a result nobody reads is
+//!   dropped after [`RESULT_TTL`] or when [`MAX_RESULTS`] newer ones are kept.
+//! - Metadata: `GetSqlInfo` (name, version, read-only, no transactions), `GetCatalogs`,
+//!   `GetDbSchemas`, `GetTables` (with table schemas), `GetTableTypes`.
+//! - Auth: every call carries `authorization: Bearer <token>` (checked in constant time by
+//!   [`TokenCheck`]); a wrong or missing token is `Unauthenticated`. TLS with the cluster's
+//!   certificate when the cluster has one.
+//! - Errors: SQL and planning errors are `InvalidArgument` with DataFusion's message; anything
+//!   the endpoint does not do is `Unimplemented`, by the trait's defaults.
+
+use crate::context::DistributedContext;
+use arrow::array::RecordBatch;
+use arrow::datatypes::SchemaRef;
+use arrow_flight::encode::FlightDataEncoderBuilder;
+use arrow_flight::flight_service_server::{FlightService, FlightServiceServer};
+use arrow_flight::sql::metadata::{SqlInfoData, SqlInfoDataBuilder};
+use arrow_flight::sql::server::{FlightSqlService, PeekableFlightDataStream};
+use arrow_flight::sql::{
+    ActionClosePreparedStatementRequest, ActionCreatePreparedStatementRequest,
+    ActionCreatePreparedStatementResult, CommandGetCatalogs, CommandGetDbSchemas,
+    CommandGetSqlInfo, CommandGetTableTypes, CommandGetTables, CommandPreparedStatementQuery,
+    CommandStatementQuery, CommandStatementUpdate, ProstMessageExt, SqlInfo, TicketStatementQuery,
+};
+use arrow_flight::{FlightDescriptor, FlightEndpoint, FlightInfo, Ticket};
+use futures::TryStreamExt;
+use prost::Message;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tonic::{Request, Response, Status};
+
+/// How long a query's rows wait for a client to read them.
+pub const RESULT_TTL: Duration = Duration::from_secs(600);
+/// Results kept at once (the oldest goes first).
+pub const MAX_RESULTS: usize = 64;
+/// Prepared statements kept at once per endpoint.
+const MAX_PREPARED: usize = 1024;
+
+/// A query's rows waiting to be read: each endpoint's batches, taken when read.
+struct Kept {
+    at: Instant,
+    chunks: Vec<Option<Vec<RecordBatch>>>,
+    schema: SchemaRef,
+}
+
+/// The Flight SQL service over one distributed SQL session.
+pub struct FlightSqlEndpoint {
+    ctx: Arc<DistributedContext>,
+    /// Endpoints per result at most (the workers: a client reads that many in parallel).
+    endpoints: usize,
+    results: Mutex<HashMap<String, Kept>>,
+    prepared: Mutex<HashMap<String, String>>,
+    info: SqlInfoData,
+}
+
+type DoGetStream = <FlightSqlEndpoint as FlightService>::DoGetStream;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A fresh random handle.
+fn handle() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+/// An error of the SQL layer as a gRPC status: DataFusion's (SQL, planning) are the caller's.
+fn status(e: crate::Error) -> Status {
+    match e {
+        crate::Error::DataFusion(e) => Status::invalid_argument(e.to_string()),
+        crate::Error::Exchange(e) => Status::internal(e.to_string()),
+    }
+}
+
+impl FlightSqlEndpoint {
+    /// An endpoint running queries on `ctx`, handing each result out as at most `endpoints`
+    /// endpoints.
+    pub fn new(ctx: Arc<DistributedContext>, endpoints: usize) -> crate::Result<Self> {
+        let mut b = SqlInfoDataBuilder::new();
+        b.append(SqlInfo::FlightSqlServerName, "flightshuffle");
+        b.append(SqlInfo::FlightSqlServerVersion, env!("CARGO_PKG_VERSION"));
+        b.append(SqlInfo::FlightSqlServerArrowVersion, "1.3");
+        b.append(SqlInfo::FlightSqlServerReadOnly, true);
+        b.append(SqlInfo::FlightSqlServerSql, true);
+        b.append(SqlInfo::FlightSqlServerSubstrait, false);
+        b.append(SqlInfo::FlightSqlServerTransaction, 0i32);
+        b.append(SqlInfo::FlightSqlServerCancel, false);
+        let info = b.build().map_err(|e| {
+            crate::Error::DataFusion(datafusion::error::DataFusionError::External(Box::new(e)))
+        })?;
+        Ok(FlightSqlEndpoint {
+            ctx,
+            endpoints: endpoints.max(1),
+            results: Mutex::new(HashMap::new()),
+            prepared: Mutex::new(HashMap::new()),
+            info,
+        })
+    }
+
+    /// Run `sql`, keep its rows and describe them as endpoints.
+    async fn run(&self, sql: &str, descriptor: FlightDescriptor) -> Result<FlightInfo, Status> {
+        let result = self.ctx.sql(sql).await.map_err(status)?;
+        let rows: i64 = result.batches.iter().map(|b| b.num_rows() as i64).sum();
+        let batches: Vec<RecordBatch> = result
+            .batches
+            .into_iter()
+            .filter(|b| b.num_rows() > 0)
+            .collect();
+        let n = self.endpoints.min(batches.len()).max(1);
+        let per = batches.len().div_ceil(n).max(1);
+        let mut chunks: Vec<Option<Vec<RecordBatch>>> =
+            batches.chunks(per).map(|c| Some(c.to_vec())).collect();
+        if chunks.is_empty() {
+            chunks.push(Some(vec![]));
+        }
+        let id = handle();
+        let mut info = FlightInfo::new()
+            .try_with_schema(&result.schema)
+            .map_err(|e| Status::internal(e.to_string()))?
+            .with_descriptor(descriptor)
+            .with_ordered(true)
+            .with_total_records(rows);
+        for i in 0..chunks.len() {
+            let ticket = TicketStatementQuery {
+                statement_handle: format!("{id}/{i}").into_bytes().into(),
+            };
+            info = info.with_endpoint(
+                FlightEndpoint::new().with_ticket(Ticket::new(ticket.as_any().encode_to_vec())),
+            );
+        }
+        let mut kept = lock(&self.results);
+        kept.retain(|_, k| k.at.elapsed() < RESULT_TTL);
+        while kept.len() >= MAX_RESULTS {
+            let oldest = kept
+                .iter()
+                .min_by_key(|(_, k)| k.at)
+                .map(|(h, _)| h.clone());
+            match oldest {
+                Some(h) => kept.remove(&h),
+                None => break,
+            };
+        }
+        kept.insert(
+            id,
+            Kept {
+                at: Instant::now(),
+                chunks,
+                schema: result.schema,
+            },
+        );
+        Ok(info)
+    }
+
+    /// One endpoint's rows as a Flight stream.
+    fn stream(schema: SchemaRef, batches: Vec<RecordBatch>) -> DoGetStream {
+        let s = FlightDataEncoderBuilder::new()
+            .with_schema(schema)
+            .build(futures::stream::iter(batches.into_iter().map(Ok)))
+            .map_err(Status::from);
+        Box::pin(s)
+    }
+
+    /// A metadata batch as a one-endpoint answer's rows.
+    fn one<E: std::fmt::Display>(
+        batch: Result<RecordBatch, E>,
+    ) -> Result<Response<DoGetStream>, Status> {
+        let batch = batch.map_err(|e| Status::internal(e.to_string()))?;
+        Ok(Response::new(Self::stream(batch.schema(), vec![batch])))
+    }
+
+    /// A FlightInfo whose one endpoint's ticket is the command itself.
+    fn describe(
+        command: impl ProstMessageExt,
+        schema: &arrow::datatypes::Schema,
+        descriptor: FlightDescriptor,
+    ) -> Result<Response<FlightInfo>, Status> {
+        let ticket = Ticket::new(command.as_any().encode_to_vec());
+        let info = FlightInfo::new()
+            .try_with_schema(schema)
+            .map_err(|e| Status::internal(e.to_string()))?
+            .with_endpoint(FlightEndpoint::new().with_ticket(ticket))
+            .with_descriptor(descriptor);
+        Ok(Response::new(info))
+    }
+
+    /// Every (catalog, schema, table) of the session.
+    fn tables(&self) -> Vec<(String, String, String)> {
+        let session = self.ctx.session();
+        let mut out = Vec::new();
+        for c in session.catalog_names() {
+            let Some(catalog) = session.catalog(&c) else {
+                continue;
+            };
+            for s in catalog.schema_names() {
+                let Some(schema) = catalog.schema(&s) else {
+                    continue;
+                };
+                for t in schema.table_names() {
+                    out.push((c.clone(), s.clone(), t));
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+}
+
+#[tonic::async_trait]
+impl FlightSqlService for FlightSqlEndpoint {
+    type FlightService = FlightSqlEndpoint;
+
+    async fn get_flight_info_statement(
+        &self,
+        query: CommandStatementQuery,
+        request: Request<FlightDescriptor>,
+    ) -> Result<Response<FlightInfo>, Status> {
+        let info = self.run(&query.query, request.into_inner()).await?;
+        Ok(Response::new(info))
+    }
+
+    async fn get_flight_info_prepared_statement(
+        &self,
+        query: CommandPreparedStatementQuery,
+        request: Request<FlightDescriptor>,
+    ) -> Result<Response<FlightInfo>, Status> {
+        let h = String::from_utf8_lossy(&query.prepared_statement_handle).to_string();
+        let sql = lock(&self.prepared).get(&h).cloned().ok_or_else(|| {
+            Status::not_found(format!(
+                "no prepared statement {h:?} (closed, or never made)"
+            ))
+        })?;
+        let info = self.run(&sql, request.into_inner()).await?;
+        Ok(Response::new(info))
+    }
+
+    async fn do_get_statement(
+        &self,
+        ticket: TicketStatementQuery,
+        _request: Request<Ticket>,
+    ) -> Result<Response<DoGetStream>, Status> {
+        let t = String::from_utf8_lossy(&ticket.statement_handle).to_string();
+        let bad = || Status::not_found(format!("no result {t:?}: read already, or expired"));
+        let (id, i) = t.split_once('/').ok_or_else(bad)?;
+        let i: usize = i.parse().map_err(|_| bad())?;
+        let mut kept = lock(&self.results);
+        let k = kept.get_mut(id).ok_or_else(bad)?;
+        let batches = k.chunks.get_mut(i).and_then(Option::take).ok_or_else(bad)?;
+        let schema = k.schema.clone();
+        if k.chunks.iter().all(Option::is_none) {
+            kept.remove(id);
+        }
+        Ok(Response::new(Self::stream(schema, batches)))
+    }
+
+    async fn do_action_create_prepared_statement(
+        &self,
+        query: ActionCreatePreparedStatementRequest,
+        _request: Request<arrow_flight::Action>,
+    ) -> Result<ActionCreatePreparedStatementResult, Status> {
+        // Planned, not run: a DDL statement runs when it is executed, not here.
+        let state = self.ctx.session().state();
+        let plan = state
+            .create_logical_plan(&query.query)
+            .await
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let schema = plan.schema().as_arrow().clone();
+        let h = handle();
+        let mut prepared = lock(&self.prepared);
+        if prepared.len() >= MAX_PREPARED {
+            return Err(Status::resource_exhausted(format!(
+                "{MAX_PREPARED} prepared statements are open: close some"
+            )));
+        }
+        prepared.insert(h.clone(), query.query);
+        let encoded = arrow_flight::IpcMessage::try_from(arrow_flight::SchemaAsIpc::new(
+            &schema,
+            &arrow::ipc::writer::IpcWriteOptions::default(),
+        ))
+        .map_err(|e| Status::internal(e.to_string()))?;
+        Ok(ActionCreatePreparedStatementResult {
+            prepared_statement_handle: h.into_bytes().into(),
+            dataset_schema: encoded.0,
+            parameter_schema: Default::default(),
+        })
+    }
+
+    async fn do_action_close_prepared_statement(
+        &self,
+        query: ActionClosePreparedStatementRequest,
+        _request: Request<arrow_flight::Action>,
+    ) -> Result<(), Status> {
+        let h = String::from_utf8_lossy(&query.prepared_statement_handle).to_string();
+        lock(&self.prepared).remove(&h);
+        Ok(())
+    }
+
+    async fn do_put_statement_update(
+        &self,
+        query: CommandStatementUpdate,
+        _request: Request<PeekableFlightDataStream>,
+    ) -> Result<i64, Status> {
+        // `SET flightshuffle.*` and DDL: no rows are counted.
+        self.ctx.sql(&query.query).await.map_err(status)?;
+        Ok(-1)
+    }
+
+    async fn get_flight_info_sql_info(
+        &self,
+        query: CommandGetSqlInfo,
+        request: Request<FlightDescriptor>,
+    ) -> Result<Response<FlightInfo>, Status> {
+        let schema = query.clone().into_builder(&self.info).schema();
+        Self::describe(query, &schema, request.into_inner())
+    }
+
+    async fn do_get_sql_info(
+        &self,
+        query: CommandGetSqlInfo,
+        _request: Request<Ticket>,
+    ) -> Result<Response<DoGetStream>, Status> {
+        Self::one(query.into_builder(&self.info).build())
+    }
+
+    async fn get_flight_info_catalogs(
+        &self,
+        query: CommandGetCatalogs,
+        request: Request<FlightDescriptor>,
+    ) -> Result<Response<FlightInfo>, Status> {
+        let schema = query.into_builder().schema();
+        Self::describe(query, &schema, request.into_inner())
+    }
+
+    async fn do_get_catalogs(
+        &self,
+        query: CommandGetCatalogs,
+        _request: Request<Ticket>,
+    ) -> Result<Response<DoGetStream>, Status> {
+        let mut b = query.into_builder();
+        for c in self.ctx.session().catalog_names() {
+            b.append(c);
+        }
+        Self::one(b.build())
+    }
+
+    async fn get_flight_info_schemas(
+        &self,
+        query: CommandGetDbSchemas,
+        request: Request<FlightDescriptor>,
+    ) -> Result<Response<FlightInfo>, Status> {
+        let schema = query.clone().into_builder().schema();
+        Self::describe(query, &schema, request.into_inner())
+    }
+
+    async fn do_get_schemas(
+        &self,
+        query: CommandGetDbSchemas,
+        _request: Request<Ticket>,
+    ) -> Result<Response<DoGetStream>, Status> {
+        let session = self.ctx.session();
+        let mut b = query.into_builder();
+        for c in session.catalog_names() {
+            if let Some(catalog) = session.catalog(&c) {
+                for s in catalog.schema_names() {
+                    b.append(&c, s);
+                }
+            }
+        }
+        Self::one(b.build())
+    }
+
+    async fn get_flight_info_tables(
+        &self,
+        query: CommandGetTables,
+        request: Request<FlightDescriptor>,
+    ) -> Result<Response<FlightInfo>, Status> {
+        let schema = query.clone().into_builder().schema();
+        Self::describe(query, &schema, request.into_inner())
+    }
+
+    async fn do_get_tables(
+        &self,
+        query: CommandGetTables,
+        _request: Request<Ticket>,
+    ) -> Result<Response<DoGetStream>, Status> {
+        let session = self.ctx.session();
+        let mut b = query.into_builder();
+        for (c, s, t) in self.tables() {
+            let Some(schema) = session.catalog(&c).and_then(|cat| cat.schema(&s)) else {
+                continue;
+            };
+            let found = schema
+                .table(&t)
+                .await
+                .map_err(|e| Status::internal(e.to_string()))?;
+            let Some(provider) = found else { continue };
+            let kind = match provider.table_type() {
+                datafusion::datasource::TableType::View => "VIEW",
+                _ => "TABLE",
+            };
+            b.append(&c, &s, &t, kind, provider.schema().as_ref())
+                .map_err(|e| Status::internal(e.to_string()))?;
+        }
+        Self::one(b.build())
+    }
+
+    async fn get_flight_info_table_types(
+        &self,
+        query: CommandGetTableTypes,
+        request: Request<FlightDescriptor>,
+    ) -> Result<Response<FlightInfo>, Status> {
+        let schema = query.into_builder().schema();
+        Self::describe(query, &schema, request.into_inner())
+    }
+
+    async fn do_get_table_types(
+        &self,
+        query: CommandGetTableTypes,
+        _request: Request<Ticket>,
+    ) -> Result<Response<DoGetStream>, Status> {
+        let mut b = query.into_builder();
+        b.append("TABLE");
+        b.append("VIEW");
+        Self::one(b.build())
+    }
+
+    async fn register_sql_info(&self, _id: i32, _result: &SqlInfo) {}
+}
+
+/// Checks every call's `authorization: Bearer <token>` in constant time.
+#[derive(Clone)]
+pub struct TokenCheck {
+    expected: Arc<str>,
+}
+
+impl tonic::service::Interceptor for TokenCheck {
+    fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
+        use subtle::ConstantTimeEq;
+        let got = req
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        match bool::from(got.as_bytes().ct_eq(self.expected.as_bytes())) {
+            true => Ok(req),
+            false => Err(Status::unauthenticated(
+                "a Flight SQL call needs the header authorization: Bearer <the cluster's token>",
+            )),
+        }
+    }
+}
+
+/// A running Flight SQL endpoint: its address, stopped when dropped.
+pub struct FlightSqlServer {
+    /// The address it listens on.
+    pub addr: std::net::SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Drop for FlightSqlServer {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// Serve Flight SQL over `ctx` on `listener` (on the current runtime) for clients with
+/// `token`, with `tls` when given. Each result is handed out as at most `endpoints` endpoints.
+pub fn serve(
+    ctx: Arc<DistributedContext>,
+    listener: std::net::TcpListener,
+    token: &str,
+    tls: Option<tonic::transport::ServerTlsConfig>,
+    endpoints: usize,
+) -> crate::Result<FlightSqlServer> {
+    let io = |e: std::io::Error| {
+        crate::Error::Exchange(flightshuffle::Error::Cluster(format!(
+            "cannot serve Flight SQL: {e}"
+        )))
+    };
+    listener.set_nonblocking(true).map_err(io)?;
+    let addr = listener.local_addr().map_err(io)?;
+    let listener = tokio::net::TcpListener::from_std(listener).map_err(io)?;
+    let service = FlightServiceServer::with_interceptor(
+        FlightSqlEndpoint::new(ctx, endpoints)?,
+        TokenCheck {
+            expected: format!("Bearer {token}").into(),
+        },
+    );
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder
+            .tls_config(tls)
+            .map_err(|e| io(std::io::Error::other(e)))?;
+    }
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let server = builder
+        .add_service(service)
+        .serve_with_incoming_shutdown(incoming, async move {
+            let _ = stopped.await;
+        });
+    tokio::spawn(async move {
+        if let Err(e) = server.await {
+            tracing::warn!(error = %e, "the Flight SQL endpoint stopped");
+        }
+    });
+    Ok(FlightSqlServer {
+        addr,
+        stop: Some(stop),
+    })
+}

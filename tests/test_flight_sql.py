@@ -1,0 +1,190 @@
+"""The Flight SQL endpoint (``Cluster.serve_flight_sql``) through a real standard client: the
+ADBC Flight SQL driver (DB-API), over TLS with the cluster's token. Answers are checked against
+DuckDB's on the same Parquet files."""
+
+from __future__ import annotations
+
+import warnings
+
+import adbc_driver_flightsql.dbapi as flight_sql
+import adbc_driver_manager
+import flightshuffle as fs
+import polars as pl
+import pyarrow as pa
+import pytest
+from adbc_driver_flightsql import DatabaseOptions
+from conftest import TPCH_SF
+from flightshuffle_bench import tpch
+
+
+def connect(info: dict, token: str | None = None):
+    kwargs = {DatabaseOptions.AUTHORIZATION_HEADER.value: "Bearer " + (token or info["token"])}
+    if info["ca"] is not None:
+        kwargs[DatabaseOptions.TLS_ROOT_CERTS.value] = info["ca"]
+    return flight_sql.connect(info["uri"], db_kwargs=kwargs, autocommit=True)
+
+
+@pytest.fixture(scope="module")
+def served(tpch_data):
+    with fs.Cluster(workers=3, memory_budget="256MiB", timeout=60) as c:
+        for name, path in tpch.table_paths(tpch_data).items():
+            c.register_parquet(name, path)
+        info = c.serve_flight_sql()
+        yield c, info
+
+
+@pytest.fixture(scope="module")
+def conn(served):
+    with connect(served[1]) as conn:
+        yield conn
+
+
+def test_the_endpoint_is_tls_with_a_token(served):
+    _, info = served
+    assert info["uri"].startswith("grpc+tls://127.0.0.1:"), info["uri"]
+    assert info["ca"].startswith("-----BEGIN CERTIFICATE-----")
+    assert len(info["token"]) >= 32
+
+
+@pytest.mark.parametrize("q", range(1, 23))
+def test_tpch_through_adbc_matches_duckdb(served, conn, tpch_data, q):
+    sql, ordered = tpch.query(q, TPCH_SF)
+    with conn.cursor() as cur:
+        cur.execute(sql)
+        got = cur.fetch_arrow_table()
+    want = tpch.duckdb_connect(tpch_data).sql(sql).to_arrow_table()
+    diff = tpch.compare(want, got, ordered)
+    assert diff is None, f"q{q} through ADBC: {diff}"
+
+
+def test_results_come_as_partitions_read_apart(conn):
+    sql = "SELECT l_orderkey, l_linenumber FROM lineitem WHERE l_quantity < 10"
+    with conn.cursor() as cur:
+        cur.execute(sql)
+        whole = cur.fetch_arrow_table()
+        partitions, schema = cur.adbc_execute_partitions(sql)
+        assert 1 < len(partitions) <= 3, len(partitions)
+        parts = []
+        for p in partitions:
+            cur.adbc_read_partition(p)
+            parts.append(cur.fetch_arrow_table())
+    assert schema == whole.schema
+    got = pa.concat_tables(parts)
+    key = [("l_orderkey", "ascending"), ("l_linenumber", "ascending")]
+    assert got.num_rows == whole.num_rows > 0
+    assert got.sort_by(key).equals(whole.sort_by(key))
+    # A partition is read once: its rows are handed out, not kept.
+    with conn.cursor() as cur, pytest.raises(adbc_driver_manager.Error, match="read already"):
+        cur.adbc_read_partition(partitions[0])
+        cur.fetch_arrow_table()
+
+
+def test_a_prepared_statement_runs_twice_and_polars_reads_it(conn):
+    sql = "SELECT n_regionkey, count(*) AS n FROM nation GROUP BY n_regionkey ORDER BY 1"
+    with conn.cursor() as cur:
+        cur.adbc_prepare(sql)
+        cur.execute(sql)
+        first = cur.fetch_arrow_table()
+        cur.execute(sql)
+        second = cur.fetch_arrow_table()
+    assert first.equals(second)
+    assert first.column("n").to_pylist() == [5, 5, 5, 5, 5]
+    df = pl.read_database(sql, connection=conn)
+    assert df["n"].to_list() == [5, 5, 5, 5, 5]
+
+
+def test_catalogs_schemas_and_tables_are_listed_with_their_columns(conn):
+    objects = conn.adbc_get_objects(depth="all").read_all().to_pylist()
+    tables = {
+        t["table_name"]: [c["column_name"] for c in t["table_columns"]]
+        for cat in objects
+        for schema in cat["catalog_db_schemas"]
+        for t in schema["db_schema_tables"]
+    }
+    assert {"lineitem", "orders", "nation", "region"} <= set(tables), sorted(tables)
+    assert "n_name" in tables["nation"]
+    assert set(conn.adbc_get_table_types()) >= {"TABLE"}
+    assert conn.adbc_get_info()["vendor_name"] == "flightshuffle"
+
+
+def test_set_statements_change_the_session(conn):
+    query = "SELECT o_orderpriority, count(*) FROM orders GROUP BY 1"
+    with conn.cursor() as cur:
+        cur.execute("SET flightshuffle.strategy = 'push'")
+        cur.execute(query)
+        assert cur.fetch_arrow_table().num_rows == 5
+        cur.execute("EXPLAIN ANALYZE " + query)
+        plan = "\n".join(cur.fetch_arrow_table().column(0).to_pylist())
+        assert "strategy push" in plan, plan
+        cur.execute("SET flightshuffle.strategy = ''")
+
+
+def test_a_syntax_error_and_a_wrong_token_are_clear_errors(served, conn):
+    with conn.cursor() as cur, pytest.raises(adbc_driver_manager.Error) as err:
+        cur.execute("SELEC 1")
+        cur.fetch_arrow_table()
+    assert "SELEC" in str(err.value) and "INVALID_ARGUMENT" in str(err.value).upper().replace(
+        " ", "_"
+    ), str(err.value)
+    with (
+        pytest.raises(adbc_driver_manager.Error) as err,
+        connect(served[1], token="0" * 32) as bad,
+        bad.cursor() as cur,
+    ):
+        cur.execute("SELECT 1")
+        cur.fetch_arrow_table()
+    assert "authorization" in str(err.value) or "nauthenticated" in str(err.value), str(err.value)
+    assert served[1]["token"] not in str(err.value)
+
+
+def test_no_warnings_on_a_plain_query(conn):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with conn.cursor() as cur:
+            cur.execute("SELECT 1 AS one")
+            assert cur.fetch_arrow_table().column("one").to_pylist() == [1]
+
+
+def test_a_plaintext_cluster_serves_plaintext(tpch_data):
+    with fs.Cluster(workers=1, tls=False) as c:
+        info = c.serve_flight_sql()
+        assert info["uri"].startswith("grpc+tcp://") and info["ca"] is None
+        with connect(info) as conn, conn.cursor() as cur:
+            cur.execute("SELECT 41 + 1 AS x")
+            assert cur.fetch_arrow_table().column("x").to_pylist() == [42]
+
+
+def test_flightshuffle_serve_keeps_the_token_off_the_terminal(tmp_path, tpch_data):
+    """``flightshuffle serve``: one JSON line with the URI and owner-only files holding the
+    token and the CA; a client connects with them; SIGTERM stops it and removes the files."""
+    import json
+    import os
+    import pathlib
+    import signal
+    import subprocess
+    import sys
+
+    nation = tpch.table_paths(tpch_data)["nation"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flightshuffle.cli", "serve", "--workers", "1"]
+        + ["--memory-budget", "256MiB", "--table", f"nation={nation}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        out = json.loads(line)
+        token = pathlib.Path(out["token_file"]).read_text()
+        assert token not in line
+        assert os.stat(out["token_file"]).st_mode & 0o077 == 0
+        info = {"uri": out["uri"], "token": token, "ca": pathlib.Path(out["ca_file"]).read_text()}
+        with connect(info) as conn, conn.cursor() as cur:
+            cur.execute("SELECT count(*) AS n FROM nation")
+            assert cur.fetch_arrow_table().column("n").to_pylist() == [25]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert token not in err
+    assert not os.path.exists(out["token_file"])
