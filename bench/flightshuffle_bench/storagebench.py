@@ -79,7 +79,10 @@ def run_mode(args: argparse.Namespace, df: Any, maps: int, storage: dict[str, An
             parts = list(result)
             best = min(best, time.monotonic() - t)
             requests = delta(c.storage_stats(), before)
-            out["maps"] = result.wait_mapped()["maps"]
+            mapped = result.wait_mapped()
+            out["maps"] = mapped["maps"]
+            if "strategy_choice" in mapped:
+                out["choice"] = mapped["strategy_choice"]
             assert checksum(parts) == want, "output multiset differs"
         out["seconds"] = best
         out["requests_per_shuffle"] = requests
@@ -216,6 +219,12 @@ def run(args: argparse.Namespace) -> int:
                     # Recovery by parity (one shard per stripe): the lost worker's blocks
                     # rebuilt, nothing re-run.
                     "flight_parity": {"parity": 1},
+                    # `auto` on a durable cluster: weighs Flight and both store exchanges.
+                    "auto_s3": {
+                        "strategy": "auto",
+                        "storage": "s3://fs-bench/a",
+                        "storage_options": s3_options,
+                    },
                     "flight_push": {"strategy": "push"},
                     "durable_s3_push": {
                         "strategy": "push",
