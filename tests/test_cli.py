@@ -29,7 +29,7 @@ def commands_of(capsys: pytest.CaptureFixture[str], main) -> list[str]:
 
 def test_the_user_command_lists_only_user_commands_and_each_prints_its_help(capsys):
     names = commands_of(capsys, cli.main)
-    assert sorted(names) == ["calibrate", "online", "sql", "storage", "worker"]
+    assert sorted(names) == ["calibrate", "online", "report", "serve", "sql", "storage", "worker"]
     for name in names:
         if name != "worker":  # its --help is the worker's own, below
             assert "usage: flightshuffle " + name in help_of(capsys, cli.main, [name, "--help"])

@@ -605,11 +605,12 @@ def main(argv: list[str] | None = None) -> int:
     from flightshuffle_bench import skewbench
 
     skewbench.add_parser(sub)
-    from flightshuffle_bench import onlinebench, samplebound, storagebench
+    from flightshuffle_bench import onlinebench, overheadbench, samplebound, storagebench
 
     onlinebench.add_parser(sub)
     samplebound.add_parser(sub)
     storagebench.add_parser(sub)
+    overheadbench.add_parser(sub)
 
     from flightshuffle import cli
 

@@ -101,6 +101,8 @@ pub struct Driver {
     reader: Arc<crate::transport::peers::PeerReader>,
     /// This machine's calibration, measured on first use (`auto`).
     calibration: tokio::sync::OnceCell<proto::Calibration>,
+    /// The event log open now ([`Driver::log_events`]).
+    events: Mutex<Option<Arc<crate::events::EventLog>>>,
     /// Parity shuffles and their committed maps ([`parity`]).
     parity: Mutex<manifest::ParityState>,
     /// Held (read) by each commit in progress; [`Driver::settle`] waits for them to end.
@@ -191,6 +193,7 @@ impl Driver {
             shuffles: Mutex::new(HashMap::new()),
             recomputed: Default::default(),
             calibration: tokio::sync::OnceCell::new(),
+            events: Mutex::new(None),
             parity: Mutex::new(Default::default()),
             committing: Default::default(),
             reruns: Default::default(),
@@ -327,7 +330,28 @@ impl Driver {
 
     /// Record how `shuffle`'s strategy was chosen (shown by `EXPLAIN ANALYZE`).
     pub fn note_choice(&self, shuffle: ShuffleId, note: String) {
+        self.event(
+            "exchange_choice",
+            || serde_json::json!({"shuffle": shuffle.to_string(), "choice": note}),
+        );
         self.update_shuffle(shuffle, |e| e.choice = Some(note));
+    }
+
+    /// Write what this driver does to `log` from now on ([`crate::events`]; None: stop);
+    /// returns the log open before. Every job of the cluster writes to the one log open.
+    pub fn log_events(
+        &self,
+        log: Option<Arc<crate::events::EventLog>>,
+    ) -> Option<Arc<crate::events::EventLog>> {
+        std::mem::replace(&mut *lock(&self.events), log)
+    }
+
+    /// Append an event to the open log, if any (`fields`, an object, made only then).
+    pub fn event(&self, kind: &str, fields: impl FnOnce() -> serde_json::Value) {
+        let log = lock(&self.events).clone();
+        if let Some(log) = log {
+            log.write(kind, fields());
+        }
     }
 
     /// How `shuffle`'s strategy was chosen, if noted ([`Self::note_choice`]).
@@ -403,7 +427,12 @@ impl Driver {
         let rows = &rows;
         let objects = &self.objects_to_read(shuffle)?;
         self.on_all(|w| async move { w.seal(shuffle.0, rows.clone(), objects.clone()).await })
-            .await
+            .await?;
+        self.event(
+            "shuffle_sealed",
+            || serde_json::json!({"shuffle": shuffle.to_string()}),
+        );
+        Ok(())
     }
 
     /// Stream one reduce partition from every worker, blocks in arrival order.

@@ -17,6 +17,7 @@ mod cost;
 mod direct;
 pub mod driver;
 mod error;
+pub mod events;
 mod forward;
 pub mod ids;
 pub mod job;

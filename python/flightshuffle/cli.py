@@ -89,6 +89,29 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    """An event log as an HTML page (the newest log when given a directory)."""
+    import os
+
+    from flightshuffle.report import report
+
+    path = args.log
+    if os.path.isdir(path):
+        logs = sorted(
+            (os.path.join(path, f) for f in os.listdir(path) if f.endswith(".jsonl")),
+            key=os.path.getmtime,
+        )
+        if not logs:
+            raise ValueError(f"no event log (*.jsonl) in {path}")
+        path = logs[-1]
+    page = report(path)
+    out = args.output or os.path.splitext(path)[0] + ".html"
+    with open(out, "w") as f:
+        f.write(page)
+    print(out)
+    return 0
+
+
 def first_within(history: list, final, keys: list[str], names: list[str], rel: float):
     """The first partial result whose every estimate is within ``rel`` of the final answer."""
     want = final.estimates.select(keys + names)
@@ -276,6 +299,16 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--port", type=int, default=0, help="port (0: a free one)")
     sv.add_argument("--memory-budget", default="2GiB")
     sv.set_defaults(run=_serve)
+
+    rp = sub.add_parser(
+        "report",
+        help="an event log as a self-contained HTML timeline",
+        description="Render an event log (Cluster(event_log=DIR)) as one HTML page: tasks per "
+        "worker on a timeline, recovery marked, per-stage quantiles. Prints the page's path.",
+    )
+    rp.add_argument("log", help="a .jsonl event log, or a directory (its newest log)")
+    rp.add_argument("-o", "--output", help="the page (default: the log's name with .html)")
+    rp.set_defaults(run=_report)
 
     o = sub.add_parser(
         "online",

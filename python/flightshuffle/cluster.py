@@ -229,6 +229,13 @@ class Cluster:
     segments to the store and reads their blocks back by range (``stats()`` shows
     ``disk_bytes``, ``tiered_segments``, ``tiered_bytes``). ``durable=False`` keeps the store
     as that tier only: map outputs are not written to it.
+
+    ``event_log`` (a directory, created private) makes every SQL query write its event log
+    there, one JSON object per line: tasks starting and ending (worker, attempt, rows, bytes,
+    spill), exchanges chosen and sealed, workers lost and replaced, maps recomputed, blocks
+    restored or rebuilt, and each stage's figures. ``last_event_log`` is the last query's
+    file, ``last_report()`` its timeline as an HTML page (``flightshuffle report`` from the
+    shell).
     """
 
     def __init__(
@@ -249,6 +256,7 @@ class Cluster:
         storage_options: dict[str, str] | None = None,
         durable: bool = True,
         disk_budget: int | str | None = None,
+        event_log: str | os.PathLike[str] | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError("a cluster needs at least one worker")
@@ -282,6 +290,7 @@ class Cluster:
             "storage_options": _storage_options(storage, storage_options),
             "durable": bool(durable),
             "disk_budget": None if disk_budget is None else parse_bytes(disk_budget),
+            "event_log": None if event_log is None else os.fspath(event_log),
         }
         if runtime == "ray":
             self._native = self._start_on_ray(workers, options, tls, ray_address, ray_resources)
@@ -667,6 +676,21 @@ class Cluster:
             if identity is not None:
                 info["cert"], info["key"] = identity
         return info
+
+    @property
+    def last_event_log(self) -> str | None:
+        """The event log of the last SQL query (``Cluster(event_log=DIR)``), or None."""
+        return self._native.last_event_log()
+
+    def last_report(self) -> str:
+        """The last SQL query's event log as a self-contained HTML page (a timeline of its
+        tasks per worker, recovery marked, per-stage quantiles); needs ``event_log=``."""
+        from flightshuffle.report import report
+
+        path = self.last_event_log
+        if path is None:
+            raise ValueError("no event log: start the cluster with event_log=DIR and run a query")
+        return report(path)
 
     def serve_flight_sql(self, host: str = "127.0.0.1", port: int = 0) -> dict[str, Any]:
         """Serve Arrow Flight SQL from this process over the cluster's SQL session (its tables,

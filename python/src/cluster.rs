@@ -26,6 +26,8 @@ pub struct NativeCluster {
     pub(crate) stages: stage::Stages,
     /// Strategy knobs of every shuffle, stage and query of this cluster (speculation).
     pub(crate) strategy: flightshuffle::strategy::StrategyOptions,
+    /// Where each SQL query writes its event log (`Cluster(event_log=...)`).
+    pub(crate) event_log: Option<String>,
     /// The Flight SQL endpoint, once served (stopped with the cluster).
     pub(crate) flight_sql: Mutex<Option<flightshuffle_datafusion::flight_sql::FlightSqlServer>>,
 }
@@ -133,6 +135,8 @@ struct ClusterOptions {
     durable: bool,
     /// Spill file bytes per worker past which segments move to the store.
     disk_budget: Option<u64>,
+    /// Where each SQL query writes its event log.
+    event_log: Option<String>,
 }
 
 impl ClusterOptions {
@@ -199,7 +203,10 @@ impl NativeCluster {
             Ok::<_, flightshuffle::Error>(cluster)
         })?
         .map_err(to_py)?;
-        Ok(Self::with_workers(rt, Workers::Local(cluster), opts))
+        Ok(Self {
+            event_log: options.event_log,
+            ..Self::with_workers(rt, Workers::Local(cluster), opts)
+        })
     }
 
     /// A driver for workers hosted elsewhere (Ray actors) at `addresses`; `replace(slot)`
@@ -239,7 +246,10 @@ impl NativeCluster {
             Ok::<_, flightshuffle::Error>(c)
         })?
         .map_err(to_py)?;
-        Ok(Self::with_workers(rt, Workers::Hosted(hosted), opts))
+        Ok(Self {
+            event_log: options.event_log,
+            ..Self::with_workers(rt, Workers::Hosted(hosted), opts)
+        })
     }
 
     fn worker_pids(&self) -> Vec<u32> {
@@ -367,6 +377,7 @@ impl NativeCluster {
             stages: Default::default(),
             strategy,
             flight_sql: Mutex::new(None),
+            event_log: None,
         }
     }
 
@@ -389,16 +400,18 @@ impl NativeCluster {
         let _runtime = self.rt.enter();
         let config =
             flightshuffle_datafusion::DistributedContext::default_config(driver.num_workers());
-        let ctx = Arc::new(
-            flightshuffle_datafusion::DistributedContext::new(driver, config)
-                .map_err(sql::df_err)?
-                // SQL stages recover from lineage (every stage input can be read again);
-                // parity protects shuffles and dataset stages.
-                .with_strategy_options(flightshuffle::strategy::StrategyOptions {
-                    parity: 0,
-                    ..self.strategy
-                }),
-        );
+        let mut ctx = flightshuffle_datafusion::DistributedContext::new(driver, config)
+            .map_err(sql::df_err)?
+            // SQL stages recover from lineage (every stage input can be read again);
+            // parity protects shuffles and dataset stages.
+            .with_strategy_options(flightshuffle::strategy::StrategyOptions {
+                parity: 0,
+                ..self.strategy
+            });
+        if let Some(dir) = &self.event_log {
+            ctx = ctx.with_event_log(dir);
+        }
+        let ctx = Arc::new(ctx);
         *slot = Some(ctx.clone());
         Ok(ctx)
     }

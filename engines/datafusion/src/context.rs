@@ -46,6 +46,8 @@ pub const BROADCAST_JOIN_ROWS: usize = 1 << 20;
 pub struct StageMetrics {
     /// The stage whose exchange this is.
     pub stage: u32,
+    /// The exchange's shuffle id (as the event log names it).
+    pub shuffle: String,
     /// How the exchange spreads its rows, e.g. `hash(a, b) into 8`.
     pub exchange: String,
     /// Map tasks the stage ran.
@@ -115,6 +117,10 @@ pub struct DistributedContext {
     /// Every query's work on the workers, the driver only reading the last stage.
     all_on_workers: bool,
     strategy_options: StrategyOptions,
+    /// Where each query writes its event log ([`flightshuffle::events`]), if anywhere.
+    event_log: Option<std::path::PathBuf>,
+    /// Queries logged so far, and the last one's log.
+    logged: std::sync::Mutex<(u64, Option<std::path::PathBuf>)>,
 }
 
 impl DistributedContext {
@@ -175,6 +181,8 @@ impl DistributedContext {
             small_gather_rows: SMALL_GATHER_ROWS,
             all_on_workers: false,
             strategy_options: StrategyOptions::default(),
+            event_log: None,
+            logged: Default::default(),
         })
     }
 
@@ -200,6 +208,22 @@ impl DistributedContext {
     pub fn with_strategy_options(mut self, opts: StrategyOptions) -> Self {
         self.strategy_options = opts;
         self
+    }
+
+    /// Write one event log per query under `dir` (`query-<n>-<random>.jsonl`, owner-only):
+    /// its tasks, exchanges, recovery and stages ([`flightshuffle::events`]).
+    pub fn with_event_log(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
+        self.event_log = Some(dir.into());
+        self
+    }
+
+    /// The event log of the last query run with one.
+    pub fn last_event_log(&self) -> Option<std::path::PathBuf> {
+        self.logged
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .1
+            .clone()
     }
 
     /// The DataFusion session (register tables and functions here).
@@ -297,6 +321,55 @@ impl DistributedContext {
         if lower.starts_with("set ") {
             return self.set(sql, start).await;
         }
+        let Some(dir) = &self.event_log else {
+            return self.run_query(sql, strategy, start).await;
+        };
+        let path = {
+            let mut logged = self.logged.lock().unwrap_or_else(|p| p.into_inner());
+            logged.0 += 1;
+            let path = dir.join(format!(
+                "query-{:04}-{:08x}.jsonl",
+                logged.0,
+                rand::random::<u32>()
+            ));
+            logged.1 = Some(path.clone());
+            path
+        };
+        let log = Arc::new(flightshuffle::events::EventLog::create(&path)?);
+        let before = self.driver.log_events(Some(log.clone()));
+        log.write(
+            "query_start",
+            serde_json::json!({"sql": sql, "workers": self.driver.num_workers()}),
+        );
+        let result = self.run_query(sql, strategy, start).await;
+        match &result {
+            Ok(r) => {
+                for s in &r.stages {
+                    log.write("stage", serde_json::to_value(s).unwrap_or_default());
+                }
+                let rows: usize = r.batches.iter().map(|b| b.num_rows()).sum();
+                log.write(
+                    "query_end",
+                    serde_json::json!({"ok": true, "rows": rows, "seconds": r.seconds}),
+                );
+            }
+            Err(e) => log.write(
+                "query_end",
+                serde_json::json!({"ok": false, "error": e.to_string()}),
+            ),
+        }
+        self.driver.log_events(before);
+        log.flush()?;
+        result
+    }
+
+    /// Plan and run a query (not `EXPLAIN` or `SET`), again whole after a lost worker.
+    async fn run_query(
+        &self,
+        sql: &str,
+        strategy: Option<Strategy>,
+        start: Instant,
+    ) -> Result<QueryResult> {
         // A worker lost while the stages run is recovered by the scheduler (only the missing
         // maps run again, see `flightshuffle::scheduler`). If that fails too (lost again and
         // again, or while planning), the query runs again, whole, once the lost worker's
@@ -320,6 +393,10 @@ impl DistributedContext {
                 Err(e) if retries < QUERY_RETRIES && self.recoverable(&e, replacements) => {
                     retries += 1;
                     self.driver.note_rerun();
+                    self.driver.event(
+                        "query_rerun",
+                        || serde_json::json!({"retry": retries, "error": e.to_string()}),
+                    );
                     tracing::warn!(error = %e, retries, "worker lost during a query: running it again");
                 }
                 Err(e) => return Err(e),
@@ -528,6 +605,7 @@ impl DistributedContext {
             .zip(reports)
             .map(|(s, r)| StageMetrics {
                 stage: s.writer.stage,
+                shuffle: r.shuffle.clone(),
                 exchange: s.writer.describe(),
                 tasks: r.tasks,
                 rows: r.rows,

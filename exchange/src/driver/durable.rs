@@ -394,6 +394,9 @@ impl Driver {
             e.blocks.extend(want.iter().map(|(b, _)| *b));
         });
         self.restored.fetch_add(want.len() as u64, Ordering::SeqCst);
+        self.event("blocks_restored", || {
+            serde_json::json!({"shuffle": shuffle.to_string(), "map": map, "blocks": want.len()})
+        });
         Ok(true)
     }
 

@@ -79,6 +79,10 @@ impl Driver {
         self.alive[i].store(true, Ordering::SeqCst);
         self.live.send_modify(|v| *v += 1);
         tracing::warn!(worker = i, %addr, generation = self.generation(i), "lost worker replaced");
+        self.event(
+            "worker_replaced",
+            || serde_json::json!({"worker": i, "generation": self.generation(i)}),
+        );
         Ok(())
     }
 
@@ -150,6 +154,9 @@ impl Driver {
             tracing::debug!(worker, %addr, %reason, "worker gone: the cluster is stopping");
         } else if was_alive {
             tracing::warn!(worker, %addr, %reason, lost_blocks, "worker lost");
+            self.event("worker_lost", || {
+                serde_json::json!({"worker": worker, "reason": reason, "lost_blocks": lost_blocks})
+            });
             self.start_replacement(worker);
         } else {
             tracing::debug!(worker, %reason, "worker already lost");

@@ -171,6 +171,10 @@ impl Driver {
             .try_collect::<Vec<()>>()
             .await?;
         tracing::warn!(%shuffle, maps = count, "blocks lost with their worker rebuilt from parity");
+        self.event(
+            "blocks_rebuilt",
+            || serde_json::json!({"shuffle": shuffle.to_string(), "maps": count}),
+        );
         Ok(count)
     }
 

@@ -337,6 +337,10 @@ impl Driver {
         });
         self.recomputed
             .fetch_add(reruns.len() as u64, Ordering::SeqCst);
+        self.event(
+            "maps_recomputed",
+            || serde_json::json!({"shuffle": shuffle.to_string(), "maps": gone.len()}),
+        );
         Ok(reruns)
     }
 

@@ -79,127 +79,144 @@ impl Driver {
             MapInput::Kept(k) => Lineage::Kept(k.clone()),
             MapInput::Stream(_) => Lineage::DriverStream,
         };
+        let events = self.clone();
         tokio::spawn(async move {
-            // A lost worker's replacement learns of the shuffle first.
-            me.register_replaced(shuffle).await?;
-            let client = me.worker(worker)?;
-            let result = match input {
-                MapInput::Source(source) => {
-                    let task = proto::MapTask {
-                        source: Some(source),
-                        ..task
-                    };
-                    client.run_map(&task).await
-                }
-                MapInput::Stream(stream) => {
-                    let schema = me.shuffle_schema(shuffle)?;
-                    client.put_map(&task, schema, stream).await
-                }
-                MapInput::Kept(kept) => {
-                    let schema = me.shuffle_schema(shuffle)?;
-                    client.put_map(&task, schema, kept.stream()).await
-                }
-            };
-            let cancel = proto::CommitTask {
-                shuffle_id: shuffle.0,
-                map_id: map,
-                attempt,
-                blocks: 0,
-                merged_maps: vec![],
-            };
-            let result = match result {
-                Ok(r) => r,
-                Err(e) => {
-                    if pushes {
-                        me.cancel_on(&holders, &cancel).await;
+            events.event("task_start", || {
+                serde_json::json!({"shuffle": shuffle.to_string(), "map": map, "attempt": attempt, "worker": worker})
+            });
+            let done: Result<MapDone> = async move {
+                // A lost worker's replacement learns of the shuffle first.
+                me.register_replaced(shuffle).await?;
+                let client = me.worker(worker)?;
+                let result = match input {
+                    MapInput::Source(source) => {
+                        let task = proto::MapTask {
+                            source: Some(source),
+                            ..task
+                        };
+                        client.run_map(&task).await
                     }
-                    return Err(me.classify(e).await);
-                }
-            };
-            // Claiming, committing and recording run to their end even when the attempt's
-            // caller is dropped (its job failed elsewhere), so the driver's records always
-            // match what the workers committed: recovery relies on it ([`Driver::settle`]).
-            let committing = me.committing.clone().read_owned().await;
-            let inner = tokio::spawn(async move {
-                let _committing = committing;
-                // An attempt of a run before a restart (below the floor) never claims.
-                let claimed = me.update_shuffle(shuffle, |e| {
-                    attempt >= e.floor.get(&map).copied().unwrap_or(0)
-                        && *e.claims.entry(map).or_insert(attempt) == attempt
-                });
-                if !claimed {
-                    // Another attempt of this map finished first: this one's blocks go.
-                    me.cancel_on(&holders, &cancel).await;
-                    return Err(Error::Superseded {
+                    MapInput::Stream(stream) => {
+                        let schema = me.shuffle_schema(shuffle)?;
+                        client.put_map(&task, schema, stream).await
+                    }
+                    MapInput::Kept(kept) => {
+                        let schema = me.shuffle_schema(shuffle)?;
+                        client.put_map(&task, schema, kept.stream()).await
+                    }
+                };
+                let cancel = proto::CommitTask {
+                    shuffle_id: shuffle.0,
+                    map_id: map,
+                    attempt,
+                    blocks: 0,
+                    merged_maps: vec![],
+                };
+                let result = match result {
+                    Ok(r) => r,
+                    Err(e) => {
+                        if pushes {
+                            me.cancel_on(&holders, &cancel).await;
+                        }
+                        return Err(me.classify(e).await);
+                    }
+                };
+                // Claiming, committing and recording run to their end even when the attempt's
+                // caller is dropped (its job failed elsewhere), so the driver's records always
+                // match what the workers committed: recovery relies on it ([`Driver::settle`]).
+                let committing = me.committing.clone().read_owned().await;
+                let inner = tokio::spawn(async move {
+                    let _committing = committing;
+                    // An attempt of a run before a restart (below the floor) never claims.
+                    let claimed = me.update_shuffle(shuffle, |e| {
+                        attempt >= e.floor.get(&map).copied().unwrap_or(0)
+                            && *e.claims.entry(map).or_insert(attempt) == attempt
+                    });
+                    if !claimed {
+                        // Another attempt of this map finished first: this one's blocks go.
+                        me.cancel_on(&holders, &cancel).await;
+                        return Err(Error::Superseded {
+                            map,
+                            attempt,
+                            worker,
+                        });
+                    }
+                    // Commit on every worker holding blocks of the attempt: where it ran, and where
+                    // it pushed blocks to.
+                    let mut commits = vec![(worker, result.blocks.len() as u32)];
+                    for p in &result.pushed {
+                        if p.worker as usize >= n || p.worker as usize == worker {
+                            me.update_shuffle(shuffle, |e| e.claims.remove(&map));
+                            me.cancel_on(&holders, &cancel).await;
+                            return Err(Error::Cluster(format!(
+                                "map {map} reported blocks pushed to worker {} (cluster of {n})",
+                                p.worker
+                            )));
+                        }
+                        commits.push((p.worker as usize, p.blocks.len() as u32));
+                    }
+                    me.commit_on_holders(&commits, &cancel, false).await?;
+                    // The committed attempt's lineage (a speculative copy that lost leaves none).
+                    // Every process holding a block of it: where it ran, where it pushed to (the
+                    // slots' generations when the map was submitted: a replacement since holds
+                    // nothing of it).
+                    let mut holders = vec![(worker, generation)];
+                    for p in &result.pushed {
+                        let slot = p.worker as usize;
+                        holders.push((slot, generations.get(slot).copied().unwrap_or(u64::MAX)));
+                    }
+                    let rows = (partitions > 0
+                        && result.partition_rows.len() == partitions as usize)
+                        .then(|| Arc::from(result.partition_rows.as_slice()));
+                    me.update_shuffle(shuffle, |e| {
+                        e.outputs.insert(
+                            map,
+                            Made {
+                                worker,
+                                holders,
+                                rows,
+                                lineage,
+                                object: result.object.clone(),
+                            },
+                        )
+                    });
+                    let mut blocks = me.record_blocks(shuffle, worker, &result, &[])?;
+                    for p in &result.pushed {
+                        let pushed = proto::TaskResult {
+                            blocks: p.blocks.clone(),
+                            ..Default::default()
+                        };
+                        blocks.extend(me.record_blocks(
+                            shuffle,
+                            p.worker as usize,
+                            &pushed,
+                            &[],
+                        )?);
+                    }
+                    me.record_coded(shuffle, map, attempt, generations, &mut blocks);
+                    Ok(MapDone {
                         map,
                         attempt,
                         worker,
-                    });
-                }
-                // Commit on every worker holding blocks of the attempt: where it ran, and where
-                // it pushed blocks to.
-                let mut commits = vec![(worker, result.blocks.len() as u32)];
-                for p in &result.pushed {
-                    if p.worker as usize >= n || p.worker as usize == worker {
-                        me.update_shuffle(shuffle, |e| e.claims.remove(&map));
-                        me.cancel_on(&holders, &cancel).await;
-                        return Err(Error::Cluster(format!(
-                            "map {map} reported blocks pushed to worker {} (cluster of {n})",
-                            p.worker
-                        )));
-                    }
-                    commits.push((p.worker as usize, p.blocks.len() as u32));
-                }
-                me.commit_on_holders(&commits, &cancel, false).await?;
-                // The committed attempt's lineage (a speculative copy that lost leaves none).
-                // Every process holding a block of it: where it ran, where it pushed to (the
-                // slots' generations when the map was submitted: a replacement since holds
-                // nothing of it).
-                let mut holders = vec![(worker, generation)];
-                for p in &result.pushed {
-                    let slot = p.worker as usize;
-                    holders.push((slot, generations.get(slot).copied().unwrap_or(u64::MAX)));
-                }
-                let rows = (partitions > 0 && result.partition_rows.len() == partitions as usize)
-                    .then(|| Arc::from(result.partition_rows.as_slice()));
-                me.update_shuffle(shuffle, |e| {
-                    e.outputs.insert(
-                        map,
-                        Made {
-                            worker,
-                            holders,
-                            rows,
-                            lineage,
-                            object: result.object.clone(),
+                        blocks,
+                        input: Checksum {
+                            rows: result.input_rows,
+                            sum: result.input_checksum,
                         },
-                    )
+                        input_bytes: result.input_bytes,
+                        spilled_bytes: result.spilled_bytes,
+                        committed_at: std::time::Instant::now(),
+                    })
                 });
-                let mut blocks = me.record_blocks(shuffle, worker, &result, &[])?;
-                for p in &result.pushed {
-                    let pushed = proto::TaskResult {
-                        blocks: p.blocks.clone(),
-                        ..Default::default()
-                    };
-                    blocks.extend(me.record_blocks(shuffle, p.worker as usize, &pushed, &[])?);
-                }
-                me.record_coded(shuffle, map, attempt, generations, &mut blocks);
-                Ok(MapDone {
-                    map,
-                    attempt,
-                    worker,
-                    blocks,
-                    input: Checksum {
-                        rows: result.input_rows,
-                        sum: result.input_checksum,
-                    },
-                    input_bytes: result.input_bytes,
-                    spilled_bytes: result.spilled_bytes,
-                    committed_at: std::time::Instant::now(),
-                })
+                inner
+                    .await
+                    .map_err(|e| Error::Cluster(format!("committing map {map} failed: {e}")))?
+            }
+            .await;
+            events.event("task_end", || {
+                task_end(shuffle, map, attempt, worker, &done)
             });
-            inner
-                .await
-                .map_err(|e| Error::Cluster(format!("committing map {map} failed: {e}")))?
+            done
         })
     }
 
@@ -208,4 +225,27 @@ impl Driver {
             .flatten()
             .ok_or(Error::UnknownShuffle(shuffle))
     }
+}
+
+/// The `task_end` event of a map attempt: rows, bytes and spill, or its error.
+fn task_end(
+    shuffle: ShuffleId,
+    map: u32,
+    attempt: u32,
+    worker: usize,
+    done: &Result<MapDone>,
+) -> serde_json::Value {
+    let mut f = serde_json::json!({
+        "shuffle": shuffle.to_string(), "map": map, "attempt": attempt, "worker": worker,
+        "ok": done.is_ok(),
+    });
+    match done {
+        Ok(d) => {
+            f["rows"] = d.input.rows.into();
+            f["bytes"] = d.blocks.iter().map(|b| b.meta.bytes).sum::<u64>().into();
+            f["spilled_bytes"] = d.spilled_bytes.into();
+        }
+        Err(e) => f["error"] = e.to_string().into(),
+    }
+    f
 }

@@ -51,6 +51,8 @@ pub type DecideInputs = Box<dyn FnOnce(&[u64]) -> Result<(Vec<MapInput>, String)
 /// How a stage went, with times in seconds since the query started.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct StageReport {
+    /// The exchange's shuffle (its id in the event log).
+    pub shuffle: String,
     /// The strategy that ran the exchange (for `auto`: its pick and the predicted times).
     pub strategy: String,
     /// Map tasks it ran.
@@ -137,6 +139,7 @@ pub(crate) fn report(
     }
     let (stored_objects, stored_bytes) = driver.stored(spec.id);
     StageReport {
+        shuffle: spec.id.to_string(),
         stored_objects,
         stored_bytes,
         store_gets: driver.store_reads(spec.id),

@@ -79,6 +79,12 @@ impl NativeCluster {
         Ok((uri, driver.token().to_string(), made.map(|m| m.ca)))
     }
 
+    /// The event log of the last SQL query (with `Cluster(event_log=...)`).
+    fn last_event_log(&self) -> PyResult<Option<String>> {
+        let ctx = self.sql_context()?;
+        Ok(ctx.last_event_log().map(|p| p.display().to_string()))
+    }
+
     /// Run a query on the cluster; returns (pyarrow.Table, metrics as JSON).
     #[pyo3(signature = (query, strategy=None))]
     fn sql(
