@@ -208,7 +208,7 @@ impl Driver {
                 }
             });
         }
-        self.commit_on_holders(&holders, &cancel, true)
+        self.commit_on_holders(&holders, &cancel, true, false)
             .await
             .map_err(half)?;
         let mut blocks = self
@@ -292,12 +292,17 @@ impl Driver {
     /// none `committed_elsewhere` (as a forward's origin has). Otherwise the claim stays, so no
     /// second attempt can ever commit rows the first may have committed, and a holder that
     /// refuses after another committed, or stays unknown, fails the shuffle
-    /// ([`Error::PartialCommit`]).
+    /// ([`Error::PartialCommit`]) — unless the attempt is `stored`: its object in the store
+    /// holds every block, so when the holders left uncommitted are only lost ones (their
+    /// processes replaced, none refused, none unknown on a live process), the commit counts:
+    /// the lost holders' blocks come back from the store like any lost holder's
+    /// ([`Driver::restore_stored`]).
     pub(super) async fn commit_on_holders(
         &self,
         holders: &[(usize, u32)],
         attempt: &proto::CommitTask,
         committed_elsewhere: bool,
+        stored: bool,
     ) -> Result<()> {
         let (shuffle, map) = (ShuffleId(attempt.shuffle_id), attempt.map_id);
         // The process in each holder's slot now: a later generation holds nothing of it.
@@ -359,6 +364,13 @@ impl Driver {
         let maybe = left.iter().any(|&(w, _)| !gone(w));
         match (refused, last) {
             (None, _) if left.is_empty() => Ok(()),
+            (None, _) if stored && committed_any && !maybe => {
+                tracing::warn!(
+                    %shuffle, map, lost = ?left.iter().map(|(w, _)| w).collect::<Vec<_>>(),
+                    "map committed on its live holders; the lost ones' blocks come back from the store"
+                );
+                Ok(())
+            }
             (refused, last) if !committed_any && !maybe => {
                 // Nothing readable was committed anywhere: another attempt may commit.
                 self.update_shuffle(shuffle, |e| e.claims.remove(&map));

@@ -155,7 +155,12 @@ impl Driver {
                         }
                         commits.push((p.worker as usize, p.blocks.len() as u32));
                     }
-                    me.commit_on_holders(&commits, &cancel, false).await?;
+                    // Stored: the map's object holds every block (a holder lost mid-commit
+                    // is restored from it).
+                    let stored = me.is_durable(shuffle)
+                        && result.object.as_ref().is_some_and(|o| !o.path.is_empty());
+                    me.commit_on_holders(&commits, &cancel, false, stored)
+                        .await?;
                     // The committed attempt's lineage (a speculative copy that lost leaves none).
                     // Every process holding a block of it: where it ran, where it pushed to (the
                     // slots' generations when the map was submitted: a replacement since holds
