@@ -7,12 +7,13 @@
 use crate::broadcast::BroadcastJoins;
 use crate::codec::ExchangeCodec;
 use crate::planner::{plan_stages_with, StagedPlan, SMALL_GATHER_ROWS};
+use crate::result::text_result;
+pub use crate::result::{QueryResult, StageMetrics};
 use crate::skew::{self, SkewConfig};
 use crate::source::StageTask;
 use crate::writer::ShuffleWriterExec;
 use crate::{Error, ExchangeContext, Result, STAGE_SOURCE};
-use arrow::array::{RecordBatch, StringArray};
-use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
+use arrow::array::RecordBatch;
 use datafusion::execution::session_state::SessionStateBuilder;
 use datafusion::execution::TaskContext;
 use datafusion::physical_optimizer::optimizer::PhysicalOptimizer;
@@ -40,69 +41,6 @@ use std::time::Instant;
 pub const BROADCAST_JOIN_BYTES: usize = 32 << 20;
 /// Row threshold for a broadcast when a build side has no byte estimate.
 pub const BROADCAST_JOIN_ROWS: usize = 1 << 20;
-
-/// What one exchange moved.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct StageMetrics {
-    /// The stage whose exchange this is.
-    pub stage: u32,
-    /// The exchange's shuffle id (as the event log names it).
-    pub shuffle: String,
-    /// How the exchange spreads its rows, e.g. `hash(a, b) into 8`.
-    pub exchange: String,
-    /// Map tasks the stage ran.
-    pub tasks: usize,
-    /// Rows the stage wrote into the exchange (its map tasks' input rows).
-    pub rows: u64,
-    /// Bytes of the blocks the stage's map tasks wrote.
-    pub bytes: u64,
-    /// Blocks the stage's map tasks wrote.
-    pub blocks: usize,
-    /// Bytes of those blocks that went to spill files rather than memory.
-    pub spilled_bytes: u64,
-    /// Bytes of the largest reduce partition and of the median one: a largest partition far
-    /// above the median is skew.
-    pub max_partition_bytes: u64,
-    /// The strategy that ran the exchange; for `auto`, its pick and the predicted times.
-    pub strategy: String,
-    /// Bytes of the median reduce partition.
-    pub median_partition_bytes: u64,
-    /// `end_s - start_s`.
-    pub seconds: f64,
-    /// Seconds since the query started: first task submitted, first map output committed,
-    /// last map output committed (sealed). Overlapping intervals are stages that pipelined.
-    pub start_s: f64,
-    /// Seconds since the query started when the first map output was committed.
-    pub first_commit_s: f64,
-    /// Seconds since the query started when the last map output was committed.
-    pub end_s: f64,
-    /// A durable exchange (a cluster with `storage=`): objects written to the store, one per
-    /// committed map (0 otherwise).
-    pub stored_objects: u64,
-    /// Bytes of those objects.
-    pub stored_bytes: u64,
-    /// Read through the store (strategy `store` or `store-two-level`): the ranged GETs its
-    /// readers (and the second level) make, one per object and partition it holds.
-    pub store_gets: u64,
-}
-
-/// A query's rows and how its exchanges went.
-#[derive(Debug, Clone)]
-pub struct QueryResult {
-    /// The schema of the result rows.
-    pub schema: SchemaRef,
-    /// The result rows.
-    pub batches: Vec<RecordBatch>,
-    /// How each stage's exchange went; empty for a query that ran whole on the driver.
-    pub stages: Vec<StageMetrics>,
-    /// Wall-clock time of the whole query, in seconds.
-    pub seconds: f64,
-    /// Flight calls the query made (driver to workers and between workers).
-    pub rpcs: u64,
-    /// Why the query ran whole on the driver although it has exchanges (see
-    /// [`crate::sendable`]); None when its stages ran on the workers (or it has none).
-    pub on_driver: Option<String>,
-}
 
 /// How many times a query runs again whole after losing a worker its scheduler could not
 /// recover from (each time once the lost worker's replacement is up).
@@ -853,18 +791,4 @@ fn refresh_workers(input: MapInput, workers: &[String]) -> MapInput {
         }
     }
     MapInput::Source(source)
-}
-
-fn text_result(text: &str, seconds: f64) -> QueryResult {
-    let schema = Arc::new(Schema::new(vec![Field::new("plan", DataType::Utf8, false)]));
-    let lines: StringArray = text.lines().map(Some).collect();
-    let batch = RecordBatch::try_new(schema.clone(), vec![Arc::new(lines)]);
-    QueryResult {
-        schema,
-        batches: batch.into_iter().collect(),
-        stages: vec![],
-        seconds,
-        rpcs: 0,
-        on_driver: None,
-    }
 }

@@ -20,6 +20,7 @@ pub mod online;
 pub mod planner;
 pub mod pool;
 pub mod reader;
+pub mod result;
 pub mod running;
 pub mod sendable;
 pub mod skew;
