@@ -182,3 +182,16 @@ def test_an_actor_killed_mid_query_is_replaced_and_the_answer_is_exact(rc, tpch_
 def test_ray_runtime_errors_are_clear():
     with pytest.raises(ValueError, match="runtime"):
         fs.Cluster(workers=1, runtime="yarn")  # type: ignore[arg-type]
+
+
+def test_a_removed_worker_stops_its_actor_and_queries_stay_exact(rc, tpch_data):
+    """Last in this module (it shrinks the shared cluster): with no shuffle alive, a worker is
+    removed, its actor and process stop, and the one-worker cluster answers like DuckDB."""
+    con = tpch.duckdb_connect(tpch_data)
+    pids = rc.worker_pids
+    rc.remove_worker(0)
+    assert rc.worker_pids == [pids[1]]
+    assert len(rc._ray.actors) == 1
+    assert not alive(pids[0])
+    sql, ordered = tpch.query(3, SF)
+    assert tpch.compare(con.sql(sql).to_arrow_table(), rc.sql(sql), ordered) is None

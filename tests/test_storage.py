@@ -342,3 +342,57 @@ def test_strategy_store_reads_through_the_store_for_shuffles_and_sql(
         durable.sql("SET flightshuffle.strategy = ''")
     with fs.Cluster(workers=1) as plain, pytest.raises(ValueError, match="storage="):
         list(plain.shuffle(df, by="key", partitions=2, strategy="store"))
+
+
+def test_remove_worker_shrinks_a_durable_cluster_without_losing_a_row(store, tpch_data):
+    """A worker removed while a shuffle is half read: the rest is exact, read from the store,
+    with no map run again and no replacement; its process is gone, the last worker took its
+    index, and the smaller cluster answers TPC-H like DuckDB."""
+    url, options = store
+    df = frame(120_000)
+    with fs.Cluster(
+        workers=3, memory_budget="256MiB", timeout=60, storage=url, storage_options=options
+    ) as c:
+        result = c.shuffle(df, by="key", partitions=6, map_bytes="128KiB", strategy="merged")
+        assert result.wait_mapped()["maps"] >= 6
+        parts = [pl.from_arrow(next(result))]
+        pids = c.worker_pids
+        before = c.recovery()
+        c.remove_worker(0)
+        assert c.worker_pids == [pids[2], pids[1]], "the last worker took index 0"
+        assert not alive(pids[0])
+        parts += [pl.from_arrow(p) for p in result]
+        assert_same_multiset(df, parts)
+        assert_keys_not_split(parts, ["key"])
+        after = c.recovery()
+        for k in ("replacements", "recomputed_maps", "rerun_jobs", "restored_blocks"):
+            assert after[k] == before[k], (k, after)
+        result.close()
+        paths = tpch.table_paths(tpch_data)
+        for name, path in paths.items():
+            c.register_parquet(name, path)
+        con = tpch.duckdb_connect(tpch_data)
+        for q in (3, 18):
+            sql, ordered = tpch.query(q, TPCH_SF)
+            assert tpch.compare(con.sql(sql).to_arrow_table(), c.sql(sql), ordered) is None
+        c.remove_worker(1)
+        with pytest.raises(ValueError, match="last worker"):
+            c.remove_worker(0)
+    assert s3_keys(store[1], "fs-durable") == []
+
+
+def test_remove_worker_refuses_what_would_lose_rows():
+    df = frame(20_000)
+    with fs.Cluster(workers=2, timeout=60) as c:
+        result = c.shuffle(df, by="key", partitions=4)
+        parts = [pl.from_arrow(next(result))]
+        with pytest.raises(ValueError, match=rf"{result.shuffle_id}.*not durable"):
+            c.remove_worker(1)
+        assert len(c.worker_pids) == 2 and all(alive(p) for p in c.worker_pids)
+        parts += [pl.from_arrow(p) for p in result]
+        assert_same_multiset(df, parts)
+        result.close()
+        with pytest.raises(ValueError, match="no worker 7"):
+            c.remove_worker(7)
+        c.remove_worker(1)  # nothing alive to lose
+        assert_same_multiset(df, [pl.from_arrow(p) for p in c.shuffle(df, by="key")])

@@ -457,6 +457,50 @@ impl LocalCluster {
         Ok(())
     }
 
+    /// Take worker `i` out of the cluster for good, losing nothing: the driver lets go of it
+    /// (see [`Driver::retire_worker`]: every live shuffle must be durable and sealed, and is
+    /// read through the store from then on), then its process is stopped and its spill
+    /// directory removed. The last worker takes slot `i`; the cluster has one worker fewer.
+    pub async fn remove_worker(&self, i: usize) -> Result<crate::driver::Retired> {
+        let retired = self.driver.retire_worker(i).await?;
+        self.stop_removed(i);
+        Ok(retired)
+    }
+
+    /// Stop the process of slot `i` once the driver retired it ([`Driver::retire_worker`]):
+    /// the last slot's process takes its place here too; its spill directories are removed.
+    pub fn stop_removed(&self, i: usize) {
+        let gone = {
+            let mut children = lock(&self.children);
+            if i < children.len() {
+                children.swap_remove(i)
+            } else {
+                None
+            }
+        };
+        if let Some(mut child) = gone {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        // Its spill directories, whatever their generation (worker-i, worker-i.g). No live
+        // process has one: a process started for a slot moves only out of the last slot,
+        // which is then gone for good.
+        if let Ok(entries) = std::fs::read_dir(&self.spill_root) {
+            let name = format!("worker-{i}");
+            for e in entries.flatten() {
+                let file = e.file_name();
+                let file = file.to_string_lossy();
+                let is_its = file == name.as_str()
+                    || file
+                        .strip_prefix(&format!("{name}."))
+                        .is_some_and(|g| g.parse::<u64>().is_ok());
+                if is_its {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
+    }
+
     /// Stop every worker (kill, then reap). Safe to call more than once.
     pub fn stop(&mut self) {
         self.driver.stop_replacing();

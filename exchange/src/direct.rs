@@ -27,9 +27,10 @@ const OBJECTS_IN_FLIGHT: usize = 64;
 /// the offset each starts at.
 pub type PartitionRanges = Vec<(String, Vec<(BlockMeta, u64)>)>;
 
-/// The blocks of `partition` (of `slice` of it) in `objects`, object by object. An object
-/// whose index does not parse or that holds packed blocks (several partitions in one block)
-/// is an error naming it.
+/// The blocks of `partition` (of `slice` of it) in `objects`, object by object. A packed
+/// block (several partitions in one, written by a map of a merging strategy before its
+/// shuffle moved to the store, see `Driver::retire_worker`) is read whole by every partition's
+/// reader, which keeps its rows. An object whose index does not parse is an error naming it.
 pub fn ranges_of(
     storage: &Storage,
     objects: &[proto::StoredObject],
@@ -48,10 +49,8 @@ pub fn ranges_of(
         let mut blocks = Vec::new();
         for (m, &offset) in o.blocks.iter().zip(&o.offsets) {
             let meta = BlockMeta::try_from(m).map_err(|e| bad(format!("a block entry: {e}")))?;
-            if meta.id.partition == crate::ids::PACKED {
-                return Err(bad("it holds packed blocks, not read by range".into()));
-            }
-            if meta.id.partition == partition && slice.contains(&meta.id) {
+            let packed = meta.id.partition == crate::ids::PACKED;
+            if (packed || meta.id.partition == partition) && slice.contains(&meta.id) {
                 match offset.checked_add(meta.bytes) {
                     Some(end) if end <= o.size => blocks.push((meta, offset)),
                     _ => return Err(bad(format!("block {} runs past its end", meta.id))),
@@ -65,9 +64,10 @@ pub fn ranges_of(
     Ok(out)
 }
 
-/// Read `ranges` from `storage`: each object's blocks in one ranged request (adjacent ranges
-/// coalesced), a few objects at a time; every block checked and decoded, in object order.
-pub fn read(storage: Arc<Storage>, ranges: PartitionRanges) -> BatchStream {
+/// Read `ranges` of `partition` from `storage`: each object's blocks in one ranged request
+/// (adjacent ranges coalesced), a few objects at a time; every block checked and decoded, in
+/// object order (a packed block's rows of `partition` only).
+pub fn read(storage: Arc<Storage>, ranges: PartitionRanges, partition: u32) -> BatchStream {
     let reads = futures::stream::iter(ranges)
         .map(move |(path, blocks)| {
             let storage = storage.clone();
@@ -90,8 +90,14 @@ pub fn read(storage: Arc<Storage>, ranges: PartitionRanges) -> BatchStream {
                             ),
                         });
                     }
-                    let (_, b) = decode_block(&d)?;
-                    batches.extend(b);
+                    let (schema, b) = decode_block(&d)?;
+                    if meta.id.partition == crate::ids::PACKED {
+                        batches.extend(crate::block::packed::partition_of(
+                            &schema, &b, partition, meta.rows,
+                        )?);
+                    } else {
+                        batches.extend(b);
+                    }
                 }
                 Ok::<_, Error>(futures::stream::iter(batches.into_iter().map(Ok)))
             }

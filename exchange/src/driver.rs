@@ -17,6 +17,7 @@ mod manifest;
 mod parity;
 mod placement;
 mod recover;
+mod retire;
 mod spec;
 mod submit;
 
@@ -33,7 +34,7 @@ use arrow::datatypes::SchemaRef;
 use futures::StreamExt;
 pub(crate) use losses::{count_loss, MAX_RERUNS};
 pub use placement::Placement;
-pub use spec::{BlockRef, Lineage, MapDone, MapInput, ShuffleSpec};
+pub use spec::{BlockRef, Lineage, MapDone, MapInput, Retired, ShuffleSpec};
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -91,6 +92,11 @@ pub struct Driver {
     me: std::sync::Weak<Driver>,
     creds: crate::transport::Credentials,
     alive: Vec<AtomicBool>,
+    /// Worker slots in use: `0..active` (fewer than the slots above once workers were
+    /// retired, see [`retire`]).
+    active: std::sync::atomic::AtomicUsize,
+    /// Replacements started so far, over all slots.
+    replaced: std::sync::atomic::AtomicU64,
     cfg: DriverConfig,
     /// One entry per shuffle: its registration, placement, attempts, claims and manifest
     /// ([`manifest`]).
@@ -183,6 +189,8 @@ impl Driver {
             reader,
             creds: creds.clone(),
             alive: workers.iter().map(|_| AtomicBool::new(true)).collect(),
+            active: std::sync::atomic::AtomicUsize::new(workers.len()),
+            replaced: Default::default(),
             generations: workers.iter().map(|_| Default::default()).collect(),
             replacer: Mutex::new(None),
             stopping: AtomicBool::new(false),
@@ -223,7 +231,7 @@ impl Driver {
 
     /// Worker slots in the cluster.
     pub fn num_workers(&self) -> usize {
-        self.alive.len()
+        self.active.load(Ordering::SeqCst)
     }
 
     /// The client of worker slot `i` (its replacement's, once a lost worker was replaced).
@@ -428,6 +436,7 @@ impl Driver {
         let objects = &self.objects_to_read(shuffle)?;
         self.on_all(|w| async move { w.seal(shuffle.0, rows.clone(), objects.clone()).await })
             .await?;
+        self.update_shuffle(shuffle, |e| e.sealed = true);
         self.event(
             "shuffle_sealed",
             || serde_json::json!({"shuffle": shuffle.to_string()}),

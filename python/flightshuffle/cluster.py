@@ -630,6 +630,18 @@ class Cluster:
         of those the hash join build sides' (``peak_unspillable_bytes``)."""
         return json.loads(self._native.stats_json())
 
+    def remove_worker(self, worker: int) -> None:
+        """Take worker ``worker`` out of the cluster for good, losing nothing: every shuffle
+        still alive (held datasets, a result being read) must be durable (``storage=``) and
+        complete, and is read from its objects in the store from then on; the worker's process
+        (its Ray actor) stops, and the last worker takes its index. Call it between jobs.
+        Refused with ``ValueError`` or ``ShuffleError`` (naming the shuffle) when that would
+        lose rows, and with nothing changed."""
+        self._native.remove_worker(worker)
+        if self._ray is not None:
+            self._ray.remove(worker)
+        self.workers -= 1
+
     @property
     def worker_pids(self) -> list[int]:
         if self._ray is not None:

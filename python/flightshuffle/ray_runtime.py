@@ -312,6 +312,16 @@ class RayWorkers:
             self.replaced += 1
             return str(addr)
 
+    def remove(self, slot: int) -> None:
+        """Stop slot ``slot``'s actor for good (the driver retired it): the last slot's actor
+        takes its index, as it did in the driver; its bundle stays reserved."""
+        with self._lock:
+            with contextlib.suppress(Exception):
+                self._ray.kill(self.actors[slot], no_restart=True)
+            last = self.actors.pop()
+            if slot < len(self.actors):
+                self.actors[slot] = last
+
     def kill(self, slot: int) -> None:
         """Kill one worker's actor, as a lost node would (fault injection in tests)."""
         self._ray.kill(self.actors[slot], no_restart=True)

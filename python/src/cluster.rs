@@ -252,6 +252,33 @@ impl NativeCluster {
         })
     }
 
+    /// Take worker `worker` out of the cluster for good (see `Driver::retire_worker`): the
+    /// driver lets go of it, then its process stops (here for a local cluster; the Ray runtime
+    /// kills its actor). Returns the retired worker's address.
+    fn remove_worker(&self, py: Python<'_>, worker: usize) -> PyResult<String> {
+        let driver = self.driver()?;
+        let left = driver.num_workers().saturating_sub(1);
+        if self.strategy.parity > 0 {
+            flightshuffle::check_parity(left, self.strategy.parity).map_err(|e| {
+                pyo3::exceptions::PyValueError::new_err(format!(
+                    "worker {worker} cannot be removed: {e}"
+                ))
+            })?;
+        }
+        let retired = wait(
+            py,
+            &self.rt,
+            async move { driver.retire_worker(worker).await },
+        )?
+        .map_err(to_py)?;
+        self.with(|c| {
+            if let Workers::Local(local) = c {
+                local.stop_removed(worker);
+            }
+        });
+        Ok(retired.addr)
+    }
+
     fn worker_pids(&self) -> Vec<u32> {
         self.with(|c| c.pids()).unwrap_or_default()
     }

@@ -87,6 +87,35 @@ pub fn encode(
     EncodedBlock::encode(&schema, &[batch], c)
 }
 
+/// The rows of partition `p` in a packed block decoded as `schema` and `batches` (`rows` rows,
+/// as its commit recorded), with the block's partition ends dropped from their schema: how a
+/// reader that fetched the whole block from a map object takes its partition.
+pub fn partition_of(
+    schema: &Schema,
+    batches: &[RecordBatch],
+    p: u32,
+    rows: u64,
+) -> Result<Vec<RecordBatch>> {
+    let count = schema
+        .metadata()
+        .get(ENDS_KEY)
+        .map_or(0, |t| t.split(',').filter(|s| !s.is_empty()).count());
+    let ends = Ends::of_schema(schema, count as u32, rows)?;
+    let mut metadata = schema.metadata().clone();
+    metadata.remove(ENDS_KEY);
+    let plain = Arc::new(Schema::new_with_metadata(schema.fields().clone(), metadata));
+    slice_partition(batches, &ends, p)
+        .into_iter()
+        .map(|b| {
+            Ok(super::batch_with(
+                plain.clone(),
+                b.columns().to_vec(),
+                b.num_rows(),
+            )?)
+        })
+        .collect()
+}
+
 /// The rows of partition `p` in the batches of a packed block, as slices (no copy).
 pub fn slice_partition(batches: &[RecordBatch], ends: &Ends, p: u32) -> Vec<RecordBatch> {
     let want = ends.range(p);

@@ -42,6 +42,13 @@ impl Driver {
         if !self.via_store(shuffle) {
             return Ok(vec![]);
         }
+        self.map_objects(shuffle)
+    }
+
+    /// The objects that hold every committed map of `shuffle` (the second level's once
+    /// written), whether or not it is read through the store; a committed map without one is
+    /// an error naming it.
+    pub(super) fn map_objects(&self, shuffle: ShuffleId) -> Result<Vec<proto::StoredObject>> {
         self.with_shuffle(shuffle, |e| {
             if let Some(c) = &e.combined {
                 return Ok(c.clone());
@@ -50,6 +57,9 @@ impl Driver {
             let mut maps: Vec<(&u32, &super::Made)> = e.outputs.iter().collect();
             maps.sort_by_key(|(m, _)| **m);
             for (map, made) in maps {
+                if matches!(made.lineage, super::Lineage::Merge(_)) {
+                    continue; // its maps' objects hold its rows
+                }
                 match &made.object {
                     Some(o) if o.path.is_empty() => {} // it wrote no block
                     Some(o) => objects.push(o.clone()),
@@ -208,6 +218,9 @@ impl Driver {
         partition: u32,
         sealed: bool,
     ) -> Result<Option<BatchStream>> {
+        // Sealed as the reader asked, or as the driver knows (a shuffle moved to the store
+        // after its seal, see `retire_worker`: its blocks are not all on the workers).
+        let sealed = sealed || self.with_shuffle(shuffle, |e| e.sealed).unwrap_or(false);
         if !sealed || !self.via_store(shuffle) {
             return Ok(None);
         }
@@ -216,7 +229,11 @@ impl Driver {
             .ok_or_else(|| Error::Cluster(format!("shuffle {shuffle} lost its store")))?;
         let objects = self.objects_to_read(shuffle)?;
         let ranges = crate::direct::ranges_of(&store.storage, &objects, partition, Slice::WHOLE)?;
-        Ok(Some(crate::direct::read(store.storage.clone(), ranges)))
+        Ok(Some(crate::direct::read(
+            store.storage.clone(),
+            ranges,
+            partition,
+        )))
     }
 }
 

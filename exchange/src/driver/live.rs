@@ -41,7 +41,7 @@ impl Driver {
 
     /// Replacements started so far, over all slots (changes when a worker is found lost).
     pub fn replacements(&self) -> u64 {
-        (0..self.num_workers()).map(|i| self.generation(i)).sum()
+        self.replaced.load(Ordering::SeqCst)
     }
 
     /// Let the driver replace lost workers: `replacer` starts a new worker process for a slot
@@ -96,6 +96,7 @@ impl Driver {
             return;
         };
         self.generations[i].fetch_add(1, Ordering::SeqCst);
+        self.replaced.fetch_add(1, Ordering::SeqCst);
         rt.spawn(async move {
             let started = tokio::task::spawn_blocking(move || replacer(i)).await;
             let result = match started {

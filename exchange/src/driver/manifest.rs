@@ -72,6 +72,8 @@ pub(crate) struct ShuffleEntry {
     pub packing: bool,
     /// Readers read it from its map objects in the store, once sealed ([`crate::direct`]).
     pub via_store: bool,
+    /// Its map side is complete: every worker was told ([`crate::driver::Driver::seal`]).
+    pub sealed: bool,
     /// Two-level through the store: the combined objects readers read in place of the map
     /// objects, once the second level wrote them ([`crate::direct::combine`]).
     pub combined: Option<Vec<proto::StoredObject>>,

@@ -105,6 +105,12 @@ impl Driver {
     /// The committed maps of a parity shuffle that lost blocks with a worker: each with its
     /// record and the slots replaced since it was submitted.
     pub fn coded_losses(&self, shuffle: ShuffleId) -> Vec<(u32, Coded, Vec<usize>)> {
+        if self
+            .with_shuffle(shuffle, |e| e.sealed && e.via_store)
+            .unwrap_or(false)
+        {
+            return Vec::new(); // read from its objects only
+        }
         let st = lock(&self.parity);
         let mut out: Vec<(u32, Coded, Vec<usize>)> = st
             .maps

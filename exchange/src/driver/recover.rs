@@ -35,9 +35,13 @@ impl Driver {
     /// The maps (and merge groups) of `shuffle` with blocks of their committed output on a
     /// worker lost since (where they ran, or where they pushed, merged or forwarded blocks:
     /// every holder in the manifest), with the first lost slot and how each was made.
+    /// A sealed shuffle read through the store has none: its readers read only objects.
     pub fn lost_outputs(&self, shuffle: ShuffleId) -> Vec<(u32, usize, Lineage)> {
         let mut lost: Vec<(u32, usize, Lineage)> = self
             .with_shuffle(shuffle, |e| {
+                if e.sealed && e.via_store {
+                    return Vec::new();
+                }
                 e.outputs
                     .iter()
                     .filter_map(|(m, made)| {

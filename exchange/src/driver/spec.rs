@@ -104,3 +104,14 @@ pub struct MapDone {
     /// When the driver committed it.
     pub committed_at: std::time::Instant,
 }
+
+/// What `Driver::retire_worker` did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Retired {
+    /// The address of the process that was retired (the runtime stops it).
+    pub addr: String,
+    /// The slot whose process moved into the retired slot (the last one), if another.
+    pub moved_from: Option<usize>,
+    /// Shuffles switched to reading through the store.
+    pub through_store: usize,
+}

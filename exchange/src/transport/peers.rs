@@ -141,7 +141,7 @@ impl PeerReader {
                 return Err(Error::UnknownShuffle(shuffle));
             };
             let ranges = crate::direct::ranges_of(&storage, &objects, partition, slice)?;
-            Ok(crate::direct::read(storage, ranges))
+            Ok(crate::direct::read(storage, ranges, partition))
         };
         Some(Box::pin(futures::stream::once(read).try_flatten()))
     }
