@@ -19,6 +19,13 @@ cargo test --workspace --all-targets --no-run
 cargo test --workspace
 echo "== DataFusion's sqllogictest files (a subset), distributed vs single-process"
 quiet bash scripts/slt.sh --baseline docs/slt/ci-baseline.json aggregate.slt joins.slt group_by.slt null_aware_anti_join.slt
+# Headless Chromium renders the event-log report in tests/test_report_browser.py (Debian's
+# package; skipped with its reason where it cannot be installed: not root, no apt).
+if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "== installing chromium (apt-get; once per machine)"
+  quiet apt-get update -q || true
+  DEBIAN_FRONTEND=noninteractive quiet apt-get install -y -q chromium || echo "(chromium not installed: the browser test is skipped)"
+fi
 echo "== python: build (maturin develop), ruff, pytest"
 echo "== building the extension (maturin develop; output shown only on failure)"
 quiet maturin develop

@@ -110,3 +110,34 @@ def test_a_bad_log_is_a_clear_error(tmp_path):
         report(bad)
     with fs.Cluster(workers=1) as c, pytest.raises(ValueError, match="event_log="):
         c.last_report()
+
+
+def test_a_shuffle_job_logs_its_tasks_and_a_worker_killed_mid_way(tmp_path):
+    """A shuffle from Python writes its own log: its map attempts, its stage, and a worker
+    killed after the first partition was read (its blocks lost: maps run again), with the
+    answer exact."""
+    import polars as pl
+    from conftest import assert_same_multiset
+
+    n = 200_000
+    df = pl.DataFrame({"k": [i % 1009 for i in range(n)], "v": list(range(n))})
+    with fs.Cluster(workers=3, timeout=60, event_log=tmp_path / "events") as c:
+        result = c.shuffle(df, by="k", partitions=6, map_bytes="128KiB", strategy="pull")
+        assert result.wait_mapped()["maps"] >= 6
+        parts = [pl.from_arrow(next(result))]
+        os.kill(c.worker_pids[1], signal.SIGKILL)
+        parts += [pl.from_arrow(p) for p in result]
+        assert_same_multiset(df, parts)
+        path = c.last_event_log
+        assert path and os.path.basename(path) == f"shuffle-{result.shuffle_id}.jsonl"
+        events = read_events(path)
+        kinds = [e["event"] for e in events]
+        assert kinds[0] == "query_start" and kinds[-1] == "query_end", kinds
+        assert events[-1]["ok"] and events[-1]["rows"] == n
+        assert {"worker_lost", "maps_recomputed"} <= set(kinds), kinds
+        [stage] = [e for e in events if e["event"] == "stage"]
+        assert stage["shuffle"] == result.shuffle_id and stage["rows"] == n
+        tasks = tasks_of(events)
+        assert sum(1 for t in tasks if t["ok"]) >= stage["tasks"]
+        page = c.last_report()
+        assert '<line class="recovery"' in page and page.count('<rect class="task"') == len(tasks)

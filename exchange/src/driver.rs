@@ -34,7 +34,7 @@ use arrow::datatypes::SchemaRef;
 use futures::StreamExt;
 pub(crate) use losses::{count_loss, MAX_RERUNS};
 pub use placement::Placement;
-pub use spec::{BlockRef, Lineage, MapDone, MapInput, Retired, ShuffleSpec};
+pub use spec::{BlockRef, Lineage, MapDone, MapInput, Progress, Retired, ShuffleSpec};
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -97,6 +97,8 @@ pub struct Driver {
     active: std::sync::atomic::AtomicUsize,
     /// Replacements started so far, over all slots.
     replaced: std::sync::atomic::AtomicU64,
+    /// Work done so far ([`Driver::progress`]).
+    progress: Progress,
     cfg: DriverConfig,
     /// One entry per shuffle: its registration, placement, attempts, claims and manifest
     /// ([`manifest`]).
@@ -191,6 +193,7 @@ impl Driver {
             alive: workers.iter().map(|_| AtomicBool::new(true)).collect(),
             active: std::sync::atomic::AtomicUsize::new(workers.len()),
             replaced: Default::default(),
+            progress: Default::default(),
             generations: workers.iter().map(|_| Default::default()).collect(),
             replacer: Mutex::new(None),
             stopping: AtomicBool::new(false),
@@ -207,6 +210,11 @@ impl Driver {
             reruns: Default::default(),
             shuffle_order: Default::default(),
         }))
+    }
+
+    /// Work done on this cluster so far (for progress bars).
+    pub fn progress(&self) -> &Progress {
+        &self.progress
     }
 
     /// The driver's settings.
@@ -437,6 +445,7 @@ impl Driver {
         self.on_all(|w| async move { w.seal(shuffle.0, rows.clone(), objects.clone()).await })
             .await?;
         self.update_shuffle(shuffle, |e| e.sealed = true);
+        self.progress.sealed.fetch_add(1, Ordering::Relaxed);
         self.event(
             "shuffle_sealed",
             || serde_json::json!({"shuffle": shuffle.to_string()}),

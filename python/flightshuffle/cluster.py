@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 from flightshuffle._native import (
     NativeCluster,
 )
+from flightshuffle.progress import PartitionProgress, QueryProgress, showing
 
 if TYPE_CHECKING:
     from flightshuffle.dataset import Dataset, Grouped
@@ -101,9 +102,10 @@ class ShuffleResult:
     ``close()`` frees the shuffle's blocks on the workers.
     """
 
-    def __init__(self, native: Any, output: str) -> None:
+    def __init__(self, native: Any, output: str, bar: PartitionProgress | None = None) -> None:
         self._native = native
         self._output = output
+        self._bar = bar or PartitionProgress(0, False)
         self.partition_ids: list[int] = []
 
     def __iter__(self) -> Iterator[Any]:
@@ -116,6 +118,7 @@ class ShuffleResult:
             raise StopIteration
         index, table = item
         self.partition_ids.append(index)
+        self._bar.read(table.num_rows)
         if self._output == "polars":
             import polars as pl
 
@@ -132,6 +135,7 @@ class ShuffleResult:
         return self._native.shuffle_id
 
     def close(self) -> None:
+        self._bar.close()
         self._native.close()
 
     def __enter__(self) -> Self:
@@ -359,6 +363,7 @@ class Cluster:
         output: Literal["arrow", "polars"] = "arrow",
         map_bytes: int | str = "64MiB",
         parity: int | None = None,
+        progress: bool | None = None,
     ) -> ShuffleResult:
         """Shuffle ``data`` into ``partitions`` reduce partitions.
 
@@ -381,6 +386,7 @@ class Cluster:
         one object first: about 2·p·√p requests instead of p², for many maps and partitions;
         ``"auto"`` on a durable cluster weighs both against Flight. ``parity`` (default: the cluster's) protects
         this shuffle with that many parity shards per stripe (see :class:`Cluster`).
+        A bar of partitions read shows on a terminal (``progress=False`` hides it).
         """
         keys = [by] if isinstance(by, str) else list(by or [])
         kind = partitioner or ("hash" if keys else "round_robin")
@@ -393,17 +399,18 @@ class Cluster:
                 f"cannot shuffle {type(data).__name__}: it does not export Arrow data "
                 "(__arrow_c_stream__); pass a pyarrow Table, Polars DataFrame or DuckDB relation"
             )
+        count = 2 * self.workers if partitions is None else int(partitions)
         native = self._native.shuffle(
             data,
             keys,
-            2 * self.workers if partitions is None else int(partitions),
+            count,
             strategy,
             kind,
             parse_bytes(map_bytes),
             _size_of(data),
             None if parity is None else int(parity),
         )
-        return ShuffleResult(native, output)
+        return ShuffleResult(native, output, PartitionProgress(count, showing(progress)))
 
     def register_parquet(self, name: str, path: str) -> None:
         """Register a Parquet file or directory as table ``name`` for :meth:`sql`."""
@@ -577,6 +584,7 @@ class Cluster:
         tables: dict[str, Any] | None = None,
         output: Literal["arrow", "polars"] = "arrow",
         strategy: Strategy | None = None,
+        progress: bool | None = None,
     ) -> Any:
         """Run SQL distributed on the cluster (DataFusion plans, flightshuffle exchanges).
 
@@ -586,7 +594,8 @@ class Cluster:
         ``EXPLAIN ANALYZE`` return the staged plan. Per-exchange figures of the last query are
         in :attr:`last_metrics`. ``strategy`` sets the strategy of every exchange of this query
         (default: ``SET flightshuffle.strategy = '...'`` if the session ran one, else the
-        cluster's).
+        cluster's). A bar of exchanges done (with rows, bytes and spill written) shows on a
+        terminal (``progress=False`` hides it).
         """
         for name, source in (tables or {}).items():
             if isinstance(source, (str, os.PathLike)):
@@ -598,7 +607,8 @@ class Cluster:
                     f"table {name!r}: expected a Parquet path or Arrow data, "
                     f"not {type(source).__name__}"
                 )
-        table, metrics = self._native.sql(query, strategy)
+        with QueryProgress(self._native, "sql", showing(progress)):
+            table, metrics = self._native.sql(query, strategy)
         self.last_metrics = json.loads(metrics)
         if output == "polars":
             import polars as pl

@@ -106,7 +106,18 @@ def timeline_svg(events: list[dict[str, Any]], stage_of: dict[str, int]) -> str:
             row = len(rows) - 1
         rows[row].append(t["end"])
         t["_row"] = row
-    y0, y = {}, 30
+    # Recovery labels: a row of its own for a label that would overlap the one before.
+    marks = [e for e in events if e["event"] in RECOVERY]
+    label_y, ends = [], []
+    for e in marks:
+        x = left + e["t"] * scale
+        text = RECOVERY[e["event"]][1] + (f" {e['worker']}" if "worker" in e else "")
+        row = next((i for i, end_x in enumerate(ends) if end_x < x), len(ends))
+        if row == len(ends):
+            ends.append(0.0)
+        ends[row] = x + 6.5 * len(text) + 8
+        label_y.append(14 + 12 * row)
+    y0, y = {}, 30 + 12 * max(0, len(ends) - 1)
     for w in workers:
         y0[w] = y
         y += max(1, len(lanes[w])) * (bar + gap) + 10
@@ -139,25 +150,24 @@ def timeline_svg(events: list[dict[str, Any]], stage_of: dict[str, int]) -> str:
             f'<rect class="task" x="{x:.1f}" y="{yy}" width="{w:.1f}" height="{bar}" '
             f'fill="{fill}"{stroke}><title>{html.escape(what)}</title></rect>'
         )
-    for e in events:
-        if e["event"] not in RECOVERY:
-            continue
+    for e, ly in zip(marks, label_y, strict=True):
         colour, label = RECOVERY[e["event"]]
         x = left + e["t"] * scale
         detail = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("t", "event"))
         out.append(
-            f'<line class="recovery" x1="{x:.1f}" x2="{x:.1f}" y1="18" y2="{height - 16}" '
+            f'<line class="recovery" x1="{x:.1f}" x2="{x:.1f}" y1="{ly + 4}" y2="{height - 16}" '
             f'stroke="{colour}" stroke-width="2" stroke-dasharray="4 2">'
             f"<title>{html.escape(label + ': ' + detail)}</title></line>"
         )
         who = f" {e['worker']}" if "worker" in e else ""
         out.append(
-            f'<text x="{x + 3:.1f}" y="14" fill="{colour}">{html.escape(label + who)}</text>'
+            f'<text x="{x + 3:.1f}" y="{ly}" fill="{colour}">{html.escape(label + who)}</text>'
         )
     for i in range(6):
         t = end * i / 5
         x = left + t * scale
-        out.append(f'<text x="{x:.1f}" y="{height - 4}" fill="#666">{t:.2f} s</text>')
+        anchor = ' text-anchor="end"' if i == 5 else ""
+        out.append(f'<text x="{x:.1f}" y="{height - 4}" fill="#666"{anchor}>{t:.2f} s</text>')
     out.append("</svg>")
     return "\n".join(out)
 

@@ -28,6 +28,8 @@ pub struct NativeCluster {
     pub(crate) strategy: flightshuffle::strategy::StrategyOptions,
     /// Where each SQL query writes its event log (`Cluster(event_log=...)`).
     pub(crate) event_log: Option<String>,
+    /// The event log of the last shuffle job started from Python.
+    pub(crate) last_job_log: Mutex<Option<std::path::PathBuf>>,
     /// The Flight SQL endpoint, once served (stopped with the cluster).
     pub(crate) flight_sql: Mutex<Option<flightshuffle_datafusion::flight_sql::FlightSqlServer>>,
 }
@@ -313,6 +315,13 @@ impl NativeCluster {
         .flatten()
     }
 
+    /// Work done on the cluster so far: (map tasks committed, their rows, bytes, spilled
+    /// bytes, exchanges planned, exchanges sealed); progress bars take differences.
+    fn progress(&self) -> [u64; 6] {
+        self.with(|c| c.driver().progress().snapshot())
+            .unwrap_or_default()
+    }
+
     /// The cluster token (for advanced clients: every call carries `Bearer <token>`).
     fn token(&self) -> Option<String> {
         self.with(|c| c.driver().token().to_string())
@@ -405,6 +414,7 @@ impl NativeCluster {
             strategy,
             flight_sql: Mutex::new(None),
             event_log: None,
+            last_job_log: Mutex::new(None),
         }
     }
 

@@ -215,6 +215,10 @@ impl DistributedContext {
                 on_driver: Some(why),
             };
         }
+        self.driver.progress().planned.fetch_add(
+            staged.stages.len() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
         let ids: Vec<u32> = staged.stages.iter().map(|s| s.id()).collect();
         for id in ids {
             staged.set_strategy(id, strategy)?;

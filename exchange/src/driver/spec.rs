@@ -115,3 +115,47 @@ pub struct Retired {
     /// Shuffles switched to reading through the store.
     pub through_store: usize,
 }
+
+/// Work done on a cluster so far, for progress bars: committed map tasks with their input
+/// rows, block bytes and spill; exchanges planned (by engines, as they plan queries) and
+/// sealed. Counters only grow: a caller takes them before and during its job.
+#[derive(Debug, Default)]
+pub struct Progress {
+    /// Map tasks committed.
+    pub tasks: std::sync::atomic::AtomicU64,
+    /// Their input rows.
+    pub rows: std::sync::atomic::AtomicU64,
+    /// Bytes of the blocks they committed.
+    pub bytes: std::sync::atomic::AtomicU64,
+    /// Of those, bytes that went to spill files.
+    pub spilled_bytes: std::sync::atomic::AtomicU64,
+    /// Exchanges planned by engines.
+    pub planned: std::sync::atomic::AtomicU64,
+    /// Exchanges sealed (their map side complete).
+    pub sealed: std::sync::atomic::AtomicU64,
+}
+
+impl Progress {
+    /// The counters now: (tasks, rows, bytes, spilled bytes, exchanges planned, sealed).
+    pub fn snapshot(&self) -> [u64; 6] {
+        use std::sync::atomic::Ordering::Relaxed;
+        [
+            self.tasks.load(Relaxed),
+            self.rows.load(Relaxed),
+            self.bytes.load(Relaxed),
+            self.spilled_bytes.load(Relaxed),
+            self.planned.load(Relaxed),
+            self.sealed.load(Relaxed),
+        ]
+    }
+
+    /// Count a committed map task.
+    pub(crate) fn committed(&self, done: &MapDone) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.tasks.fetch_add(1, Relaxed);
+        self.rows.fetch_add(done.input.rows, Relaxed);
+        let bytes: u64 = done.blocks.iter().map(|b| b.meta.bytes).sum();
+        self.bytes.fetch_add(bytes, Relaxed);
+        self.spilled_bytes.fetch_add(done.spilled_bytes, Relaxed);
+    }
+}

@@ -218,6 +218,9 @@ impl Driver {
                     .map_err(|e| Error::Cluster(format!("committing map {map} failed: {e}")))?
             }
             .await;
+            if let Ok(d) = &done {
+                events.progress.committed(d);
+            }
             events.event("task_end", || {
                 task_end(shuffle, map, attempt, worker, &done)
             });

@@ -37,6 +37,17 @@ impl NativeCluster {
             input_bytes,
             parity,
         };
-        job::NativeShuffle::start(py, self.rt.clone(), driver, reader, opts)
+        let shuffle = job::NativeShuffle::start(
+            py,
+            self.rt.clone(),
+            driver,
+            reader,
+            opts,
+            self.event_log.as_deref(),
+        )?;
+        if let Some(p) = shuffle.log_path() {
+            *self.last_job_log.lock().unwrap_or_else(|p| p.into_inner()) = Some(p.to_path_buf());
+        }
+        Ok(shuffle)
     }
 }

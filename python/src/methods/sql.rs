@@ -79,10 +79,25 @@ impl NativeCluster {
         Ok((uri, driver.token().to_string(), made.map(|m| m.ca)))
     }
 
-    /// The event log of the last SQL query (with `Cluster(event_log=...)`).
+    /// The event log of the last SQL query or shuffle job (with `Cluster(event_log=...)`):
+    /// whichever was started last.
     fn last_event_log(&self) -> PyResult<Option<String>> {
         let ctx = self.sql_context()?;
-        Ok(ctx.last_event_log().map(|p| p.display().to_string()))
+        let job = self
+            .last_job_log
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let started = |p: &std::path::PathBuf| {
+            std::fs::metadata(p)
+                .and_then(|m| m.created().or_else(|_| m.modified()))
+                .ok()
+        };
+        let last = match (ctx.last_event_log(), job) {
+            (Some(q), Some(j)) => Some(if started(&j) > started(&q) { j } else { q }),
+            (q, j) => q.or(j),
+        };
+        Ok(last.map(|p| p.display().to_string()))
     }
 
     /// Run a query on the cluster; returns (pyarrow.Table, metrics as JSON).
