@@ -15,6 +15,7 @@ import pytest
 from adbc_driver_flightsql import DatabaseOptions
 from conftest import TPCH_SF
 from flightshuffle_bench import tpch
+from pyarrow import flight
 
 
 def connect(info: dict, token: str | None = None):
@@ -57,26 +58,72 @@ def test_tpch_through_adbc_matches_duckdb(served, conn, tpch_data, q):
     assert diff is None, f"q{q} through ADBC: {diff}"
 
 
-def test_results_come_as_partitions_read_apart(conn):
-    sql = "SELECT l_orderkey, l_linenumber FROM lineitem WHERE l_quantity < 10"
+def read_partitions(conn, sql):
+    """The whole result, and each of its partitions (endpoints) read apart, with its locations."""
     with conn.cursor() as cur:
         cur.execute(sql)
         whole = cur.fetch_arrow_table()
         partitions, schema = cur.adbc_execute_partitions(sql)
-        assert 1 < len(partitions) <= 3, len(partitions)
         parts = []
         for p in partitions:
             cur.adbc_read_partition(p)
             parts.append(cur.fetch_arrow_table())
     assert schema == whole.schema
     got = pa.concat_tables(parts)
-    key = [("l_orderkey", "ascending"), ("l_linenumber", "ascending")]
     assert got.num_rows == whole.num_rows > 0
-    assert got.sort_by(key).equals(whole.sort_by(key))
-    # A partition is read once: its rows are handed out, not kept.
-    with conn.cursor() as cur, pytest.raises(adbc_driver_manager.Error, match="read already"):
-        cur.adbc_read_partition(partitions[0])
-        cur.fetch_arrow_table()
+    assert sorted(got.to_pylist(), key=repr) == sorted(whole.to_pylist(), key=repr)
+    # ADBC's partition is a FlightInfo with that one endpoint.
+    locations = [
+        [
+            loc.uri.decode()
+            for e in flight.FlightInfo.deserialize(p).endpoints
+            for loc in e.locations
+        ]
+        for p in partitions
+    ]
+    return partitions, parts, locations
+
+
+def test_results_are_read_from_the_workers_that_hold_them(served, conn):
+    """One endpoint per worker holding rows, located at that worker: ADBC reads each straight
+    from its worker (with the token, trusting the cluster's CA), every row once."""
+    c, _ = served
+    sql = "SELECT l_orderkey, l_linenumber FROM lineitem WHERE l_quantity < 10"
+    partitions, parts, locations = read_partitions(conn, sql)
+    workers = {f"grpc+tls://{a}" for a in c.worker_addresses}
+    assert 1 < len(partitions) <= 3, locations
+    assert all(len(loc) == 1 and loc[0] in workers for loc in locations), (locations, workers)
+    assert len({loc[0] for loc in locations}) == len(locations), "one endpoint per worker"
+    assert all(p.num_rows > 0 for p in parts)
+    # An aggregate's final stage runs on the workers too; an ordered result is one endpoint.
+    _, _, locations = read_partitions(
+        conn, "SELECT l_returnflag, count(*) AS n FROM lineitem GROUP BY l_returnflag"
+    )
+    assert all(loc[0] in workers for loc in locations), locations
+    _, _, locations = read_partitions(
+        conn, "SELECT l_orderkey FROM lineitem ORDER BY l_orderkey DESC LIMIT 5"
+    )
+    assert len(locations) == 1 and locations[0][0] in workers, locations
+
+
+def test_results_from_the_driver_are_read_once(tpch_data):
+    with fs.Cluster(workers=3, memory_budget="256MiB", timeout=60) as c:
+        c.register_parquet("lineitem", tpch.table_paths(tpch_data)["lineitem"])
+        info = c.serve_flight_sql(results="driver")
+        with connect(info) as conn:
+            sql = "SELECT l_orderkey, l_linenumber FROM lineitem WHERE l_quantity < 10"
+            partitions, _, locations = read_partitions(conn, sql)
+            assert 1 < len(partitions) <= 3
+            assert all(loc == [] for loc in locations), "read from the endpoint itself"
+            # A partition is read once: its rows are handed out, not kept.
+            with (
+                conn.cursor() as cur,
+                pytest.raises(adbc_driver_manager.Error, match="read already"),
+            ):
+                cur.adbc_read_partition(partitions[0])
+                cur.fetch_arrow_table()
+        with pytest.raises(ValueError, match="results must be"):
+            c.serve_flight_sql(results="nowhere")
 
 
 def test_a_prepared_statement_runs_twice_and_polars_reads_it(conn):

@@ -60,7 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
     with Cluster(workers=args.workers, memory_budget=args.memory_budget) as c:
         for name, path in tables.items():
             c.register_parquet(name, path)
-        info = c.serve_flight_sql(host=args.host, port=args.port)
+        info = c.serve_flight_sql(host=args.host, port=args.port, results=args.results)
         secrets = tempfile.mkdtemp(prefix="flightshuffle-serve-")  # mode 0700
         paths = {"token_file": os.path.join(secrets, "token")}
         if info["ca"] is not None:
@@ -297,6 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     sv.add_argument("--port", type=int, default=0, help="port (0: a free one)")
+    sv.add_argument(
+        "--results",
+        choices=["workers", "driver"],
+        default="workers",
+        help="where clients read results: straight from the workers holding them (default; "
+        "clients must reach the workers) or from this endpoint",
+    )
     sv.add_argument("--memory-budget", default="2GiB")
     sv.set_defaults(run=_serve)
 

@@ -714,7 +714,12 @@ class Cluster:
             raise ValueError("no event log: start the cluster with event_log=DIR and run a query")
         return report(path)
 
-    def serve_flight_sql(self, host: str = "127.0.0.1", port: int = 0) -> dict[str, Any]:
+    def serve_flight_sql(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        results: Literal["workers", "driver"] = "workers",
+    ) -> dict[str, Any]:
         """Serve Arrow Flight SQL from this process over the cluster's SQL session (its tables,
         ``SET flightshuffle.*``), until the cluster closes; returns ``{"uri", "token", "ca"}``.
 
@@ -733,8 +738,15 @@ class Cluster:
         secret). Under TLS (the default) the endpoint has a certificate of its own for
         ``localhost``, ``127.0.0.1`` and ``host``, signed by the CA in ``ca``; on a plaintext
         cluster the URI is ``grpc+tcp://`` and ``ca`` is None. Port 0 picks a free port; a
-        second call replaces the first endpoint. See ``docs/guide/flight-sql.md``."""
-        uri, token, ca = self._native.serve_flight_sql(host, int(port))
+        second call replaces the first endpoint. See ``docs/guide/flight-sql.md``.
+
+        ``results="workers"`` (the default) leaves each query's rows on the workers that made
+        them: the answer has one endpoint per such worker, located there, and the client reads
+        them in parallel straight from the workers (``ca`` then also holds the cluster's CA, so
+        the client must reach the workers' addresses). ``results="driver"`` hands every result
+        out from the endpoint (as under mutual TLS, where a client has no certificate to show
+        the workers)."""
+        uri, token, ca = self._native.serve_flight_sql(host, int(port), results)
         return {"uri": uri, "token": token, "ca": ca}
 
     @property

@@ -3,10 +3,17 @@
 //!
 //! - Statements and prepared statements (without parameters) run through
 //!   [`DistributedContext::sql`]; `SET flightshuffle.*` and `CREATE EXTERNAL TABLE` work as there.
-//!   A query's rows are kept on the driver under a random handle and handed out as endpoints,
-//!   one per contiguous run of result batches (at most one per worker), `ordered`: reading them
-//!   in order gives the query's order. Each endpoint is read once; a result nobody reads is
-//!   dropped after [`RESULT_TTL`] or when [`MAX_RESULTS`] newer ones are kept.
+//!   With results on the workers ([`Results::Workers`], the default of `serve`'s callers), a
+//!   query's last stage runs on the workers too and its rows stay there
+//!   ([`crate::held`]): the answer has **one endpoint per worker holding rows, located at that
+//!   worker**, whose ticket is the worker's own read of its share, so a client reads the
+//!   partitions in parallel straight from the workers (with the cluster token; its TLS roots
+//!   must include the cluster's CA). A query that cannot end on the workers, and every result
+//!   with [`Results::Driver`], is kept on the driver under a random handle and handed out as
+//!   endpoints there, one per contiguous run of result batches (at most one per worker),
+//!   `ordered`: reading them in order gives the query's order; each is read once. Results
+//!   nobody reads are dropped after [`RESULT_TTL`] or when [`MAX_RESULTS`] newer ones are kept
+//!   (rows on the workers: their shuffle is dropped then).
 //! - Metadata: `GetSqlInfo` (name, version, read-only, no transactions), `GetCatalogs`,
 //!   `GetDbSchemas`, `GetTables` (with table schemas), `GetTableTypes`.
 //! - Auth: every call carries `authorization: Bearer <token>` (checked in constant time by
@@ -50,12 +57,25 @@ struct Kept {
     schema: SchemaRef,
 }
 
+/// Where a query's rows are handed out from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Results {
+    /// Kept on the driver, read through the endpoint.
+    Driver,
+    /// Left on the workers, read from them; the scheme of their locations (`grpc+tls`,
+    /// `grpc+tcp`).
+    Workers(String),
+}
+
 /// The Flight SQL service over one distributed SQL session.
 pub struct FlightSqlEndpoint {
     ctx: Arc<DistributedContext>,
     /// Endpoints per result at most (the workers: a client reads that many in parallel).
     endpoints: usize,
+    results_at: Results,
     results: Mutex<HashMap<String, Kept>>,
+    /// Results left on the workers, by when they were made (freed after [`RESULT_TTL`]).
+    held: Mutex<Vec<(Instant, crate::result::Held)>>,
     prepared: Mutex<HashMap<String, String>>,
     info: SqlInfoData,
 }
@@ -82,7 +102,11 @@ fn status(e: crate::Error) -> Status {
 impl FlightSqlEndpoint {
     /// An endpoint running queries on `ctx`, handing each result out as at most `endpoints`
     /// endpoints.
-    pub fn new(ctx: Arc<DistributedContext>, endpoints: usize) -> crate::Result<Self> {
+    pub fn new(
+        ctx: Arc<DistributedContext>,
+        endpoints: usize,
+        results_at: Results,
+    ) -> crate::Result<Self> {
         let mut b = SqlInfoDataBuilder::new();
         b.append(SqlInfo::FlightSqlServerName, "flightshuffle");
         b.append(SqlInfo::FlightSqlServerVersion, env!("CARGO_PKG_VERSION"));
@@ -98,15 +122,97 @@ impl FlightSqlEndpoint {
         Ok(FlightSqlEndpoint {
             ctx,
             endpoints: endpoints.max(1),
+            results_at,
             results: Mutex::new(HashMap::new()),
+            held: Mutex::new(Vec::new()),
             prepared: Mutex::new(HashMap::new()),
             info,
         })
     }
 
+    /// Free the results left on the workers past [`RESULT_TTL`], and the oldest past
+    /// [`MAX_RESULTS`].
+    async fn free_held(&self) {
+        let old: Vec<crate::result::Held> = {
+            let mut held = lock(&self.held);
+            held.sort_by_key(|(at, _)| *at);
+            let over = held.len().saturating_sub(MAX_RESULTS - 1);
+            let expired = held
+                .iter()
+                .take_while(|(at, _)| at.elapsed() >= RESULT_TTL)
+                .count();
+            held.drain(..over.max(expired)).map(|(_, h)| h).collect()
+        };
+        for h in old {
+            if let Err(e) = self.ctx.release(&h).await {
+                tracing::warn!(shuffle = %h.shuffle, error = %e, "a held result was not freed");
+            }
+        }
+    }
+
+    /// Describe a result left on the workers: one endpoint per worker holding rows, there.
+    fn on_workers(
+        &self,
+        scheme: &str,
+        schema: &SchemaRef,
+        held: crate::result::Held,
+        descriptor: FlightDescriptor,
+    ) -> Result<FlightInfo, Status> {
+        let mut info = FlightInfo::new()
+            .try_with_schema(schema)
+            .map_err(|e| Status::internal(e.to_string()))?
+            .with_descriptor(descriptor)
+            .with_ordered(held.holders.len() <= 1)
+            .with_total_records(held.rows as i64);
+        let expires = (std::time::SystemTime::now() + RESULT_TTL)
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let expires = prost_types::Timestamp {
+            seconds: expires.as_secs() as i64,
+            nanos: expires.subsec_nanos() as i32,
+        };
+        for (_, addr, _) in &held.holders {
+            let read = flightshuffle::proto::Ticket {
+                kind: Some(flightshuffle::proto::ticket::Kind::Partition(
+                    flightshuffle::proto::PartitionTicket {
+                        shuffle_id: held.shuffle.0,
+                        partition: 0,
+                        wait_sealed: true,
+                        timeout_ms: 0,
+                        slice: 0,
+                        slices: 1,
+                    },
+                )),
+            };
+            info = info.with_endpoint(
+                FlightEndpoint::new()
+                    .with_ticket(Ticket::new(read.encode_to_vec()))
+                    .with_location(format!("{scheme}://{addr}"))
+                    .with_expiration_time(expires),
+            );
+        }
+        lock(&self.held).push((Instant::now(), held));
+        Ok(info)
+    }
+
     /// Run `sql`, keep its rows and describe them as endpoints.
     async fn run(&self, sql: &str, descriptor: FlightDescriptor) -> Result<FlightInfo, Status> {
-        let result = self.ctx.sql(sql).await.map_err(status)?;
+        let result = match &self.results_at {
+            Results::Driver => self.ctx.sql(sql).await.map_err(status)?,
+            Results::Workers(scheme) => {
+                self.free_held().await;
+                let mut result = self.ctx.sql_held(sql).await.map_err(status)?;
+                match result.held.take() {
+                    Some(h) if !h.holders.is_empty() => {
+                        return self.on_workers(scheme, &result.schema, h, descriptor);
+                    }
+                    // No rows anywhere: an empty answer from here.
+                    Some(h) => self.ctx.release(&h).await.map_err(status)?,
+                    None => {}
+                }
+                result
+            }
+        };
         let rows: i64 = result.batches.iter().map(|b| b.num_rows() as i64).sum();
         let batches: Vec<RecordBatch> = result
             .batches
@@ -472,13 +578,15 @@ impl Drop for FlightSqlServer {
 }
 
 /// Serve Flight SQL over `ctx` on `listener` (on the current runtime) for clients with
-/// `token`, with `tls` when given. Each result is handed out as at most `endpoints` endpoints.
+/// `token`, with `tls` when given. Each result is handed out from `results_at`, as at most
+/// `endpoints` endpoints from the driver.
 pub fn serve(
     ctx: Arc<DistributedContext>,
     listener: std::net::TcpListener,
     token: &str,
     tls: Option<tonic::transport::ServerTlsConfig>,
     endpoints: usize,
+    results_at: Results,
 ) -> crate::Result<FlightSqlServer> {
     let io = |e: std::io::Error| {
         crate::Error::Exchange(flightshuffle::Error::Cluster(format!(
@@ -489,7 +597,7 @@ pub fn serve(
     let addr = listener.local_addr().map_err(io)?;
     let listener = tokio::net::TcpListener::from_std(listener).map_err(io)?;
     let service = FlightServiceServer::with_interceptor(
-        FlightSqlEndpoint::new(ctx, endpoints)?,
+        FlightSqlEndpoint::new(ctx, endpoints, results_at)?,
         TokenCheck {
             expected: format!("Bearer {token}").into(),
         },

@@ -205,6 +205,61 @@ pub fn on_workers(staged: StagedPlan) -> StagedPlan {
     }
 }
 
+/// `staged` with its driver's part cut into one more stage on the workers, gathered into one
+/// partition that no one reads here (a query result left on the workers, see [`crate::held`]):
+/// the driver's part's partitions become that stage's (a final coalesce is dropped: each
+/// task's rows stay where it ran). A driver's part that only reads one gathered partition
+/// adds nothing: that gather's exchange holds the result. None when the query runs whole on
+/// the driver. Returns the holding stage's id too.
+pub fn hold_on_workers(staged: &StagedPlan) -> Option<(StagedPlan, u32)> {
+    if staged.on_driver.is_some() {
+        return None;
+    }
+    let root = staged.root.clone();
+    let body = match root.downcast_ref::<CoalescePartitionsExec>() {
+        Some(c) => c.input().clone(),
+        None => root,
+    };
+    // The driver's part only reads a gathered partition whole: that exchange holds the result.
+    if let Some(r) = body.downcast_ref::<ShuffleReaderExec>() {
+        let gathered = matches!(r.mode, ReadMode::Partition)
+            && r.layout.is_none()
+            && r.partitions() == 1
+            && staged.root_inputs == [r.stage];
+        if gathered {
+            return Some((staged.clone(), r.stage));
+        }
+    }
+    let schema = body.schema();
+    let mut planner = Planner {
+        stages: staged.stages.clone(),
+        small_gather_rows: 0,
+    };
+    let writer = planner.add_stage(
+        body,
+        staged.root_inputs.clone(),
+        WriterKind::Gather,
+        1,
+        vec![],
+    );
+    let reader: Arc<dyn ExecutionPlan> = Arc::new(ShuffleReaderExec::new(
+        writer.stage,
+        writer.shuffle,
+        ReadMode::Partition,
+        schema,
+        1,
+    ));
+    Some((
+        StagedPlan {
+            stages: planner.stages,
+            root: reader,
+            root_inputs: vec![writer.stage],
+            on_driver: None,
+        },
+        writer.stage,
+    ))
+}
+
 impl Planner {
     fn add_stage(
         &mut self,

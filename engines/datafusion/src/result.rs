@@ -67,6 +67,8 @@ pub struct QueryResult {
     /// Why the query ran whole on the driver although it has exchanges (see
     /// [`crate::sendable`]); None when its stages ran on the workers (or it has none).
     pub on_driver: Option<String>,
+    /// The rows were left on the workers rather than read here ([`crate::held`]).
+    pub held: Option<Held>,
 }
 
 /// A one-column (`plan`) result of `text`, a line per row.
@@ -75,6 +77,7 @@ pub(crate) fn text_result(text: &str, seconds: f64) -> QueryResult {
     let lines: StringArray = text.lines().map(Some).collect();
     let batch = RecordBatch::try_new(schema.clone(), vec![Arc::new(lines)]);
     QueryResult {
+        held: None,
         schema,
         batches: batch.into_iter().collect(),
         stages: vec![],
@@ -82,4 +85,15 @@ pub(crate) fn text_result(text: &str, seconds: f64) -> QueryResult {
         rpcs: 0,
         on_driver: None,
     }
+}
+
+/// Where a query's rows wait on the workers ([`crate::held`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Held {
+    /// The exchange holding them (one partition, 0).
+    pub shuffle: flightshuffle::block::ShuffleId,
+    /// The workers holding some, by slot: (slot, address, rows there).
+    pub holders: Vec<(usize, String, u64)>,
+    /// Rows in all.
+    pub rows: u64,
 }

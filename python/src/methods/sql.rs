@@ -3,6 +3,7 @@
 
 use crate::cluster::NativeCluster;
 use crate::{sql, to_py, wait};
+use flightshuffle_datafusion::flight_sql::Results;
 use pyo3::prelude::*;
 use std::sync::Arc;
 
@@ -41,11 +42,15 @@ impl NativeCluster {
     /// Serve Arrow Flight SQL on `host:port` (0: any free port) over this cluster's SQL
     /// session; returns (uri, token, CA PEM or None without TLS). A second call replaces the
     /// first endpoint. Under TLS the endpoint has a certificate of its own, for `localhost`,
-    /// `127.0.0.1` and `host`, signed by a CA made for it.
+    /// `127.0.0.1` and `host`, signed by a CA made for it. With `results="workers"` a query's
+    /// rows are read from the workers that hold them (the CA PEM then holds the cluster's CA
+    /// too); under mutual TLS, and with `results="driver"`, from the endpoint.
+    #[pyo3(signature = (host, port, results="workers"))]
     fn serve_flight_sql(
         &self,
         host: String,
         port: u16,
+        results: &str,
     ) -> PyResult<(String, String, Option<String>)> {
         let ctx = self.sql_context()?;
         let driver = self.driver()?;
@@ -60,6 +65,23 @@ impl NativeCluster {
             false => None,
         };
         let tls = made.as_ref().map(|m| m.server().config());
+        let cluster_tls = driver.credentials().tls.clone();
+        let results_at = match (results, &cluster_tls) {
+            ("driver", _) => Results::Driver,
+            // A client has no certificate of the cluster's to show the workers.
+            ("workers", Some(t)) if t.identity.is_some() => Results::Driver,
+            ("workers", Some(_)) => Results::Workers("grpc+tls".into()),
+            ("workers", None) => Results::Workers("grpc+tcp".into()),
+            (other, _) => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "results must be 'workers' or 'driver', not {other:?}"
+                )))
+            }
+        };
+        let ca = made.as_ref().map(|m| match (&results_at, &cluster_tls) {
+            (Results::Workers(_), Some(t)) => format!("{}\n{}", m.ca.trim_end(), t.ca),
+            _ => m.ca.clone(),
+        });
         let _runtime = self.rt.enter();
         let server = flightshuffle_datafusion::flight_sql::serve(
             ctx,
@@ -67,6 +89,7 @@ impl NativeCluster {
             driver.token(),
             tls,
             driver.num_workers(),
+            results_at,
         )
         .map_err(sql::df_err)?;
         let scheme = if made.is_some() {
@@ -76,7 +99,7 @@ impl NativeCluster {
         };
         let uri = format!("{scheme}://{host}:{}", server.addr.port());
         *self.flight_sql.lock().unwrap_or_else(|p| p.into_inner()) = Some(server);
-        Ok((uri, driver.token().to_string(), made.map(|m| m.ca)))
+        Ok((uri, driver.token().to_string(), ca))
     }
 
     /// The event log of the last SQL query or shuffle job (with `Cluster(event_log=...)`):
