@@ -283,3 +283,24 @@ def test_not_in_a_subquery_with_a_null_is_empty_as_in_one_process():
         without_null = pa.table({"id": list(range(0, 20_000, 3))})
         got = c.sql(sql, tables={"outer_t": outer, "inner_t": without_null})
         assert got.column("n").to_pylist() == [20_000 - len(without_null)]
+
+
+def test_a_union_of_exchanges_partitioned_alike_runs_distributed(data):
+    """A UNION ALL of two aggregates on the same key is planned as an InterleaveExec, which
+    needs its inputs hash-partitioned alike; the readers that replace the repartitions must
+    say they are (TPC-DS q14, q23, q33, q56, q60 and q66 failed with `Can not create
+    InterleaveExec` before)."""
+    sql = """SELECT k, sum(n) AS n FROM (
+          SELECT l_suppkey AS k, count(*) AS n FROM lineitem GROUP BY l_suppkey
+          UNION ALL
+          SELECT ps_suppkey AS k, count(*) AS n FROM partsupp GROUP BY ps_suppkey) u
+        GROUP BY k ORDER BY n DESC, k LIMIT 20"""
+    want = tpch.duckdb_connect(data).sql(sql).to_arrow_table()
+    with fs.Cluster(workers=3, timeout=120) as c:
+        for name in ("lineitem", "partsupp"):
+            c.register_parquet(name, tpch.table_paths(data)[name])
+        assert "InterleaveExec" in c.explain(sql)
+        assert tpch.compare(want, c.sql(sql), ordered=True) is None
+        # Every strategy pairs partition i of both inputs the same way.
+        for strategy in ("merged", "push", "two-level"):
+            assert tpch.compare(want, c.sql(sql, strategy=strategy), ordered=True) is None

@@ -605,12 +605,21 @@ def main(argv: list[str] | None = None) -> int:
     from flightshuffle_bench import skewbench
 
     skewbench.add_parser(sub)
-    from flightshuffle_bench import onlinebench, overheadbench, samplebound, storagebench
+    from flightshuffle_bench import (
+        onlinebench,
+        overheadbench,
+        samplebound,
+        shrinkbench,
+        storagebench,
+        tpcds,
+    )
 
     onlinebench.add_parser(sub)
     samplebound.add_parser(sub)
     storagebench.add_parser(sub)
     overheadbench.add_parser(sub)
+    shrinkbench.add_parser(sub)
+    tpcds.add_parser(sub)
 
     from flightshuffle import cli
 

@@ -1,8 +1,9 @@
 """``flightshuffle-bench sql-overhead``: what the Flight SQL endpoint and the event log cost a
-query. The 22 TPC-H queries run three ways in the same run, interleaved query by query:
+query. The 22 TPC-H queries run four ways in the same run, interleaved query by query:
 ``Cluster.sql`` on a cluster, the same through the cluster's Flight SQL endpoint (the ADBC
-driver, over TLS), and ``Cluster.sql`` on a second cluster of the same size that writes an
-event log. Every answer is checked against DuckDB's. Prints JSON: per query the best of
+driver, over TLS) with results read from the workers (the default), through the endpoint of a
+second cluster that serves results from the driver, and ``Cluster.sql`` on a third cluster
+that writes an event log. Every answer is checked against DuckDB's. Prints JSON: per query the best of
 ``--repeat`` of each way, the totals, and each way's total over plain ``Cluster.sql``'s."""
 
 from __future__ import annotations
@@ -26,29 +27,43 @@ def run(args: argparse.Namespace) -> int:
     root = args.data or os.path.join("data", f"tpch-sf{args.sf:g}")
     data = tpch.ensure_data(args.sf, root, progress=False)
     con = tpch.duckdb_connect(data)
-    ways = ("sql", "flight_sql", "sql_event_log")
+    ways = ("sql", "flight_sql", "flight_sql_driver", "sql_event_log")
     report: dict[str, Any] = {"sf": args.sf, "workers": args.workers, "queries": {}}
     budget = args.memory_budget
     with (
         tempfile.TemporaryDirectory(prefix="fs-events-") as logs,
         Cluster(workers=args.workers, memory_budget=budget) as plain,
+        Cluster(workers=args.workers, memory_budget=budget) as served,
         Cluster(workers=args.workers, memory_budget=budget, event_log=logs) as logged,
     ):
-        for c in (plain, logged):
+        for c in (plain, served, logged):
             for name, path in tpch.table_paths(data).items():
                 c.register_parquet(name, path)
-        info = plain.serve_flight_sql()
-        db_kwargs = {DatabaseOptions.AUTHORIZATION_HEADER.value: "Bearer " + info["token"]}
-        if info["ca"] is not None:
-            db_kwargs[DatabaseOptions.TLS_ROOT_CERTS.value] = info["ca"]
-        with flight_sql.connect(info["uri"], db_kwargs=db_kwargs, autocommit=True) as conn:
 
-            def through_adbc(sql: str) -> Any:
+        def connect(info: dict[str, Any]) -> Any:
+            db_kwargs = {DatabaseOptions.AUTHORIZATION_HEADER.value: "Bearer " + info["token"]}
+            if info["ca"] is not None:
+                db_kwargs[DatabaseOptions.TLS_ROOT_CERTS.value] = info["ca"]
+            return flight_sql.connect(info["uri"], db_kwargs=db_kwargs, autocommit=True)
+
+        def through(conn: Any) -> Any:
+            def read(sql: str) -> Any:
                 with conn.cursor() as cur:
                     cur.execute(sql)
                     return cur.fetch_arrow_table()
 
-            run_way = {"sql": plain.sql, "flight_sql": through_adbc, "sql_event_log": logged.sql}
+            return read
+
+        with (
+            connect(plain.serve_flight_sql()) as on_workers,
+            connect(served.serve_flight_sql(results="driver")) as on_driver,
+        ):
+            run_way = {
+                "sql": plain.sql,
+                "flight_sql": through(on_workers),
+                "flight_sql_driver": through(on_driver),
+                "sql_event_log": logged.sql,
+            }
             for q in range(1, 23):
                 sql, ordered = tpch.query(q, args.sf)
                 want = con.sql(sql).to_arrow_table()

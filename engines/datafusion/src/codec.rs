@@ -34,6 +34,11 @@ struct ReaderNode {
     /// A skew layout as (partition, slice index, slice count) triples, flattened.
     #[prost(uint32, repeated, tag = "6")]
     layout: Vec<u32>,
+    /// The key columns its partitions are hashed on (names; their indices in `hash_indices`).
+    #[prost(string, repeated, tag = "7")]
+    hash_names: Vec<String>,
+    #[prost(uint32, repeated, tag = "8")]
+    hash_indices: Vec<u32>,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -111,7 +116,15 @@ impl PhysicalExtensionCodec for ExchangeCodec {
                 r.partitions as usize,
             );
             if r.layout.is_empty() {
-                return Ok(Arc::new(reader));
+                if r.hash_names.len() != r.hash_indices.len() {
+                    return Err(bad("hash key names and indices do not match"));
+                }
+                let keys = r
+                    .hash_names
+                    .into_iter()
+                    .zip(r.hash_indices.iter().map(|&i| i as usize))
+                    .collect();
+                return Ok(Arc::new(reader.with_hash_keys(keys)));
             }
             if r.layout.len() % 3 != 0 || r.layout.len() / 3 != r.partitions as usize {
                 return Err(bad("skew layout does not match the partition count"));
@@ -178,6 +191,8 @@ impl PhysicalExtensionCodec for ExchangeCodec {
                         .flat_map(|l| l.iter())
                         .flat_map(|(p, s)| [*p, s.index, s.count])
                         .collect(),
+                    hash_names: r.hash_keys.iter().flatten().map(|k| k.0.clone()).collect(),
+                    hash_indices: r.hash_keys.iter().flatten().map(|k| k.1 as u32).collect(),
                 }),
                 ..Default::default()
             }

@@ -205,6 +205,19 @@ pub fn on_workers(staged: StagedPlan) -> StagedPlan {
     }
 }
 
+/// The columns (name, index) of hash partitioning expressions that are all plain columns.
+fn key_columns(
+    exprs: &[Arc<dyn datafusion::physical_plan::PhysicalExpr>],
+) -> Option<Vec<(String, usize)>> {
+    exprs
+        .iter()
+        .map(|e| {
+            e.downcast_ref::<datafusion::physical_expr::expressions::Column>()
+                .map(|c| (c.name().to_string(), c.index()))
+        })
+        .collect()
+}
+
 /// `staged` with its driver's part cut into one more stage on the workers, gathered into one
 /// partition that no one reads here (a query result left on the workers, see [`crate::held`]):
 /// the driver's part's partitions become that stage's (a final coalesce is dropped: each
@@ -297,26 +310,33 @@ impl Planner {
         if let Some(r) = plan.downcast_ref::<RepartitionExec>() {
             let child = children.swap_remove(0);
             let schema = child.schema();
-            let (kind, n, input, keys) = match r.partitioning() {
+            let (kind, n, input, keys, columns) = match r.partitioning() {
                 Partitioning::Hash(exprs, n) => {
                     let (input, keys) = with_key_columns(child.clone(), exprs)?;
-                    (WriterKind::Hash, *n, input, keys)
+                    (WriterKind::Hash, *n, input, keys, key_columns(exprs))
                 }
                 other => (
                     WriterKind::RoundRobin,
                     other.partition_count(),
                     child.clone(),
                     vec![],
+                    None,
                 ),
             };
             let writer = self.add_stage(input, deps, kind, n, keys);
-            let reader: Arc<dyn ExecutionPlan> = Arc::new(ShuffleReaderExec::new(
+            let mut reader = ShuffleReaderExec::new(
                 writer.stage,
                 writer.shuffle,
                 ReadMode::Partition,
                 schema,
                 n,
-            ));
+            );
+            // Reported hashed as the repartition was: a union's InterleaveExec above it
+            // needs its inputs partitioned alike.
+            if let Some(columns) = columns {
+                reader = reader.with_hash_keys(columns);
+            }
+            let reader: Arc<dyn ExecutionPlan> = Arc::new(reader);
             // A sort-preserving repartition promised sorted partitions: restore the order.
             let out = match (r.preserve_order(), child.output_ordering()) {
                 (true, Some(order)) => {

@@ -46,6 +46,9 @@ pub struct ShuffleReaderExec {
     properties: Arc<PlanProperties>,
     /// `None`: output partition p reads reduce partition p whole.
     pub layout: Option<Layout>,
+    /// The key columns (name, index) its producer hashed rows on, when it reports hash
+    /// partitioning ([`Self::with_hash_keys`]).
+    pub hash_keys: Option<Vec<(String, usize)>>,
 }
 
 impl ShuffleReaderExec {
@@ -70,7 +73,46 @@ impl ShuffleReaderExec {
             schema,
             properties: Arc::new(properties),
             layout: None,
+            hash_keys: None,
         }
+    }
+
+    /// This reader reporting its partitions as hashed on `keys` (columns of its schema, by
+    /// name and index), as the repartition it replaced did: equal keys are in the same output
+    /// partition, so operators that combine partitions index by index (a union's
+    /// `InterleaveExec`) keep working on it. Keys that are not columns of its schema, or a
+    /// reader of whole map outputs or split partitions, keep unknown partitioning.
+    pub fn with_hash_keys(mut self, keys: Vec<(String, usize)>) -> Self {
+        let fits = !keys.is_empty()
+            && self.mode == ReadMode::Partition
+            && self.layout.is_none()
+            && keys.iter().all(|(name, i)| {
+                self.schema
+                    .fields()
+                    .get(*i)
+                    .is_some_and(|f| f.name() == name)
+            });
+        if !fits {
+            return self;
+        }
+        let exprs: Vec<Arc<dyn datafusion::physical_plan::PhysicalExpr>> = keys
+            .iter()
+            .map(|(name, i)| {
+                Arc::new(datafusion::physical_expr::expressions::Column::new(
+                    name, *i,
+                )) as Arc<dyn datafusion::physical_plan::PhysicalExpr>
+            })
+            .collect();
+        let n = self.partitions();
+        let properties = PlanProperties::new(
+            EquivalenceProperties::new(self.schema.clone()),
+            Partitioning::Hash(exprs, n),
+            EmissionType::Incremental,
+            Boundedness::Bounded,
+        );
+        self.properties = Arc::new(properties);
+        self.hash_keys = Some(keys);
+        self
     }
 
     /// This reader with its output partitions laid out by `layout` (a `Partition`-mode reader
