@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import flightshuffle as fs
 import polars as pl
@@ -192,6 +193,10 @@ def test_a_removed_worker_stops_its_actor_and_queries_stay_exact(rc, tpch_data):
     rc.remove_worker(0)
     assert rc.worker_pids == [pids[1]]
     assert len(rc._ray.actors) == 1
+    # Ray kills the actor asynchronously; its worker process dies with it.
+    deadline = time.monotonic() + 30
+    while alive(pids[0]) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not alive(pids[0])
     sql, ordered = tpch.query(3, SF)
     assert tpch.compare(con.sql(sql).to_arrow_table(), rc.sql(sql), ordered) is None

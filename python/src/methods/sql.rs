@@ -26,15 +26,15 @@ impl NativeCluster {
     fn sql_single_process(&self, py: Python<'_>, query: String) -> PyResult<(Py<PyAny>, f64)> {
         let start = std::time::Instant::now();
         let local = &self.local;
-        let batches = wait(py, &self.rt, async {
-            local.sql(&query).await?.collect().await
+        let (batches, schema) = wait(py, &self.rt, async {
+            let df = local.sql(&query).await?;
+            // The plan's schema: a result with no rows keeps its columns.
+            let schema: arrow::datatypes::SchemaRef = Arc::new(df.schema().as_arrow().clone());
+            Ok::<_, datafusion::error::DataFusionError>((df.collect().await?, schema))
         })?
         .map_err(|e| sql::df_err(e.into()))?;
         let seconds = start.elapsed().as_secs_f64();
-        let schema = batches
-            .first()
-            .map(|b| b.schema())
-            .unwrap_or_else(|| Arc::new(arrow::datatypes::Schema::empty()));
+        let schema = batches.first().map(|b| b.schema()).unwrap_or(schema);
         let table = pyo3_arrow::PyTable::try_new(batches, schema)?;
         Ok((table.into_pyarrow(py)?.unbind(), seconds))
     }
