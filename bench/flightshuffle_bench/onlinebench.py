@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from flightshuffle_bench import tpch
+from flightshuffle_bench.emit import emit
 
 
 def top_within(history: list, final: Any, keys: list[str], names: list[str], top: int, rel: float):
@@ -108,11 +109,7 @@ def run(args: argparse.Namespace) -> int:
                 path = f"{args.plot_dir}/q{n:02d}-sf{args.sf:g}-w{args.workers}.png"
                 plot_history(history, keys, names, path, args.top_plot)
     report["queries"] = rows
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    emit(report, args.json)
     return 0 if all(r["final_matches_duckdb"] for r in rows) else 1
 
 

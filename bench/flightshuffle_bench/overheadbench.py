@@ -9,7 +9,6 @@ that writes an event log. Every answer is checked against DuckDB's. Prints JSON:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -18,6 +17,7 @@ from typing import Any
 from flightshuffle import Cluster
 
 from flightshuffle_bench import tpch
+from flightshuffle_bench.emit import emit
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,11 +81,7 @@ def run(args: argparse.Namespace) -> int:
     total = {w: sum(v[w] for v in report["queries"].values()) for w in ways}
     report["total_seconds"] = total
     report["over_sql"] = {w: total[w] / total["sql"] for w in ways if w != "sql"}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    emit(report, args.json)
     return 0
 
 

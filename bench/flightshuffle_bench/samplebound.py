@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 from flightshuffle_bench import tpch
+from flightshuffle_bench.emit import emit
 
 COLUMNS = ["l_returnflag", "l_linestatus", "l_quantity", "l_extendedprice", "l_discount"]
 COLUMNS += ["l_tax", "l_shipdate"]
@@ -90,11 +91,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(row), file=sys.stderr, flush=True)
     report = {"sf": args.sf, "workers": args.workers, "within": args.within, "trials": args.trials}
     report["sizes"] = rows
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    emit(report, args.json)
     return 0
 
 

@@ -7,7 +7,6 @@ and checksum exact, maps run again. Prints JSON."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -17,6 +16,8 @@ from typing import Any
 
 import pyarrow as pa
 from flightshuffle import Cluster
+
+from flightshuffle_bench.emit import emit
 
 
 def table(rows: int) -> pa.Table:
@@ -85,11 +86,7 @@ def run(args: argparse.Namespace) -> int:
         s["kill_total_over_remove_total"] = (s["kill"]["change_s"] + s["kill"]["rest_s"]) / (
             s["remove"]["change_s"] + s["remove"]["rest_s"]
         )
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    emit(report, args.json)
     return 0
 
 

@@ -10,10 +10,11 @@ this measures.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
+
+from flightshuffle_bench.emit import emit
 
 QUERY = (
     "SELECT f.v % 10 AS g, count(*) AS n, sum(f.v + d.w) AS t, max(f.s) AS ms "
@@ -97,11 +98,7 @@ def run(args: argparse.Namespace) -> int:
         "runs": runs,
         "speedup_of_split": runs["no split"]["seconds"] / runs["split"]["seconds"],
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    emit(report, args.json)
     return 0 if all(r["same_answer_as_single_process"] for r in runs.values()) else 1
 
 

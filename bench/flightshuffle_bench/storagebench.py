@@ -16,7 +16,6 @@ limit, not the protocol's), or any endpoint with ``--s3-endpoint``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -25,6 +24,8 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+from flightshuffle_bench.emit import emit
 
 # S3 Standard list prices (us-east-1), dollars per 1,000 requests.
 PUT_PER_1K = 0.005
@@ -260,11 +261,7 @@ def run(args: argparse.Namespace) -> int:
         if stop is not None:
             stop()
         server_root.cleanup()
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    emit(report, args.json)
     return 0
 
 

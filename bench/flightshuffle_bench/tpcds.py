@@ -12,7 +12,6 @@ no SF1 answers)."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -21,6 +20,7 @@ import time
 from typing import Any
 
 from flightshuffle_bench import tpch
+from flightshuffle_bench.emit import emit
 
 GENERATOR_PINS = ["duckdb==1.5.5", "duckdb-extension-tpcds==1.5.5"]
 
@@ -158,11 +158,7 @@ def run(args: argparse.Namespace) -> int:
         ),
         key=lambda x: -x[1],
     )[:10]
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    emit(report, args.json)
     return 0
 
 
