@@ -4,8 +4,9 @@ and on DuckDB over the same Parquet files, and reports per query right / wrong /
 times (JSON).
 
 The generator needs ``duckdb==1.5.5`` with the ``duckdb-extension-tpcds`` wheel, which the
-project's DuckDB pin cannot share a venv with: it runs in a venv of its own
-(``.venv-tpcds`` beside the project's venv, made on first use). Reference answers come from
+project's DuckDB pin cannot share a venv with: it runs in a venv of its own, outside the
+checkout (``~/.cache/flightshuffle/venv-tpcds``, or ``$FLIGHTSHUFFLE_TPCDS_VENV``; made on first
+use). Reference answers come from
 the project's DuckDB on the generated Parquet files (the extension's ``tpcds_answers()`` has
 no SF1 answers)."""
 
@@ -46,7 +47,10 @@ pathlib.Path(f"{root}/.done").write_text(str(sf))
 
 def generator_python() -> str:
     """The generator venv's Python, made (quietly) on first use."""
-    venv = os.path.join(os.path.dirname(os.path.dirname(sys.executable)) + "-tpcds")
+    venv = os.environ.get(
+        "FLIGHTSHUFFLE_TPCDS_VENV",
+        os.path.join(os.path.expanduser("~"), ".cache", "flightshuffle", "venv-tpcds"),
+    )
     python = os.path.join(venv, "bin", "python")
     if not os.path.exists(python):
         subprocess.run([sys.executable, "-m", "venv", venv], check=True)
