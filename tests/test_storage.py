@@ -394,5 +394,7 @@ def test_remove_worker_refuses_what_would_lose_rows():
         result.close()
         with pytest.raises(ValueError, match="no worker 7"):
             c.remove_worker(7)
+        with pytest.raises(ValueError, match="worker must be an index"):
+            c.remove_worker(-1)
         c.remove_worker(1)  # nothing alive to lose
         assert_same_multiset(df, [pl.from_arrow(p) for p in c.shuffle(df, by="key")])

@@ -647,6 +647,8 @@ class Cluster:
         (its Ray actor) stops, and the last worker takes its index. Call it between jobs.
         Refused with ``ValueError`` or ``ShuffleError`` (naming the shuffle) when that would
         lose rows, and with nothing changed."""
+        if not isinstance(worker, int) or worker < 0:
+            raise ValueError(f"worker must be an index 0..{self.workers - 1}, not {worker!r}")
         self._native.remove_worker(worker)
         if self._ray is not None:
             self._ray.remove(worker)
