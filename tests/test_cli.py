@@ -4,7 +4,10 @@ a traceback); the user's command lists only what users run; bad input is one lin
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +32,16 @@ def commands_of(capsys: pytest.CaptureFixture[str], main) -> list[str]:
 
 def test_the_user_command_lists_only_user_commands_and_each_prints_its_help(capsys):
     names = commands_of(capsys, cli.main)
-    assert sorted(names) == ["calibrate", "online", "report", "serve", "sql", "storage", "worker"]
+    assert sorted(names) == [
+        "calibrate",
+        "certs",
+        "online",
+        "report",
+        "serve",
+        "sql",
+        "storage",
+        "worker",
+    ]
     for name in names:
         if name != "worker":  # its --help is the worker's own, below
             assert "usage: flightshuffle " + name in help_of(capsys, cli.main, [name, "--help"])
@@ -109,3 +121,82 @@ def test_a_missing_table_file_is_one_line_not_a_traceback(tmp_path, capsys):
     assert code == 1
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert missing in err or "nowhere" in err, err
+
+
+def _worker(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+
+    return subprocess.run(
+        [sys.executable, "-m", "flightshuffle.worker", "--spill-dir", "/tmp", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_certs_makes_private_files_a_worker_and_a_static_cluster_use(tmp_path, capsys):
+    import json
+    import stat
+
+    assert cli.main(["certs", str(tmp_path / "c"), "--host", "127.0.0.1"]) == 0
+    files = json.loads(capsys.readouterr().out)
+    for path in files.values():
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+    token = Path(files["token_file"]).read_text().strip()
+    assert len(token) == 32
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "flightshuffle.worker", "--spill-dir", str(tmp_path / "s"),
+         "--token-file", files["token_file"], "--tls-cert", files["cert"],
+         "--tls-key", files["key"], "--tls-ca", files["ca"]],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert worker.stdout is not None
+        addr = worker.stdout.readline().split()[1]
+        from flightshuffle import Cluster
+
+        with Cluster(addresses=[addr], token=token, tls={"ca": files["ca"]}) as c:
+            assert c.runtime == "static"
+            assert c.sql("SELECT 41 + 1 AS x").column("x").to_pylist() == [42]
+        with pytest.raises(Exception, match="token|Unauthenticated|authoriz"):
+            Cluster(addresses=[addr], token="wrong", tls={"ca": files["ca"]})
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+def test_a_static_cluster_refuses_unclear_settings_before_dialing():
+    from flightshuffle import Cluster
+
+    with pytest.raises(ValueError, match="needs token="):
+        Cluster(addresses=["127.0.0.1:1"], tls=False)
+    with pytest.raises(ValueError, match='needs tls=\\{"ca": path\\}'):
+        Cluster(addresses=["127.0.0.1:1"], token="t")
+    with pytest.raises(ValueError, match="host:port"):
+        Cluster(addresses=["nowhere"], token="t", tls=False)
+    with pytest.raises(ValueError, match="twice"):
+        Cluster(addresses=["a:1", "a:1"], token="t", tls=False)
+    with pytest.raises(ValueError, match="workers=3 but addresses= names 1"):
+        Cluster(workers=3, addresses=["a:1"], token="t", tls=False)
+    with pytest.raises(ValueError, match="token= is for workers at addresses="):
+        Cluster(workers=1, token="t")
+
+
+def test_a_worker_refuses_a_token_file_others_can_read_and_an_address_nobody_can_dial(
+    tmp_path,
+):
+    token = tmp_path / "token"
+    token.write_text("secret-token\n")
+    token.chmod(0o644)
+    out = _worker("--token-file", str(token))
+    assert out.returncode != 0 and "chmod 600" in out.stderr, out.stderr
+    assert "secret-token" not in out.stderr + out.stdout
+    token.chmod(0o600)
+    out = _worker("--token-file", str(token), "--listen", "0.0.0.0:0", "--insecure")
+    assert out.returncode != 0 and "--advertise" in out.stderr, out.stderr
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    empty.chmod(0o600)
+    out = _worker("--token-file", str(empty))
+    assert out.returncode != 0 and "is empty" in out.stderr, out.stderr

@@ -1,7 +1,8 @@
 //! The local cluster, the embedded default: N worker processes on this machine (loopback,
 //! ephemeral ports, a random token, TLS with a CA made for the cluster), started healthy and
 //! stopped on drop — also when the driver fails. Workers also exit by themselves when the
-//! driver process dies (their stdin closes).
+//! driver process dies (their stdin closes). Besides it, workers hosted elsewhere: by another
+//! runtime that can start them (Ray), or by a supervisor at fixed addresses (a static cluster).
 
 use crate::driver::{Driver, DriverConfig};
 use crate::error::{Error, Result};
@@ -563,6 +564,97 @@ impl HostedCluster {
             scratch,
             _tempdir: tempdir,
         })
+    }
+}
+
+impl HostedCluster {
+    /// Connect a driver to workers a supervisor runs at fixed addresses (systemd, Kubernetes
+    /// pods, a shell loop): a static cluster, with nothing that can start a worker. A lost
+    /// worker's slot is given to the next new process that answers at the same address within
+    /// `restart_wait` (what its supervisor restarts), and lineage recovery goes on there as on
+    /// a local cluster; the lost process itself, should it answer again (it was paused or cut
+    /// off), is told to exit first, so that its blocks are never mixed with the recomputed
+    /// ones. Nothing answering in time fails the job with [`Error::WorkerLost`] naming it.
+    pub async fn connect_static(
+        addrs: &[String],
+        creds: &crate::transport::Credentials,
+        cfg: DriverConfig,
+        scratch: Option<PathBuf>,
+        restart_wait: Duration,
+    ) -> Result<Self> {
+        let cluster = Self::connect(addrs, creds, cfg, scratch, None).await?;
+        let driver = &cluster.driver;
+        let mut seen = std::collections::HashMap::new();
+        for i in 0..driver.num_workers() {
+            let w = driver.worker(i)?;
+            let health = w.health(driver.config().health_timeout).await?;
+            seen.insert(w.addr.clone(), health.instance);
+        }
+        let restarts = Restarts {
+            driver: Arc::downgrade(driver),
+            creds: creds.clone(),
+            seen: Arc::new(Mutex::new(seen)),
+            wait: restart_wait,
+            handle: tokio::runtime::Handle::current(),
+        };
+        driver.set_replacer(Arc::new(move |i| restarts.wait_for(i)));
+        Ok(cluster)
+    }
+}
+
+/// The replacer of a static cluster (see [`HostedCluster::connect_static`]).
+struct Restarts {
+    /// Weak: the driver holds the replacer.
+    driver: std::sync::Weak<Driver>,
+    creds: crate::transport::Credentials,
+    /// The process instance last seen at each address.
+    seen: Arc<Mutex<std::collections::HashMap<String, u64>>>,
+    wait: Duration,
+    handle: tokio::runtime::Handle,
+}
+
+impl Restarts {
+    /// Wait (on a blocking thread) for a new process at lost slot `i`'s address; returns the
+    /// address once one answers.
+    fn wait_for(&self, i: usize) -> Result<String> {
+        use crate::transport::client::WorkerClient;
+        let driver = self
+            .driver
+            .upgrade()
+            .ok_or_else(|| Error::Cluster("the cluster is stopping".into()))?;
+        let addr = driver.worker(i)?.addr;
+        let probe = driver.config().health_timeout;
+        drop(driver);
+        let deadline = Instant::now() + self.wait;
+        let old = lock(&self.seen).get(&addr).copied();
+        let mut fenced = false;
+        loop {
+            let client = WorkerClient::new(i, &addr, &self.creds, probe)?;
+            match self.handle.block_on(client.health(probe)) {
+                Ok(h) if Some(h.instance) != old => {
+                    tracing::warn!(worker = i, %addr, "a new worker process answers: it takes the slot");
+                    lock(&self.seen).insert(addr.clone(), h.instance);
+                    return Ok(addr);
+                }
+                Ok(_) if !fenced => {
+                    // The lost process is back; its outputs were given up: make it exit.
+                    let exit = client.action(crate::transport::actions::EXIT, Vec::new(), probe);
+                    fenced = self.handle.block_on(exit).is_ok();
+                    tracing::warn!(worker = i, %addr, fenced, "the lost worker answers again: told to exit");
+                }
+                _ => {}
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Cluster(format!(
+                    "worker {i} at {addr} was lost and no new worker process answered there \
+                     within {:?}: restart it at the same address (a supervisor such as systemd \
+                     Restart=always or a Kubernetes StatefulSet does this), or remove it with \
+                     remove_worker",
+                    self.wait
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
     }
 }
 

@@ -85,6 +85,9 @@ pub struct Driver {
     /// Replacements started per slot (the slot's generation).
     generations: Vec<std::sync::atomic::AtomicU64>,
     replacer: Mutex<Option<Replacer>>,
+    /// Why the last replacement of a slot failed, until one succeeds (see
+    /// [`Driver::wait_all_live`]).
+    replace_failures: Mutex<std::collections::HashMap<usize, String>>,
     /// The cluster is stopping: workers going away are not news ([`Driver::stop_replacing`]).
     stopping: AtomicBool,
     /// Changes whenever a slot becomes live again (or its replacement failed).
@@ -196,6 +199,7 @@ impl Driver {
             progress: Default::default(),
             generations: workers.iter().map(|_| Default::default()).collect(),
             replacer: Mutex::new(None),
+            replace_failures: Mutex::new(Default::default()),
             stopping: AtomicBool::new(false),
             live: tokio::sync::watch::channel(0).0,
             me: me.clone(),

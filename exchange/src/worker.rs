@@ -9,13 +9,13 @@
 mod args;
 mod config;
 mod durable;
+mod fence;
 pub mod probe;
 mod service;
 mod state;
 
 use crate::error::{Error, Result};
 use crate::source::SourceRegistry;
-use crate::store::BlockStore;
 use crate::transport::{bearer, CONNECTION_WINDOW, MAX_MESSAGE_BYTES, STREAM_WINDOW, TOKEN_HEADER};
 pub use args::WorkerArgs;
 use arrow_flight::flight_service_server::FlightServiceServer;
@@ -103,7 +103,8 @@ pub async fn serve(
 ) -> Result<()> {
     if token.is_empty() {
         return Err(Error::invalid(format!(
-            "the worker needs a token: in ${TOKEN_ENV}, or on stdin with --token-stdin"
+            "the worker needs a token: in ${TOKEN_ENV}, on stdin with --token-stdin, or in a file \
+             with --token-file"
         )));
     }
     let tls = args.tls()?;
@@ -124,11 +125,21 @@ pub async fn serve(
     let addr = listener
         .local_addr()
         .map_err(|e| Error::Cluster(format!("no local address: {e}")))?;
+    let advertised = match &args.advertise {
+        Some(a) => a.clone(),
+        None if addr.ip().is_unspecified() => {
+            return Err(Error::invalid(format!(
+                "listening on {addr}, an address nobody can dial: pass --advertise HOST:PORT, \
+                 the address the driver and the other workers reach this worker at"
+            )))
+        }
+        None => addr.to_string(),
+    };
     let state = Arc::new(WorkerState::new(
         &args.config()?,
         &creds,
         sources,
-        addr.to_string(),
+        advertised,
     )?);
     tokio::spawn(crate::allocator::trim_when_idle(state.admission.clone()));
     let service = flight_service(state.clone(), &token);
@@ -179,21 +190,11 @@ pub fn main_with_args(argv: Vec<String>, sources: SourceRegistry) -> Result<()> 
     };
     crate::allocator::limit_malloc_arenas();
     init_logging();
-    let token = if args.token_stdin {
-        let mut line = String::new();
-        std::io::stdin()
-            .read_line(&mut line)
-            .map_err(|e| Error::Cluster(format!("cannot read the token from stdin: {e}")))?;
-        line.trim().to_string()
-    } else {
-        std::env::var(TOKEN_ENV).unwrap_or_default()
-    };
+    let token = args.token()?;
     // Out of the environment before any thread starts: user code running in this process
     // (Python map tasks) and every process it starts would otherwise see the token.
     std::env::remove_var(TOKEN_ENV);
-    let store_files = Arc::new(std::sync::OnceLock::<Arc<BlockStore>>::new());
     if args.exit_with_stdin {
-        let store_files = store_files.clone();
         std::thread::spawn(move || {
             let mut sink = Vec::new();
             let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
@@ -202,10 +203,7 @@ pub fn main_with_args(argv: Vec<String>, sources: SourceRegistry) -> Result<()> 
             // no spill files behind (its own directory is swept by the next local cluster).
             // Only what the store wrote goes: `--spill-dir` may name a directory with other
             // files in it.
-            if let Some(store) = store_files.get() {
-                store.remove_files();
-            }
-            std::process::exit(0);
+            fence::exit_now(0);
         });
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -216,7 +214,7 @@ pub fn main_with_args(argv: Vec<String>, sources: SourceRegistry) -> Result<()> 
     let id = args.id.clone();
     rt.block_on(serve(args, token, sources, |addr, state| {
         use std::io::Write;
-        let _ = store_files.set(state.store.clone());
+        fence::own_process(state.store.clone());
         let mut out = std::io::stdout();
         let _ = writeln!(out, "{READY_LINE} {addr}");
         let _ = out.flush();

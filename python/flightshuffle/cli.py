@@ -1,5 +1,5 @@
 """The ``flightshuffle`` command line: what users run (``sql``, ``serve``, ``online``,
-``calibrate``, ``storage``, ``worker``). The benchmarks are ``flightshuffle-bench``, a package of the repository that the
+``calibrate``, ``storage``, ``worker``, ``certs``). The benchmarks are ``flightshuffle-bench``, a package of the repository that the
 wheel does not ship."""
 
 from __future__ import annotations
@@ -24,6 +24,59 @@ def _tables(specs: list[str]) -> dict[str, str]:
     return tables
 
 
+def _cluster(args: argparse.Namespace) -> Cluster:
+    """A local cluster of ``--workers``, or the workers at ``--addresses`` (a static
+    cluster: ``--token-file`` and ``--tls-ca``, or ``--insecure``)."""
+    if not getattr(args, "addresses", None):
+        return Cluster(workers=args.workers, memory_budget=args.memory_budget)
+    if not args.token_file:
+        raise ValueError("--addresses needs --token-file (the token the workers were given)")
+    with open(args.token_file) as f:
+        token = f.readline().strip()
+    if args.insecure:
+        tls: object = False
+    elif args.tls_ca:
+        tls = {"ca": args.tls_ca}
+    else:
+        raise ValueError("--addresses needs --tls-ca (the CA of the workers' certificates)")
+    addresses = [a for a in args.addresses.split(",") if a]
+    return Cluster(addresses=addresses, token=token, tls=tls)
+
+
+def _worker_addresses(p: argparse.ArgumentParser) -> None:
+    """The options naming workers started by hand (``flightshuffle worker``)."""
+    p.add_argument(
+        "--addresses",
+        metavar="HOST:PORT,...",
+        help="use the workers running at these addresses instead of starting --workers",
+    )
+    p.add_argument("--token-file", help="with --addresses: a file holding the workers' token")
+    p.add_argument("--tls-ca", help="with --addresses: the CA of the workers' certificates")
+    p.add_argument(
+        "--insecure", action="store_true", help="with --addresses: the workers speak plaintext"
+    )
+
+
+def _certs(args: argparse.Namespace) -> int:
+    """A CA, one worker certificate naming the hosts, and a token, for a static cluster."""
+    import os
+    import secrets
+
+    from flightshuffle._native import make_tls
+
+    if not args.host:
+        raise ValueError("name at least one --host the workers are reached at")
+    os.makedirs(args.dir, mode=0o700, exist_ok=True)
+    ca, cert, key = make_tls(args.dir, list(args.host))
+    token = os.path.join(args.dir, "token")
+    if not os.path.exists(token):
+        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(16) + "\n")
+    print(json.dumps({"ca": ca, "cert": cert, "key": key, "token_file": token}))
+    return 0
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     """What the ``auto`` strategy measures on this machine, as JSON."""
     with Cluster(workers=args.workers, memory_budget=args.memory_budget) as c:
@@ -33,7 +86,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _sql(args: argparse.Namespace) -> int:
     tables = _tables(args.table)
-    with Cluster(workers=args.workers, memory_budget=args.memory_budget) as c:
+    with _cluster(args) as c:
         table = c.sql(args.query, tables=tables)
         if args.query.lstrip().lower().startswith("explain"):
             print("\n".join(table.column(0).to_pylist()))
@@ -57,7 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
     import tempfile
 
     tables = _tables(args.table)
-    with Cluster(workers=args.workers, memory_budget=args.memory_budget) as c:
+    with _cluster(args) as c:
         for name, path in tables.items():
             c.register_parquet(name, path)
         info = c.serve_flight_sql(host=args.host, port=args.port, results=args.results)
@@ -282,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     q.add_argument("--memory-budget", default="2GiB")
     q.add_argument("--max-rows", type=int, default=20)
+    _worker_addresses(q)
     q.set_defaults(run=_sql)
 
     sv = sub.add_parser(
@@ -305,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         "clients must reach the workers) or from this endpoint",
     )
     sv.add_argument("--memory-budget", default="2GiB")
+    _worker_addresses(sv)
     sv.set_defaults(run=_serve)
 
     rp = sub.add_parser(
@@ -350,6 +405,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     sw.add_argument("--dry-run", action="store_true", help="list, delete nothing")
     sw.set_defaults(run=_sweep)
+
+    ce = sub.add_parser(
+        "certs",
+        help="make a CA, a worker certificate and a token for workers started by hand",
+        description="Write ca.pem, ca.key, worker.pem, worker.key (private files) naming the "
+        "given hosts, and a random token file unless one is there. Workers serve "
+        "--tls-cert worker.pem --tls-key worker.key --tls-ca ca.pem --token-file token; the "
+        "driver trusts ca.pem (Cluster(addresses=..., tls={'ca': ...})).",
+    )
+    ce.add_argument("dir", help="directory for the files (made private)")
+    ce.add_argument(
+        "--host", action="append", default=[], help="a name or IP the workers are reached at"
+    )
+    ce.set_defaults(run=_certs)
 
     # Listed in the help; its arguments are the worker's own (`flightshuffle worker --help`), so
     # they are handed over before argparse sees them.

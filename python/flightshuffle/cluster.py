@@ -215,6 +215,10 @@ class Cluster:
     other machines must see at the same path; workers spill to a temporary directory of their
     node. Made certificates name the nodes alive at start.
 
+    ``addresses=["host1:7000", ...]`` (with ``token=`` and ``tls={"ca": path}``) dials workers
+    you run with ``flightshuffle worker`` (:mod:`flightshuffle.static_runtime`); a lost one is
+    recovered once its supervisor restarts it at its address (waited up to ``restart_wait`` s).
+
     ``storage="s3://bucket/prefix"`` (or ``"file:///shared/dir"``) makes every shuffle
     *durable*: each map task's output is also written to that object store as one object
     (its blocks plus an index), and the manifest records each block's byte range. A worker
@@ -244,7 +248,7 @@ class Cluster:
 
     def __init__(
         self,
-        workers: int = 4,
+        workers: int | None = None,
         memory_budget: int | str = "1GiB",
         spill_dir: str | None = None,
         compression: Literal["auto", "none", "lz4", "zstd"] = "auto",
@@ -261,7 +265,19 @@ class Cluster:
         durable: bool = True,
         disk_budget: int | str | None = None,
         event_log: str | os.PathLike[str] | None = None,
+        addresses: Sequence[str] | None = None,
+        token: str | None = None,
+        restart_wait: float = 60.0,
     ) -> None:
+        if addresses is not None:
+            if runtime != "local":
+                raise ValueError("addresses= names workers already running: not with runtime=")
+            if workers is not None and workers != len(addresses):
+                raise ValueError(f"workers={workers} but addresses= names {len(addresses)}")
+            workers = len(addresses)
+        elif token is not None:
+            raise ValueError("token= is for workers at addresses=; a started cluster makes one")
+        workers = 4 if workers is None else workers
         if workers < 1:
             raise ValueError("a cluster needs at least one worker")
         if storage is None and strategy in ("store", "store-two-level"):
@@ -272,7 +288,7 @@ class Cluster:
             raise ValueError(
                 "disk_budget= and durable=False need storage= (the store spill segments move to)"
             )
-        tls_mode, tls_files = _tls_setting(tls)
+        tls_mode, tls_files = _tls_setting(tls) if addresses is None else ("on", None)
         if parity not in (0, 1, 2):
             raise ValueError(f"parity must be 0, 1 or 2, not {parity!r}")
         if runtime not in ("local", "ray"):
@@ -296,7 +312,12 @@ class Cluster:
             "disk_budget": None if disk_budget is None else parse_bytes(disk_budget),
             "event_log": None if event_log is None else os.fspath(event_log),
         }
-        if runtime == "ray":
+        if addresses is not None:
+            from flightshuffle import static_runtime
+
+            self.runtime = "static"
+            self._native = static_runtime.connect(addresses, token, tls, restart_wait, options)
+        elif runtime == "ray":
             self._native = self._start_on_ray(workers, options, tls, ray_address, ray_resources)
         else:
             self._native = NativeCluster(workers, worker_command(), options)
@@ -644,8 +665,8 @@ class Cluster:
         """Take worker ``worker`` out of the cluster for good, losing nothing: every shuffle
         still alive (held datasets, a result being read) must be durable (``storage=``) and
         complete, and is read from its objects in the store from then on; the worker's process
-        (its Ray actor) stops, and the last worker takes its index. Call it between jobs.
-        Refused with ``ValueError`` or ``ShuffleError`` (naming the shuffle) when that would
+        (its Ray actor) stops (a static cluster's keeps running), and the last worker takes
+        its index. Call it between jobs. Refused with ``ValueError`` or ``ShuffleError`` (naming the shuffle) when that would
         lose rows, and with nothing changed."""
         if not isinstance(worker, int) or worker < 0:
             raise ValueError(f"worker must be an index 0..{self.workers - 1}, not {worker!r}")

@@ -254,6 +254,49 @@ impl NativeCluster {
         })
     }
 
+    /// A driver for workers a supervisor runs at fixed `addresses` (a static cluster, see
+    /// `HostedCluster::connect_static`): a lost worker's slot waits up to `restart_wait`
+    /// seconds for a new process at its address. In `options`, `tls_files` (ca, cert, key):
+    /// the CA to verify the workers with (cert and key are the driver's own, for mutual TLS).
+    #[staticmethod]
+    fn connect_static(
+        py: Python<'_>,
+        addresses: Vec<String>,
+        token: String,
+        restart_wait: f64,
+        options: ClusterOptions,
+    ) -> PyResult<Self> {
+        let opts = options.strategy_options(addresses.len())?;
+        let storage = options.storage_config()?;
+        let creds = hosted::credentials(token, tls_setting(&options.tls, options.tls_files)?)?;
+        let cfg = flightshuffle::driver::DriverConfig {
+            rpc_timeout: Duration::from_secs_f64(options.timeout_secs.max(1.0)),
+            storage,
+            durable: options.durable,
+            ..Default::default()
+        };
+        let scratch = options.spill_dir;
+        let rt = runtime()?;
+        let wait_for = Duration::from_secs_f64(restart_wait.max(0.0));
+        let hosted = wait(py, &rt, async {
+            let c = HostedCluster::connect_static(
+                &addresses,
+                &creds,
+                cfg,
+                scratch.map(Into::into),
+                wait_for,
+            )
+            .await?;
+            calibrate_for(&c.driver, &opts).await?;
+            Ok::<_, flightshuffle::Error>(c)
+        })?
+        .map_err(to_py)?;
+        Ok(Self {
+            event_log: options.event_log,
+            ..Self::with_workers(rt, Workers::Hosted(hosted), opts)
+        })
+    }
+
     /// Take worker `worker` out of the cluster for good (see `Driver::retire_worker`): the
     /// driver lets go of it, then its process stops (here for a local cluster; the Ray runtime
     /// kills its actor). Returns the retired worker's address.

@@ -77,6 +77,7 @@ impl Driver {
             *slot = client;
         }
         self.alive[i].store(true, Ordering::SeqCst);
+        lock(&self.replace_failures).remove(&i);
         self.live.send_modify(|v| *v += 1);
         tracing::warn!(worker = i, %addr, generation = self.generation(i), "lost worker replaced");
         self.event(
@@ -87,8 +88,9 @@ impl Driver {
     }
 
     /// Start replacing lost worker `i` in the background, once (a replacer is set and no
-    /// replacement of this generation runs yet).
-    pub(super) fn start_replacement(&self, i: usize) {
+    /// replacement of this generation runs yet). `again`: a replacement of it failed before
+    /// (not counted as one more replacement).
+    pub(super) fn start_replacement(&self, i: usize, again: bool) {
         let Some(replacer) = lock(&self.replacer).clone() else {
             return;
         };
@@ -96,7 +98,9 @@ impl Driver {
             return;
         };
         self.generations[i].fetch_add(1, Ordering::SeqCst);
-        self.replaced.fetch_add(1, Ordering::SeqCst);
+        if !again {
+            self.replaced.fetch_add(1, Ordering::SeqCst);
+        }
         rt.spawn(async move {
             let started = tokio::task::spawn_blocking(move || replacer(i)).await;
             let result = match started {
@@ -106,15 +110,27 @@ impl Driver {
             };
             if let Err(e) = result {
                 tracing::error!(worker = i, error = %e, "could not replace a lost worker");
+                lock(&me.replace_failures).insert(i, e.to_string());
                 me.live.send_modify(|v| *v += 1);
             }
         });
     }
 
     /// Wait until every worker slot is live (a lost worker's replacement is up), at most
-    /// `timeout`; a lost worker that is not being replaced is an error at once.
+    /// `timeout`; a lost worker that is not being replaced is an error at once, and so is one
+    /// whose replacement fails. A slot whose replacement failed before this call is given one
+    /// more try (a static cluster's worker may have been restarted since).
     pub async fn wait_all_live(&self, timeout: Duration) -> Result<()> {
         let mut rx = self.live.subscribe();
+        let failed_before: Vec<usize> = lock(&self.replace_failures)
+            .drain()
+            .map(|(i, _)| i)
+            .collect();
+        for i in failed_before {
+            if !self.is_alive(i) {
+                self.start_replacement(i, true);
+            }
+        }
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let dead = (0..self.num_workers()).find(|&i| !self.is_alive(i));
@@ -134,6 +150,9 @@ impl Driver {
                 self.live.send_modify(|v| *v += 1);
                 tracing::warn!(worker = i, "a worker found lost answers again: cleared");
                 continue;
+            }
+            if let Some(why) = lock(&self.replace_failures).get(&i).cloned() {
+                return Err(self.lost(i, format!("lost earlier, and {why}")));
             }
             let changed = tokio::time::timeout_at(deadline, rx.changed()).await;
             if !matches!(changed, Ok(Ok(()))) {
@@ -158,7 +177,7 @@ impl Driver {
             self.event("worker_lost", || {
                 serde_json::json!({"worker": worker, "reason": reason, "lost_blocks": lost_blocks})
             });
-            self.start_replacement(worker);
+            self.start_replacement(worker, false);
         } else {
             tracing::debug!(worker, %reason, "worker already lost");
         }

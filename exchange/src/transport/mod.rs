@@ -89,6 +89,9 @@ pub mod actions {
     pub const HEALTH: &str = "health";
     /// Measure the worker's rates for the `auto` strategy.
     pub const CALIBRATE: &str = "calibrate";
+    /// Stop the worker process: a driver that gave it up for lost fences it this way when it
+    /// answers again, so that its supervisor starts a fresh process in its place.
+    pub const EXIT: &str = "exit";
     /// Every action type, as `list_actions` reports them.
     pub const ALL: &[&str] = &[
         CREATE_SHUFFLE,
@@ -104,6 +107,7 @@ pub mod actions {
         STATS,
         HEALTH,
         CALIBRATE,
+        EXIT,
     ];
 }
 

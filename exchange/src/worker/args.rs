@@ -19,6 +19,10 @@ pub struct WorkerArgs {
     /// Address to listen on (port 0 = ephemeral).
     #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: SocketAddr,
+    /// The address the driver and the other workers reach this worker at, exactly as the
+    /// driver is given it (default: the listen address; needed when listening on 0.0.0.0).
+    #[arg(long)]
+    pub advertise: Option<String>,
     /// Block store memory budget in bytes; blocks beyond it spill to disk.
     #[arg(long, default_value_t = 2 << 30)]
     pub memory_budget: u64,
@@ -32,8 +36,9 @@ pub struct WorkerArgs {
     /// store (the cluster's `storage=`) move to it and are read back by range.
     #[arg(long)]
     pub disk_budget: Option<u64>,
-    /// IPC compression of blocks: none, lz4 or zstd.
-    #[arg(long, default_value = "none")]
+    /// IPC compression of blocks: none, lz4, zstd, or auto (none when listening on loopback,
+    /// where LZ4 encodes slower than the wire carries bytes; LZ4 on any other address).
+    #[arg(long, default_value = "auto")]
     pub compression: String,
     /// Seconds a call or a wait for new blocks may take.
     #[arg(long, default_value_t = 600)]
@@ -44,8 +49,12 @@ pub struct WorkerArgs {
     /// Read the cluster token from the first line of standard input (how the local cluster
     /// passes it: not in the environment, where user code on the worker would see it).
     /// Without it, the token is read from `$FLIGHTSHUFFLE_TOKEN`.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "token_file")]
     pub token_stdin: bool,
+    /// Read the cluster token from the first line of this file, which only its owner may
+    /// read (mode 0600 or stricter).
+    #[arg(long)]
+    pub token_file: Option<PathBuf>,
     /// Serve TLS with this PEM certificate (chain); needs `--tls-key` and `--tls-ca`.
     #[arg(long, requires_all = ["tls_key", "tls_ca"])]
     pub tls_cert: Option<PathBuf>,
@@ -82,10 +91,55 @@ impl WorkerArgs {
             spill_dir: self.spill_dir.clone(),
             segment_bytes: self.segment_bytes.max(1),
             disk_budget: self.disk_budget,
-            compression: self.compression.parse()?,
+            compression: crate::cluster::resolve_compression(
+                &self.compression,
+                self.listen.ip().is_loopback(),
+            )?
+            .parse()?,
             timeout: std::time::Duration::from_secs(self.timeout_secs.max(1)),
             lose_commit_replies: self.fault_lose_commit_replies,
         })
+    }
+
+    /// The cluster token: from the first line of standard input (`--token-stdin`), of
+    /// `--token-file`, or else from `$FLIGHTSHUFFLE_TOKEN`.
+    pub fn token(&self) -> Result<String> {
+        let first_line = |text: &str| text.lines().next().unwrap_or("").trim().to_string();
+        if self.token_stdin {
+            let mut line = String::new();
+            std::io::stdin()
+                .read_line(&mut line)
+                .map_err(|e| Error::Cluster(format!("cannot read the token from stdin: {e}")))?;
+            return Ok(first_line(&line));
+        }
+        if let Some(path) = &self.token_file {
+            let io = |source| Error::Io {
+                path: path.clone(),
+                source,
+            };
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::PermissionsExt;
+                let mode = std::fs::metadata(path).map_err(io)?.permissions().mode();
+                if mode & 0o077 != 0 {
+                    return Err(Error::invalid(format!(
+                        "the token file {} can be read by other users (mode {:o}): make it \
+                         private with chmod 600",
+                        path.display(),
+                        mode & 0o777
+                    )));
+                }
+            }
+            let token = first_line(&std::fs::read_to_string(path).map_err(io)?);
+            if token.is_empty() {
+                return Err(Error::invalid(format!(
+                    "the token file {} is empty",
+                    path.display()
+                )));
+            }
+            return Ok(token);
+        }
+        Ok(std::env::var(super::TOKEN_ENV).unwrap_or_default())
     }
 
     /// The TLS this worker serves, if any.

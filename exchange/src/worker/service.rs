@@ -539,8 +539,13 @@ impl FlightService for WorkerService {
             actions::HEALTH => proto::Health {
                 worker_id: s.id.clone(),
                 pid: std::process::id(),
+                instance: s.instance,
             }
             .encode_to_vec(),
+            actions::EXIT => {
+                super::fence::exit_soon()?;
+                vec![]
+            }
             other => {
                 return Err(bad(format!(
                     "unknown action {other:?} (known: {:?})",

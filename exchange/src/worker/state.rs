@@ -36,6 +36,9 @@ pub(crate) type FoldSlot = Option<ReduceState>;
 pub struct WorkerState {
     /// The worker's name, used in logs and errors.
     pub id: String,
+    /// Drawn at random when the state is made: tells a restarted process at the same address
+    /// from the one before (see [`crate::proto::Health`]).
+    pub instance: u64,
     /// The worker's block store.
     pub store: Arc<BlockStore>,
     /// The address this worker advertises (its peers' name for it).
@@ -125,6 +128,7 @@ impl WorkerState {
         ));
         Ok(WorkerState {
             id: cfg.id.clone(),
+            instance: rand::random::<u64>(),
             store,
             addr,
             reader,
