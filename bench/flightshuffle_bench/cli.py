@@ -13,30 +13,12 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from flightshuffle import STRATEGIES, Cluster, ShuffleError, parse_bytes, worker_command
 from flightshuffle.cli import run_online
 
 from flightshuffle_bench import tpch
-
-
-def shuffle_binary() -> str:
-    """The Rust shuffle bench: ``$FLIGHTSHUFFLE_SHUFFLE_BENCH``, else the release build in the
-    cargo target dir (``cargo build --release --workspace --bins``; scripts/bench.sh does it)."""
-    given = os.environ.get("FLIGHTSHUFFLE_SHUFFLE_BENCH")
-    if given:
-        return given
-    target = os.environ.get("CARGO_TARGET_DIR") or str(
-        Path.home() / ".cache" / "flightshuffle-target"
-    )
-    path = Path(target) / "release" / "flightshuffle-shuffle-bench"
-    if not path.exists():
-        raise ValueError(
-            f"{path} is not built: cargo build --release --workspace --bins (scripts/bench.sh "
-            "builds it), or set FLIGHTSHUFFLE_SHUFFLE_BENCH"
-        )
-    return str(path)
+from flightshuffle_bench.binaries import shuffle_binary
 
 
 def shuffle_bench(
@@ -606,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
 
     skewbench.add_parser(sub)
     from flightshuffle_bench import (
+        hostsbench,
         onlinebench,
         overheadbench,
         samplebound,
@@ -620,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     overheadbench.add_parser(sub)
     shrinkbench.add_parser(sub)
     tpcds.add_parser(sub)
+    hostsbench.add_parser(sub)
 
     from flightshuffle import cli
 

@@ -10,7 +10,7 @@
 
 use flightshuffle::block::{decode_block, encode_block, Compression, ShuffleId};
 use flightshuffle::checksum::Checksum;
-use flightshuffle::cluster::{LocalCluster, LocalClusterConfig};
+use flightshuffle::cluster::{HostedCluster, LocalCluster, LocalClusterConfig};
 use flightshuffle::driver::{MapInput, ShuffleSpec};
 use flightshuffle::strategy::{self, pull, StrategyOptions};
 use flightshuffle::synthetic::{lineitem_schema, LineitemSlice, LINEITEM_SOURCE};
@@ -19,7 +19,7 @@ use flightshuffle::{Error, Result};
 use serde_json::json;
 use std::time::Instant;
 
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct BenchConfig {
     pub rows: u64,
     pub partitions: u32,
@@ -28,6 +28,9 @@ pub struct BenchConfig {
     pub batch_rows: usize,
     pub seed: u64,
     pub cluster: LocalClusterConfig,
+    /// Workers already running at these addresses (started by hand, e.g. on simulated
+    /// hosts), dialled with these credentials, instead of the local cluster.
+    pub hosted: Option<(Vec<String>, flightshuffle::transport::Credentials)>,
     /// Start the reducers only once the map side is sealed (the pre-pipelining behaviour).
     pub sequential: bool,
     /// The map side's strategy (`merged` starts the reducers after the seal: merges are
@@ -46,7 +49,10 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
             "shuffle-bench needs rows > 0 and partitions > 0",
         ));
     }
-    let workers = cfg.cluster.workers;
+    let workers = match &cfg.hosted {
+        Some((addrs, _)) => addrs.len(),
+        None => cfg.cluster.workers,
+    };
     let maps = if cfg.maps == 0 {
         4 * workers as u32
     } else {
@@ -54,8 +60,18 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
     } as u64;
     let ceiling = ipc_ceiling(cfg.rows.min(CEILING_ROWS), cfg.batch_rows, cfg.seed)?;
 
-    let mut cluster = LocalCluster::start(cfg.cluster.clone()).await?;
-    let driver = cluster.driver.clone();
+    let (mut local, hosted) = match &cfg.hosted {
+        None => (Some(LocalCluster::start(cfg.cluster.clone()).await?), None),
+        Some((addrs, creds)) => {
+            let c = HostedCluster::connect(addrs, creds, cfg.cluster.driver.clone(), None, None);
+            (None, Some(c.await?))
+        }
+    };
+    let driver = match (&local, &hosted) {
+        (Some(l), _) => l.driver.clone(),
+        (_, Some(h)) => h.driver.clone(),
+        _ => return Err(Error::Cluster("no cluster".into())),
+    };
     // Idle memory of each worker (after its start-up imports settle), reported apart.
     tokio::time::sleep(std::time::Duration::from_secs(2)).await;
     let idle: Vec<u64> = driver
@@ -136,7 +152,10 @@ pub async fn shuffle_bench(cfg: BenchConfig) -> Result<serde_json::Value> {
     let parity_bytes = driver.parity_bytes(spec.id);
     let blocks = driver.live_blocks(spec.id);
     driver.drop_shuffle(spec.id).await?;
-    cluster.stop();
+    if let Some(l) = local.as_mut() {
+        l.stop();
+    }
+    drop(hosted);
     if output != mapped.input || output.rows != cfg.rows {
         return Err(Error::Cluster(format!(
             "shuffle output differs from its input: {} rows / checksum {:#x} in, {} rows / {:#x} out",

@@ -49,8 +49,18 @@ struct Args {
     /// Seconds any one driver call may take.
     #[arg(long, default_value_t = 600.0)]
     timeout: f64,
+    /// Workers already running at these addresses (comma-separated host:port) instead of a
+    /// local cluster; with --token-file and --tls-ca (or --tls off).
+    #[arg(long, value_delimiter = ',')]
+    addresses: Vec<String>,
+    /// With --addresses: the file holding the workers' token.
+    #[arg(long)]
+    token_file: Option<std::path::PathBuf>,
+    /// With --addresses: the CA of the workers' certificates.
+    #[arg(long)]
+    tls_ca: Option<std::path::PathBuf>,
     /// The command that starts one worker (program and arguments), after `--`.
-    #[arg(last = true, required = true)]
+    #[arg(last = true)]
     worker_command: Vec<String>,
 }
 
@@ -78,6 +88,30 @@ fn run(args: Args) -> Result<serde_json::Value, String> {
         "mutual" => TlsSetting::Local { mutual: true },
         other => return Err(format!("--tls takes on, off or mutual, not {other:?}")),
     };
+    let hosted = if args.addresses.is_empty() {
+        if args.worker_command.is_empty() {
+            return Err("name the worker command after `--`, or --addresses".into());
+        }
+        None
+    } else {
+        let path = args.token_file.as_ref().ok_or("--addresses needs --token-file")?;
+        let token = std::fs::read_to_string(path)
+            .map_err(|e| format!("{}: {e}", path.display()))?
+            .trim()
+            .to_string();
+        let tls = match (&args.tls_ca, args.tls.as_str()) {
+            (_, "off") => None,
+            (Some(ca), _) => Some(flightshuffle::transport::tls::ClientTls {
+                ca: std::fs::read_to_string(ca).map_err(|e| format!("{}: {e}", ca.display()))?,
+                identity: None,
+            }),
+            (None, _) => return Err("--addresses needs --tls-ca (or --tls off)".into()),
+        };
+        Some((
+            args.addresses.clone(),
+            flightshuffle::transport::Credentials { token, tls },
+        ))
+    };
     let mut cluster = LocalClusterConfig::new(args.workers, args.worker_command);
     cluster.memory_budget = args.memory_budget;
     cluster.compression = args.compression;
@@ -90,6 +124,7 @@ fn run(args: Args) -> Result<serde_json::Value, String> {
         batch_rows: args.batch_rows,
         seed: args.seed,
         cluster,
+        hosted,
         sequential: args.sequential,
         strategy: args.strategy.parse().map_err(|e| format!("{e}"))?,
         parity: args.parity,
