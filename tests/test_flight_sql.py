@@ -140,6 +140,142 @@ def test_a_prepared_statement_runs_twice_and_polars_reads_it(conn):
     assert df["n"].to_list() == [5, 5, 5, 5, 5]
 
 
+def test_a_prepared_statement_binds_parameters_per_execution(conn, tpch_data):
+    """ADBC binds placeholders ($1, ...) with DoPut: each execution gets its own values, cast
+    to the types DataFusion inferred (Python ints to the key's type, a date, a string with a
+    quote in it), and the answers equal DuckDB's with the values written in."""
+    import datetime
+
+    duck = tpch.duckdb_connect(tpch_data)
+    cases = [
+        ("SELECT n_name FROM nation WHERE n_regionkey = $1 AND n_nationkey > $2 ORDER BY n_name",
+         [(2, 3), (1, 0)]),
+        ("SELECT count(*) AS n FROM orders WHERE o_orderdate < $1",
+         [(datetime.date(1995, 1, 1),), (datetime.date(1993, 6, 1),)]),
+        ("SELECT count(*) AS n FROM nation WHERE n_name = $1", [("FRANCE",), ("it's",)]),
+    ]  # fmt: skip
+    with conn.cursor() as cur:
+        for sql, runs in cases:
+            answers = []
+            for params in runs:
+                cur.execute(sql, parameters=params)
+                got = cur.fetch_arrow_table()
+                want = duck.sql(sql, params=list(params)).to_arrow_table()
+                assert tpch.compare(want, got, True) is None, (sql, params, got, want)
+                answers.append(got.to_pylist())
+            assert answers[0] != answers[1], (sql, answers)
+
+
+def test_parameters_that_do_not_fit_are_clear_errors(conn):
+    with conn.cursor() as cur:
+        with pytest.raises(adbc_driver_manager.Error, match=r"1 parameter value\(s\) for 2"):
+            cur.execute("SELECT $1 + n_regionkey, $2 FROM nation", parameters=(1,))
+        with pytest.raises(adbc_driver_manager.Error, match="does not convert"):
+            cur.execute(
+                "SELECT count(*) FROM orders WHERE o_orderdate < $1", parameters=("not a date",)
+            )
+        with pytest.raises(adbc_driver_manager.Error, match="only positional"):
+            cur.execute("SELECT $name", parameters=(1,))
+
+
+def _cancel(info: dict, partition: bytes) -> bytes:
+    """Flight's CancelFlightInfo action for the FlightInfo of an ADBC partition."""
+    client = flight.FlightClient(info["uri"], tls_root_certs=info["ca"])
+    options = flight.FlightCallOptions(
+        headers=[(b"authorization", f"Bearer {info['token']}".encode())]
+    )
+    n, size = len(partition), b""
+    while True:  # the protobuf length varint of field 1 (CancelFlightInfoRequest.info)
+        byte, n = n & 0x7F, n >> 7
+        size += bytes([byte | (0x80 if n else 0)])
+        if not n:
+            break
+    body = b"\x0a" + size + partition
+    try:
+        return b"".join(
+            r.body.to_pybytes() for r in client.do_action(("CancelFlightInfo", body), options)
+        )
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("results", ["workers", "driver"])
+def test_cancel_flight_info_frees_a_result_and_its_reads_fail_clearly(tpch_data, results):
+    with fs.Cluster(workers=3, memory_budget="256MiB", timeout=60) as c:
+        c.register_parquet("lineitem", tpch.table_paths(tpch_data)["lineitem"])
+        info = c.serve_flight_sql(results=results)
+        with connect(info) as conn, conn.cursor() as cur:
+            sql = "SELECT l_orderkey, l_linenumber FROM lineitem WHERE l_quantity < 10"
+            partitions, _ = cur.adbc_execute_partitions(sql)
+            assert len(partitions) > 1
+            assert _cancel(info, partitions[0]) == b"\x08\x01"  # CANCEL_STATUS_CANCELLED
+            for p in partitions:  # every endpoint of the result went with it
+                with pytest.raises(
+                    adbc_driver_manager.Error, match="(?i)unknown shuffle|no result"
+                ):
+                    cur.adbc_read_partition(p)
+                    cur.fetch_arrow_table()
+            with pytest.raises(KeyError, match="no such result"):  # NotFound
+                _cancel(info, partitions[0])
+            # The endpoint goes on serving.
+            cur.execute("SELECT count(*) AS n FROM lineitem WHERE l_quantity < 10")
+            assert cur.fetch_arrow_table().column("n")[0].as_py() > 0
+
+
+def _incremental(conn, sql):
+    """ADBC's incremental execution (PollFlightInfo): the tables of every partition in the
+    order they came, and the progress after each call."""
+    incremental = adbc_driver_manager.StatementOptions.INCREMENTAL.value
+    progress_key = adbc_driver_manager.StatementOptions.PROGRESS.value
+    tables, progress = [], []
+    with conn.cursor() as cur, conn.cursor() as reader:
+        cur.adbc_statement.set_options(**{incremental: "true"})
+        while True:
+            partitions, _ = cur.adbc_execute_partitions(sql)
+            if not partitions:
+                return tables, progress
+            for p in partitions:
+                reader.adbc_read_partition(p)
+                tables.append(reader.fetch_arrow_table())
+            progress.append(cur.adbc_statement.get_option_float(progress_key))
+
+
+def test_incremental_execution_streams_online_rounds_to_the_exact_answer(conn, tpch_data):
+    """PollFlightInfo runs an aggregate online: one partition per round, each with its
+    fraction read and intervals, the fractions rising to 1 and the last round exact (DuckDB's
+    answer, zero-width intervals); progress rises with them."""
+    sql = (
+        "SELECT l_returnflag, SUM(l_quantity) AS q, COUNT(*) AS n FROM lineitem "
+        "GROUP BY l_returnflag"
+    )
+    rounds, progress = _incremental(conn, sql)
+    assert len(rounds) >= 3, len(rounds)
+    fractions = [r.column("__fraction")[0].as_py() for r in rounds]
+    assert fractions == sorted(fractions) and fractions[0] < 1.0 and fractions[-1] == 1.0
+    assert [r.column("__round")[0].as_py() for r in rounds] == list(range(len(rounds)))
+    assert progress == sorted(progress) and progress[-1] == 1.0, progress
+    first = rounds[0].to_pylist()
+    assert all(r["q_low"] <= r["q"] <= r["q_high"] for r in first), first
+    assert any(r["q_high"] > r["q_low"] for r in first), "the first round has no interval"
+    final = pl.from_arrow(rounds[-1]).sort("l_returnflag")
+    want = pl.from_arrow(tpch.duckdb_connect(tpch_data).sql(sql + " ORDER BY 1").to_arrow_table())
+    assert final["l_returnflag"].to_list() == want["l_returnflag"].to_list()
+    assert final["n"].to_list() == want["n"].to_list()
+    assert final["q"].to_list() == pytest.approx(want["q"].cast(pl.Float64).to_list())
+    assert (final["q_high"] - final["q_low"]).abs().max() == 0
+
+
+def test_incremental_execution_of_a_query_online_cannot_run_is_whole_at_once(conn, tpch_data):
+    sql = "SELECT count(DISTINCT l_orderkey) AS n FROM lineitem"
+    tables, progress = _incremental(conn, sql)
+    got = pa.concat_tables(tables)
+    want = tpch.duckdb_connect(tpch_data).sql(sql).to_arrow_table()
+    assert got.column("n").to_pylist() == want.column("n").to_pylist()
+    assert progress == [1.0]
+    with pytest.raises(adbc_driver_manager.Error, match="(?i)syntax|expected"):
+        _incremental(conn, "SELEC 1")
+
+
 def test_catalogs_schemas_and_tables_are_listed_with_their_columns(conn):
     objects = conn.adbc_get_objects(depth="all").read_all().to_pylist()
     tables = {

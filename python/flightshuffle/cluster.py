@@ -3,6 +3,7 @@ it: shuffles, distributed SQL, datasets and online aggregation. Re-exported by t
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -528,12 +529,10 @@ class Cluster:
         groups where there are that many, since a row group cut in two decompresses the pages
         at the cut twice; for SQL on DataFusion, runs of consecutive row groups of up to
         ~1M rows after the first round, as long as each round keeps a split (every split is
-        a map task to call, commit and fold). Each result has ``.progress``
-        (fraction of the input read), ``.final`` and ``.estimates``
-        (a Polars DataFrame: keys, then per aggregate ``name``, ``name_low``, ``name_high``,
-        the estimate and its ``confidence`` interval; MIN/MAX have no interval). A tqdm bar
-        shows progress on a terminal (``progress=False`` hides it).
-        """
+        a map task to call, commit and fold). Each result has ``.progress`` (fraction of the
+        input read), ``.final`` and ``.estimates`` (a Polars DataFrame: keys, then per
+        aggregate ``name``, ``name_low``, ``name_high``, the estimate and its ``confidence``
+        interval; MIN/MAX have none). A tqdm bar shows progress on a terminal."""
         from flightshuffle import online as ol
         from flightshuffle.dataset import Grouped, make_splits, parquet_files, shuffled
 
@@ -761,15 +760,16 @@ class Cluster:
         secret). Under TLS (the default) the endpoint has a certificate of its own for
         ``localhost``, ``127.0.0.1`` and ``host``, signed by the CA in ``ca``; on a plaintext
         cluster the URI is ``grpc+tcp://`` and ``ca`` is None. Port 0 picks a free port; a
-        second call replaces the first endpoint. See ``docs/guide/flight-sql.md``.
+        second call replaces the first endpoint. ``results="workers"`` (the default) leaves
+        each query's rows on the workers that made them, read by the client straight from
+        them (``ca`` then also holds the cluster's CA); ``results="driver"`` hands every result
+        out from the endpoint. ``PollFlightInfo`` (ADBC's incremental execution) runs a query
+        online aggregation supports online, one endpoint per round. See
+        ``docs/guide/flight-sql.md``."""
+        from flightshuffle.online import flight_sql_rounds
 
-        ``results="workers"`` (the default) leaves each query's rows on the workers that made
-        them: the answer has one endpoint per such worker, located there, and the client reads
-        them in parallel straight from the workers (``ca`` then also holds the cluster's CA, so
-        the client must reach the workers' addresses). ``results="driver"`` hands every result
-        out from the endpoint (as under mutual TLS, where a client has no certificate to show
-        the workers)."""
-        uri, token, ca = self._native.serve_flight_sql(host, int(port), results)
+        online = functools.partial(flight_sql_rounds, self)
+        uri, token, ca = self._native.serve_flight_sql(host, int(port), results, online)
         return {"uri": uri, "token": token, "ca": ca}
 
     @property

@@ -754,3 +754,24 @@ def plot_history(history: list, keys: list[str], names: list[str], path: str, to
     fig.suptitle("online aggregation: estimate and 95% interval per round, relative to final")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def flight_sql_rounds(cluster: Any, sql: str) -> Iterator[tuple[float, pa.Table]] | None:
+    """``sql`` online on ``cluster`` for the Flight SQL endpoint's ``PollFlightInfo``: each
+    round as (fraction read, its estimates with ``__round`` and ``__fraction`` columns), or
+    None when online aggregation does not run this query (the endpoint then runs it whole,
+    and reports any error in it)."""
+    try:
+        rounds = cluster.online(sql, progress=False)
+    except ValueError:
+        return None
+
+    def tagged() -> Iterator[tuple[float, pa.Table]]:
+        for i, r in enumerate(rounds):
+            estimates = r.estimates.with_columns(
+                pl.lit(i, pl.Int32).alias("__round"),
+                pl.lit(float(r.progress), pl.Float64).alias("__fraction"),
+            )
+            yield float(r.progress), estimates.to_arrow()
+
+    return tagged()

@@ -37,6 +37,12 @@ pub const BROADCAST_JOIN_ROWS: usize = 1 << 20;
 /// recover from (each time once the lost worker's replacement is up).
 pub const QUERY_RETRIES: u32 = 2;
 
+tokio::task_local! {
+    /// The values of the placeholders (`$1`, ...) of the query planned in this task
+    /// ([`DistributedContext::sql_held_with`], `sql_params`); read where it is planned.
+    pub(crate) static PARAMS: Option<datafusion::common::ParamValues>;
+}
+
 /// A DataFusion session whose queries run on a flightshuffle cluster through its driver.
 pub struct DistributedContext {
     pub(crate) ctx: SessionContext,
@@ -183,7 +189,10 @@ impl DistributedContext {
             Some(s) => s,
             None => self.session_strategy()?,
         };
-        let df = self.ctx.sql(sql).await?;
+        let mut df = self.ctx.sql(sql).await?;
+        if let Ok(Some(params)) = PARAMS.try_with(Clone::clone) {
+            df = df.with_param_values(params)?;
+        }
         let plan = df.create_physical_plan().await?;
         let mut staged = match self.all_on_workers {
             true => crate::planner::on_workers(plan_stages_with(plan.clone(), 0)?),

@@ -1,8 +1,10 @@
 //! An Arrow Flight SQL endpoint over a [`DistributedContext`]: any Flight SQL client (the ADBC
 //! driver, the JDBC driver behind BI tools) runs distributed SQL on the cluster.
 //!
-//! - Statements and prepared statements (without parameters) run through
-//!   [`DistributedContext::sql`]; `SET flightshuffle.*` and `CREATE EXTERNAL TABLE` work as there.
+//! - Statements and prepared statements run through [`DistributedContext::sql`];
+//!   `SET flightshuffle.*` and `CREATE EXTERNAL TABLE` work as there. A prepared statement's
+//!   placeholders (`$1`, `$2`, ...) are listed in its parameter schema and bound by `DoPut`
+//!   with one row of values, kept for each execution until bound again.
 //!   With results on the workers ([`Results::Workers`], the default of `serve`'s callers), a
 //!   query's last stage runs on the workers too and its rows stay there
 //!   ([`crate::held`]): the answer has **one endpoint per worker holding rows, located at that
@@ -14,6 +16,9 @@
 //!   `ordered`: reading them in order gives the query's order; each is read once. Results
 //!   nobody reads are dropped after [`RESULT_TTL`] or when [`MAX_RESULTS`] newer ones are kept
 //!   (rows on the workers: their shuffle is dropped then).
+//! - `CancelFlightInfo` (a Flight action): a query runs within `GetFlightInfo`, so what is
+//!   cancelled is its result: the rows kept for it (on the workers: its shuffle) are freed at
+//!   once, and reading an endpoint of it afterwards fails naming it.
 //! - Metadata: `GetSqlInfo` (name, version, read-only, no transactions), `GetCatalogs`,
 //!   `GetDbSchemas`, `GetTables` (with table schemas), `GetTableTypes`.
 //! - Auth: every call carries `authorization: Bearer <token>` (checked in constant time by
@@ -21,6 +26,10 @@
 //!   certificate when the cluster has one.
 //! - Errors: SQL and planning errors are `InvalidArgument` with DataFusion's message; anything
 //!   the endpoint does not do is `Unimplemented`, by the trait's defaults.
+
+mod kept;
+mod params;
+mod poll;
 
 use crate::context::DistributedContext;
 use arrow::array::RecordBatch;
@@ -33,28 +42,30 @@ use arrow_flight::sql::{
     ActionClosePreparedStatementRequest, ActionCreatePreparedStatementRequest,
     ActionCreatePreparedStatementResult, CommandGetCatalogs, CommandGetDbSchemas,
     CommandGetSqlInfo, CommandGetTableTypes, CommandGetTables, CommandPreparedStatementQuery,
-    CommandStatementQuery, CommandStatementUpdate, ProstMessageExt, SqlInfo, TicketStatementQuery,
+    CommandStatementQuery, CommandStatementUpdate, DoPutPreparedStatementResult, ProstMessageExt,
+    SqlInfo, TicketStatementQuery,
 };
 use arrow_flight::{FlightDescriptor, FlightEndpoint, FlightInfo, Ticket};
+use datafusion::common::ParamValues;
 use futures::TryStreamExt;
+use kept::{Kept, KeptResults, Polls};
+pub use kept::{OnlineRunner, Rounds, MAX_RESULTS, RESULT_TTL};
+use params::{bind, ipc_schema, no_statement, parameter_schema};
 use prost::Message;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use tonic::{Request, Response, Status};
 
-/// How long a query's rows wait for a client to read them.
-pub const RESULT_TTL: Duration = Duration::from_secs(600);
-/// Results kept at once (the oldest goes first).
-pub const MAX_RESULTS: usize = 64;
 /// Prepared statements kept at once per endpoint.
 const MAX_PREPARED: usize = 1024;
 
-/// A query's rows waiting to be read: each endpoint's batches, taken when read.
-struct Kept {
-    at: Instant,
-    chunks: Vec<Option<Vec<RecordBatch>>>,
-    schema: SchemaRef,
+/// A prepared statement: its text, its placeholders, and the values last bound to them.
+struct Prepared {
+    sql: String,
+    /// One field per placeholder, typed as DataFusion inferred it (`Null`: any type).
+    parameters: SchemaRef,
+    params: Option<ParamValues>,
 }
 
 /// Where a query's rows are handed out from.
@@ -73,10 +84,13 @@ pub struct FlightSqlEndpoint {
     /// Endpoints per result at most (the workers: a client reads that many in parallel).
     endpoints: usize,
     results_at: Results,
-    results: Mutex<HashMap<String, Kept>>,
+    results: KeptResults,
+    /// Runs a query online for `PollFlightInfo` (None: polls run queries whole).
+    online: Option<OnlineRunner>,
+    polls: Polls,
     /// Results left on the workers, by when they were made (freed after [`RESULT_TTL`]).
     held: Mutex<Vec<(Instant, crate::result::Held)>>,
-    prepared: Mutex<HashMap<String, String>>,
+    prepared: Mutex<HashMap<String, Prepared>>,
     info: SqlInfoData,
 }
 
@@ -106,6 +120,7 @@ impl FlightSqlEndpoint {
         ctx: Arc<DistributedContext>,
         endpoints: usize,
         results_at: Results,
+        online: Option<OnlineRunner>,
     ) -> crate::Result<Self> {
         let mut b = SqlInfoDataBuilder::new();
         b.append(SqlInfo::FlightSqlServerName, "flightshuffle");
@@ -115,7 +130,7 @@ impl FlightSqlEndpoint {
         b.append(SqlInfo::FlightSqlServerSql, true);
         b.append(SqlInfo::FlightSqlServerSubstrait, false);
         b.append(SqlInfo::FlightSqlServerTransaction, 0i32);
-        b.append(SqlInfo::FlightSqlServerCancel, false);
+        b.append(SqlInfo::FlightSqlServerCancel, true);
         let info = b.build().map_err(|e| {
             crate::Error::DataFusion(datafusion::error::DataFusionError::External(Box::new(e)))
         })?;
@@ -123,7 +138,9 @@ impl FlightSqlEndpoint {
             ctx,
             endpoints: endpoints.max(1),
             results_at,
-            results: Mutex::new(HashMap::new()),
+            results: Default::default(),
+            online,
+            polls: Default::default(),
             held: Mutex::new(Vec::new()),
             prepared: Mutex::new(HashMap::new()),
             info,
@@ -195,13 +212,19 @@ impl FlightSqlEndpoint {
         Ok(info)
     }
 
-    /// Run `sql`, keep its rows and describe them as endpoints.
-    async fn run(&self, sql: &str, descriptor: FlightDescriptor) -> Result<FlightInfo, Status> {
+    /// Run `sql` (with `params` bound), keep its rows and describe them as endpoints.
+    async fn run(
+        &self,
+        sql: &str,
+        params: Option<ParamValues>,
+        descriptor: FlightDescriptor,
+    ) -> Result<FlightInfo, Status> {
         let result = match &self.results_at {
-            Results::Driver => self.ctx.sql(sql).await.map_err(status)?,
+            Results::Driver => self.ctx.sql_params(sql, params).await.map_err(status)?,
             Results::Workers(scheme) => {
                 self.free_held().await;
-                let mut result = self.ctx.sql_held(sql).await.map_err(status)?;
+                let sql_held = self.ctx.sql_held_with(sql, params);
+                let mut result = sql_held.await.map_err(status)?;
                 match result.held.take() {
                     Some(h) if !h.holders.is_empty() => {
                         return self.on_workers(scheme, &result.schema, h, descriptor);
@@ -241,19 +264,8 @@ impl FlightSqlEndpoint {
                 FlightEndpoint::new().with_ticket(Ticket::new(ticket.as_any().encode_to_vec())),
             );
         }
-        let mut kept = lock(&self.results);
-        kept.retain(|_, k| k.at.elapsed() < RESULT_TTL);
-        while kept.len() >= MAX_RESULTS {
-            let oldest = kept
-                .iter()
-                .min_by_key(|(_, k)| k.at)
-                .map(|(h, _)| h.clone());
-            match oldest {
-                Some(h) => kept.remove(&h),
-                None => break,
-            };
-        }
-        kept.insert(
+        kept::keep(
+            &self.results,
             id,
             Kept {
                 at: Instant::now(),
@@ -262,6 +274,45 @@ impl FlightSqlEndpoint {
             },
         );
         Ok(info)
+    }
+
+    /// Free what `info`'s endpoints hand out (see the module doc); NotFound when nothing of
+    /// it is kept any more (read whole, expired or cancelled before).
+    async fn cancel(&self, info: &FlightInfo) -> Result<arrow_flight::CancelStatus, Status> {
+        let mut found = false;
+        for endpoint in &info.endpoint {
+            let Some(ticket) = &endpoint.ticket else {
+                continue;
+            };
+            let any = arrow_flight::sql::Any::decode(ticket.ticket.clone());
+            if let Ok(Some(t)) = any.map(|a| a.unpack::<TicketStatementQuery>().ok().flatten()) {
+                let handle = String::from_utf8_lossy(&t.statement_handle).to_string();
+                let id = handle.split_once('/').map_or(handle.as_str(), |(id, _)| id);
+                found |= lock(&self.results).remove(id).is_some();
+                continue;
+            }
+            let read = flightshuffle::proto::Ticket::decode(ticket.ticket.clone());
+            if let Ok(flightshuffle::proto::Ticket {
+                kind: Some(flightshuffle::proto::ticket::Kind::Partition(p)),
+            }) = read
+            {
+                let held = {
+                    let mut held = lock(&self.held);
+                    let at = held.iter().position(|(_, h)| h.shuffle.0 == p.shuffle_id);
+                    at.map(|i| held.remove(i).1)
+                };
+                if let Some(h) = held {
+                    found = true;
+                    self.ctx.release(&h).await.map_err(status)?;
+                }
+            }
+        }
+        match found {
+            true => Ok(arrow_flight::CancelStatus::Cancelled),
+            false => Err(Status::not_found(
+                "no such result: read whole already, expired or cancelled",
+            )),
+        }
     }
 
     /// One endpoint's rows as a Flight stream.
@@ -318,6 +369,9 @@ impl FlightSqlEndpoint {
     }
 }
 
+/// The Flight action that cancels a FlightInfo (Flight's own `CancelFlightInfo`).
+const CANCEL_FLIGHT_INFO: &str = "CancelFlightInfo";
+
 #[tonic::async_trait]
 impl FlightSqlService for FlightSqlEndpoint {
     type FlightService = FlightSqlEndpoint;
@@ -327,7 +381,7 @@ impl FlightSqlService for FlightSqlEndpoint {
         query: CommandStatementQuery,
         request: Request<FlightDescriptor>,
     ) -> Result<Response<FlightInfo>, Status> {
-        let info = self.run(&query.query, request.into_inner()).await?;
+        let info = self.run(&query.query, None, request.into_inner()).await?;
         Ok(Response::new(info))
     }
 
@@ -337,12 +391,18 @@ impl FlightSqlService for FlightSqlEndpoint {
         request: Request<FlightDescriptor>,
     ) -> Result<Response<FlightInfo>, Status> {
         let h = String::from_utf8_lossy(&query.prepared_statement_handle).to_string();
-        let sql = lock(&self.prepared).get(&h).cloned().ok_or_else(|| {
-            Status::not_found(format!(
-                "no prepared statement {h:?} (closed, or never made)"
-            ))
-        })?;
-        let info = self.run(&sql, request.into_inner()).await?;
+        let (sql, params) = {
+            let prepared = lock(&self.prepared);
+            let p = prepared.get(&h).ok_or_else(|| no_statement(&h))?;
+            if !p.parameters.fields().is_empty() && p.params.is_none() {
+                return Err(Status::invalid_argument(format!(
+                    "the statement has {} parameter(s): bind their values (DoPut) first",
+                    p.parameters.fields().len()
+                )));
+            }
+            (p.sql.clone(), p.params.clone())
+        };
+        let info = self.run(&sql, params, request.into_inner()).await?;
         Ok(Response::new(info))
     }
 
@@ -377,6 +437,7 @@ impl FlightSqlService for FlightSqlEndpoint {
             .await
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let schema = plan.schema().as_arrow().clone();
+        let parameters = parameter_schema(&plan)?;
         let h = handle();
         let mut prepared = lock(&self.prepared);
         if prepared.len() >= MAX_PREPARED {
@@ -384,16 +445,22 @@ impl FlightSqlService for FlightSqlEndpoint {
                 "{MAX_PREPARED} prepared statements are open: close some"
             )));
         }
-        prepared.insert(h.clone(), query.query);
-        let encoded = arrow_flight::IpcMessage::try_from(arrow_flight::SchemaAsIpc::new(
-            &schema,
-            &arrow::ipc::writer::IpcWriteOptions::default(),
-        ))
-        .map_err(|e| Status::internal(e.to_string()))?;
+        prepared.insert(
+            h.clone(),
+            Prepared {
+                sql: query.query,
+                parameters: Arc::new(parameters.clone()),
+                params: None,
+            },
+        );
+        let parameter_schema = match parameters.fields().is_empty() {
+            true => Default::default(),
+            false => ipc_schema(&parameters)?,
+        };
         Ok(ActionCreatePreparedStatementResult {
             prepared_statement_handle: h.into_bytes().into(),
-            dataset_schema: encoded.0,
-            parameter_schema: Default::default(),
+            dataset_schema: ipc_schema(&schema)?,
+            parameter_schema,
         })
     }
 
@@ -405,6 +472,61 @@ impl FlightSqlService for FlightSqlEndpoint {
         let h = String::from_utf8_lossy(&query.prepared_statement_handle).to_string();
         lock(&self.prepared).remove(&h);
         Ok(())
+    }
+
+    async fn do_put_prepared_statement_query(
+        &self,
+        query: CommandPreparedStatementQuery,
+        request: Request<PeekableFlightDataStream>,
+    ) -> Result<DoPutPreparedStatementResult, Status> {
+        let h = String::from_utf8_lossy(&query.prepared_statement_handle).to_string();
+        let wanted = lock(&self.prepared)
+            .get(&h)
+            .map(|p| p.parameters.clone())
+            .ok_or_else(|| no_statement(&h))?;
+        let data = request
+            .into_inner()
+            .map_err(|e| arrow_flight::error::FlightError::Tonic(Box::new(e)));
+        let batches: Vec<RecordBatch> =
+            arrow_flight::decode::FlightRecordBatchStream::new_from_flight_data(data)
+                .try_collect()
+                .await
+                .map_err(|e| Status::invalid_argument(format!("unreadable parameters: {e}")))?;
+        let params = bind(&batches, &wanted)?;
+        let mut prepared = lock(&self.prepared);
+        let p = prepared.get_mut(&h).ok_or_else(|| no_statement(&h))?;
+        p.params = Some(params);
+        Ok(DoPutPreparedStatementResult {
+            prepared_statement_handle: Some(query.prepared_statement_handle),
+        })
+    }
+
+    async fn do_action_fallback(
+        &self,
+        request: Request<arrow_flight::Action>,
+    ) -> Result<Response<<Self as FlightService>::DoActionStream>, Status> {
+        let action = request.into_inner();
+        if action.r#type != CANCEL_FLIGHT_INFO {
+            return Err(Status::unimplemented(format!(
+                "unknown action {:?}",
+                action.r#type
+            )));
+        }
+        let cancel = arrow_flight::CancelFlightInfoRequest::decode(action.body)
+            .map_err(|e| Status::invalid_argument(format!("bad CancelFlightInfo: {e}")))?;
+        let info = cancel
+            .info
+            .ok_or_else(|| Status::invalid_argument("CancelFlightInfo names no FlightInfo"))?;
+        let status = self.cancel(&info).await?;
+        let reply = arrow_flight::CancelFlightInfoResult {
+            status: status as i32,
+        };
+        let body = arrow_flight::Result {
+            body: reply.encode_to_vec().into(),
+        };
+        Ok(Response::new(Box::pin(futures::stream::once(async {
+            Ok(body)
+        }))))
     }
 
     async fn do_put_statement_update(
@@ -579,7 +701,7 @@ impl Drop for FlightSqlServer {
 
 /// Serve Flight SQL over `ctx` on `listener` (on the current runtime) for clients with
 /// `token`, with `tls` when given. Each result is handed out from `results_at`, as at most
-/// `endpoints` endpoints from the driver.
+/// `endpoints` endpoints from the driver; `online` runs polled queries online.
 pub fn serve(
     ctx: Arc<DistributedContext>,
     listener: std::net::TcpListener,
@@ -587,6 +709,7 @@ pub fn serve(
     tls: Option<tonic::transport::ServerTlsConfig>,
     endpoints: usize,
     results_at: Results,
+    online: Option<OnlineRunner>,
 ) -> crate::Result<FlightSqlServer> {
     let io = |e: std::io::Error| {
         crate::Error::Exchange(flightshuffle::Error::Cluster(format!(
@@ -597,7 +720,7 @@ pub fn serve(
     let addr = listener.local_addr().map_err(io)?;
     let listener = tokio::net::TcpListener::from_std(listener).map_err(io)?;
     let service = FlightServiceServer::with_interceptor(
-        FlightSqlEndpoint::new(ctx, endpoints, results_at)?,
+        FlightSqlEndpoint::new(ctx, endpoints, results_at, online)?.with_poll(),
         TokenCheck {
             expected: format!("Bearer {token}").into(),
         },

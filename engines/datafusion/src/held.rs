@@ -10,6 +10,7 @@ use crate::context::DistributedContext;
 use crate::planner::StagedPlan;
 use crate::result::{Held, StageMetrics};
 use crate::Result;
+use datafusion::common::ParamValues;
 use datafusion::physical_plan::ExecutionPlan;
 use flightshuffle::block::ShuffleId;
 use flightshuffle::strategy::Strategy;
@@ -65,6 +66,27 @@ impl DistributedContext {
     /// that cannot, `EXPLAIN` and `SET` return their rows as [`Self::sql`] does (no `held`).
     pub async fn sql_held(&self, sql: &str) -> Result<crate::QueryResult> {
         self.sql_hold(sql, None, true).await
+    }
+
+    /// [`Self::sql_held`] with `params` bound to the query's placeholders (`$1`, `$2`, ...: a
+    /// prepared statement's parameters).
+    pub async fn sql_held_with(
+        &self,
+        sql: &str,
+        params: Option<ParamValues>,
+    ) -> Result<crate::QueryResult> {
+        crate::context::PARAMS
+            .scope(params, self.sql_held(sql))
+            .await
+    }
+
+    /// [`Self::sql`] with `params` bound to the query's placeholders.
+    pub async fn sql_params(
+        &self,
+        sql: &str,
+        params: Option<ParamValues>,
+    ) -> Result<crate::QueryResult> {
+        crate::context::PARAMS.scope(params, self.sql(sql)).await
     }
 
     /// Free a held result's rows on the workers.

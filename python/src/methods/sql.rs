@@ -3,7 +3,7 @@
 
 use crate::cluster::NativeCluster;
 use crate::{sql, to_py, wait};
-use flightshuffle_datafusion::flight_sql::Results;
+use flightshuffle_datafusion::flight_sql::{OnlineRunner, Results, Rounds};
 use pyo3::prelude::*;
 use std::sync::Arc;
 
@@ -45,12 +45,15 @@ impl NativeCluster {
     /// `127.0.0.1` and `host`, signed by a CA made for it. With `results="workers"` a query's
     /// rows are read from the workers that hold them (the CA PEM then holds the cluster's CA
     /// too); under mutual TLS, and with `results="driver"`, from the endpoint.
-    #[pyo3(signature = (host, port, results="workers"))]
+    /// `online(sql)`, when given, runs a polled query online: it returns an iterator of
+    /// (fraction read, pyarrow.Table of estimates) rounds, or None when it does not.
+    #[pyo3(signature = (host, port, results="workers", online=None))]
     fn serve_flight_sql(
         &self,
         host: String,
         port: u16,
         results: &str,
+        online: Option<Py<PyAny>>,
     ) -> PyResult<(String, String, Option<String>)> {
         let ctx = self.sql_context()?;
         let driver = self.driver()?;
@@ -90,6 +93,7 @@ impl NativeCluster {
             tls,
             driver.num_workers(),
             results_at,
+            online.map(online_runner),
         )
         .map_err(sql::df_err)?;
         let scheme = if made.is_some() {
@@ -157,4 +161,45 @@ impl NativeCluster {
 /// A strategy name from Python (None: the cluster's default).
 fn parse_strategy(name: Option<String>) -> PyResult<Option<flightshuffle::strategy::Strategy>> {
     name.map(|s| s.parse().map_err(to_py)).transpose()
+}
+
+/// A Python `online(sql)` as the Flight SQL endpoint's online runner (called on a blocking
+/// thread; the GIL is taken for each step).
+fn online_runner(online: Py<PyAny>) -> OnlineRunner {
+    Arc::new(move |query: &str| {
+        Python::attach(|py| {
+            let rounds = online.call1(py, (query,)).map_err(|e| e.to_string())?;
+            if rounds.is_none(py) {
+                return Ok(None);
+            }
+            let rounds = rounds.bind(py).try_iter().map_err(|e| e.to_string())?;
+            Ok(Some(Box::new(PyRounds(rounds.unbind())) as Rounds))
+        })
+    })
+}
+
+/// A Python iterator of (fraction, table) rounds.
+struct PyRounds(Py<pyo3::types::PyIterator>);
+
+impl Iterator for PyRounds {
+    type Item = Result<(f64, arrow::array::RecordBatch), String>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        Python::attach(|py| {
+            let item = match self.0.bind(py).clone().next()? {
+                Ok(item) => item,
+                Err(e) => return Some(Err(e.to_string())),
+            };
+            Some(round(&item).map_err(|e| e.to_string()))
+        })
+    }
+}
+
+/// One round: its fraction and its estimates as one batch.
+fn round(item: &Bound<'_, PyAny>) -> PyResult<(f64, arrow::array::RecordBatch)> {
+    let (fraction, table): (f64, pyo3_arrow::input::AnyRecordBatch) = item.extract()?;
+    let (batches, schema) = table.into_table()?.into_inner();
+    let batch = arrow::compute::concat_batches(&schema, &batches)
+        .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+    Ok((fraction, batch))
 }
