@@ -15,7 +15,7 @@ import threading
 import flightshuffle as fs
 import pytest
 from conftest import TPCH_SF
-from flightshuffle.report import read_events, report, tasks_of
+from flightshuffle.report import read_events, render, report, tasks_of
 from flightshuffle_bench import tpch
 
 
@@ -141,3 +141,23 @@ def test_a_shuffle_job_logs_its_tasks_and_a_worker_killed_mid_way(tmp_path):
         assert sum(1 for t in tasks if t["ok"]) >= stage["tasks"]
         page = c.last_report()
         assert '<line class="recovery"' in page and page.count('<rect class="task"') == len(tasks)
+
+
+def test_tasks_that_wait_for_memory_log_the_wait(tmp_path):
+    """A worker whose budget admits a few map tasks at once makes the rest wait for a share:
+    each task_end carries the seconds its task waited on its worker (and the report shows
+    them), so a stage slowed by memory is told from one slowed by work."""
+    import polars as pl
+
+    n = 400_000
+    df = pl.DataFrame({"k": [i % 1009 for i in range(n)], "v": list(range(n))})
+    with fs.Cluster(
+        workers=2, memory_budget="16MiB", timeout=60, event_log=tmp_path / "events"
+    ) as c:
+        result = c.shuffle(df, by="k", partitions=4, map_bytes="64KiB", strategy="pull")
+        assert sum(p.num_rows for p in result) == n
+        events = read_events(c.last_event_log)
+    ends = [e for e in events if e["event"] == "task_end" and e["ok"]]
+    assert ends and all(e["admission_wait_s"] >= 0 for e in ends)
+    assert max(e["admission_wait_s"] for e in ends) > 0, "no task waited for memory"
+    assert "wait for memory" in render(events, title="t")

@@ -191,6 +191,9 @@ def render(events: list[dict[str, Any]], title: str = "flightshuffle query") -> 
             "rows": quantiles([t.get("rows", 0) for t in ts]),
             "bytes": quantiles([t.get("bytes", 0) for t in ts]),
             "spill": quantiles([t.get("spilled_bytes", 0) for t in ts]),
+            "duration waiting for memory (s)": quantiles(
+                [t.get("admission_wait_s", 0) for t in ts]
+            ),
         }
         cells = "".join(f"<td>{_quantile_cell(k, q[k])}</td>" for k in q)
         failed = len(by_stage.get(s.get("shuffle", ""), [])) - len(ts)
@@ -233,7 +236,7 @@ pre {{ background: #f6f6f6; padding: 8px; white-space: pre-wrap; }}
 <p>Quantiles per stage over its committed map attempts: min / median / p90 / max.</p>
 <table><tr><th>stage</th><th>exchange</th><th>tasks</th><th>failed attempts</th><th>rows</th>
 <th>bytes</th><th>time (s)</th><th>task duration (s)</th><th>task rows</th><th>task bytes</th>
-<th>task spill</th><th>strategy</th></tr>
+<th>task spill</th><th>task wait for memory (s)</th><th>strategy</th></tr>
 {"".join(rows)}
 </table>
 </body></html>

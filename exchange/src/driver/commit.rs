@@ -447,6 +447,7 @@ fn group_done(
         },
         input_bytes: result.input_bytes,
         spilled_bytes: result.spilled_bytes,
+        admission_wait_seconds: result.admission_wait_seconds,
         committed_at: std::time::Instant::now(),
     }
 }

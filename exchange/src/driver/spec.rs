@@ -101,6 +101,8 @@ pub struct MapDone {
     pub input_bytes: u64,
     /// Bytes of its blocks that went to spill files rather than memory.
     pub spilled_bytes: u64,
+    /// Seconds it waited on its worker for a share of the memory budget.
+    pub admission_wait_seconds: f64,
     /// When the driver committed it.
     pub committed_at: std::time::Instant,
 }

@@ -210,6 +210,7 @@ impl Driver {
                         },
                         input_bytes: result.input_bytes,
                         spilled_bytes: result.spilled_bytes,
+                        admission_wait_seconds: result.admission_wait_seconds,
                         committed_at: std::time::Instant::now(),
                     })
                 });
@@ -252,6 +253,7 @@ fn task_end(
             f["rows"] = d.input.rows.into();
             f["bytes"] = d.blocks.iter().map(|b| b.meta.bytes).sum::<u64>().into();
             f["spilled_bytes"] = d.spilled_bytes.into();
+            f["admission_wait_s"] = d.admission_wait_seconds.into();
         }
         Err(e) => f["error"] = e.to_string().into(),
     }

@@ -302,6 +302,7 @@ mod tests {
             input: Default::default(),
             input_bytes,
             spilled_bytes: 0,
+            admission_wait_seconds: 0.0,
             committed_at: std::time::Instant::now(),
         };
         let bytes = |d: MapDone| shape_of(&[d], 4, 1000, 10, 1, false).bytes;

@@ -110,6 +110,7 @@ mod tests {
             input: Checksum::default(),
             input_bytes: 0,
             spilled_bytes: 0,
+            admission_wait_seconds: 0.0,
             committed_at: std::time::Instant::now(),
         }
     }

@@ -91,11 +91,12 @@ impl WorkerArgs {
             spill_dir: self.spill_dir.clone(),
             segment_bytes: self.segment_bytes.max(1),
             disk_budget: self.disk_budget,
-            compression: crate::cluster::resolve_compression(
-                &self.compression,
-                self.listen.ip().is_loopback(),
-            )?
-            .parse()?,
+            // `auto`: LZ4 pays off between hosts, not over loopback (see `cluster`).
+            compression: match self.compression.to_ascii_lowercase().as_str() {
+                "auto" if self.listen.ip().is_loopback() => "none".parse()?,
+                "auto" => "lz4".parse()?,
+                other => other.parse()?,
+            },
             timeout: std::time::Duration::from_secs(self.timeout_secs.max(1)),
             lose_commit_replies: self.fault_lose_commit_replies,
         })

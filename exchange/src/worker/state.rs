@@ -229,6 +229,7 @@ impl WorkerState {
         let me = self.clone();
         let granted = stop.clone();
         let handle = crate::compute::runtime().spawn(async move {
+            let queued = std::time::Instant::now();
             // Waited for inside the task, so a cancel or a dropped shuffle also ends a task
             // still waiting; held until the task ends: its buffers come out of the budget
             // (and by its source's own threads until they stop, see `TaskStop::hold`).
@@ -242,9 +243,10 @@ impl WorkerState {
                         .min(me.admission.capacity()),
                 )
                 .await;
+            let waited = queued.elapsed().as_secs_f64();
             let _grant = Arc::new(grant);
             granted.granted(&_grant);
-            run_map(
+            let out = run_map(
                 &me.store,
                 &info,
                 task.map_id,
@@ -253,7 +255,8 @@ impl WorkerState {
                 cfg,
                 push,
             )
-            .await
+            .await;
+            out.map(|o| (o, waited))
         });
         {
             let mut tasks = lock(&self.tasks);
@@ -282,7 +285,7 @@ impl WorkerState {
             ))),
             Err(e) => Err(Error::Cluster(format!("map task panicked: {e}"))),
         };
-        let out = result?;
+        let (out, admission_wait_seconds) = result?;
         // A durable shuffle's output is in its store before the attempt reports done (a
         // failed write fails the attempt, the guard removing its blocks).
         let object = match durable {
@@ -310,6 +313,7 @@ impl WorkerState {
             spilled_bytes: out.spilled_bytes,
             pushed: out.pushed,
             partition_rows: out.partition_rows,
+            admission_wait_seconds,
         })
     }
 
@@ -334,9 +338,12 @@ impl WorkerState {
             armed: true,
         };
         let (store, cfg) = (self.store.clone(), self.map_cfg);
+        let mut waited = 0.0;
         let out = if m.push_to.is_empty() {
             let ids = self.store.committed_blocks_of(shuffle, &m.maps)?;
+            let queued = std::time::Instant::now();
             let grant = self.admission.admit(info.rank(), cfg.task_grant()).await;
+            waited = queued.elapsed().as_secs_f64();
             tokio::task::spawn_blocking(move || {
                 let _grant = grant;
                 crate::task::run_merge(&store, &info, ids, m.group, m.attempt, cfg)
@@ -359,6 +366,7 @@ impl WorkerState {
             pushed: out.pushed,
             partition_rows: vec![],
             object: None,
+            admission_wait_seconds: waited,
         })
     }
 
@@ -589,6 +597,7 @@ impl WorkerState {
             pushed: vec![],
             partition_rows: vec![],
             object: None,
+            admission_wait_seconds: 0.0,
         })
     }
 
