@@ -58,13 +58,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if why is not None:
         raise SystemExit(f"flightshuffle-bench hosts: {why}")
     points: list[dict[str, Any]] = []
-    configs = [
-        # (rate, compression, tls, strategies, M = R values)
-        (args.rate, "auto", True, STRATEGIES, args.mr),
-        (args.rate, "none", True, ("pull", "auto"), args.mr[-1:]),
-        (args.rate, "auto", False, ("pull", "auto"), args.mr[-1:]),
-        (None, "auto", True, ("pull", "auto"), args.mr[-1:]),
-    ]
+    configs: list[tuple[str | None, str, bool, tuple[str, ...], list[int]]] = []
+    if not args.no_shuffles:
+        # (rate, compression, tls, strategies, M = R values); the last rate also without
+        # compression and without TLS, and the machine's own limit uncapped.
+        configs += [(rate, "auto", True, STRATEGIES, args.mr) for rate in args.rate]
+        configs += [
+            (args.rate[-1], "none", True, ("pull", "push", "auto"), args.mr[-1:]),
+            (args.rate[-1], "auto", False, ("pull", "push", "auto"), args.mr[-1:]),
+            (None, "auto", True, STRATEGIES, args.mr[-1:]),
+        ]
     for rate, compression, tls, strategies, mrs in configs:
         with (
             simhosts.SimHosts(args.hosts, rate=rate) as hosts,
@@ -108,7 +111,61 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                         }
                         points.append(point)
                         print(json.dumps(point), file=sys.stderr, flush=True)
-    return {"hosts": args.hosts, "rows": args.rows, "points": points, "summary": summarize(points)}
+    report: dict[str, Any] = {"hosts": args.hosts, "rows": args.rows, "points": points}
+    report["summary"] = summarize(points)
+    if args.tpch_sf:
+        report["tpch"] = tpch_on_hosts(args)
+    return report
+
+
+def tpch_on_hosts(args: argparse.Namespace) -> dict[str, Any]:
+    """TPC-H at ``args.tpch_sf`` on a static cluster of the simulated hosts (TLS, compression
+    auto: LZ4 across hosts) against single-process DataFusion in the driver's process, on the
+    same files, each query's minimum of ``args.repeat`` runs; answers checked against DuckDB."""
+    from flightshuffle import Cluster
+
+    from flightshuffle_bench import tpch
+
+    root = tpch.ensure_data(args.tpch_sf, args.tpch_data, progress=False)
+    duck = tpch.duckdb_connect(root)
+    with (
+        simhosts.SimHosts(args.hosts, rate=args.rate[0]) as hosts,
+        tempfile.TemporaryDirectory(prefix="fs-hosts-") as tmp,
+    ):
+        files = _certs(f"{tmp}/certs", hosts)
+        flags = ["--memory-budget", str(args.memory_budget)]
+        addresses = [
+            hosts.start_worker(i, files, f"{tmp}/spill{i}", args=flags) for i in range(hosts.n)
+        ]
+        with open(files["token_file"]) as f:
+            token = f.read().strip()
+        rows = []
+        with Cluster(addresses=addresses, token=token, tls={"ca": files["ca"]}) as c:
+            for name, path in tpch.table_paths(root).items():
+                c.register_parquet(name, path)
+            for q in range(1, 23):
+                sql, ordered = tpch.query(q, args.tpch_sf)
+                dist, single = [], []
+                for _ in range(args.repeat):
+                    t = time.monotonic()
+                    got = c.sql(sql)
+                    dist.append(time.monotonic() - t)
+                    single.append(c.sql_single_process(sql)[1])
+                diff = tpch.compare(duck.sql(sql).to_arrow_table(), got, ordered)
+                rows.append(
+                    {"query": q, "distributed_s": min(dist), "single_process_s": min(single),
+                     "ratio": min(dist) / min(single), "right": diff is None}
+                )  # fmt: skip
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            calibration = c.calibration()
+    total = sum(r["distributed_s"] for r in rows)
+    single_total = sum(r["single_process_s"] for r in rows)
+    return {
+        "sf": args.tpch_sf, "rate": args.rate[0], "hosts": args.hosts, "queries": rows,
+        "total_distributed_s": total, "total_single_process_s": single_total,
+        "ratio": total / single_total, "all_right": all(r["right"] for r in rows),
+        "calibration": calibration,
+    }  # fmt: skip
 
 
 def _restart_plain(
@@ -173,10 +230,15 @@ def summarize(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("hosts", help="shuffles across simulated hosts with capped links")
     p.add_argument("--hosts", type=int, default=3)
-    p.add_argument("--rate", default="1gbit", help="each host's link (tc tbf rate)")
-    p.add_argument("--rows", type=int, default=6_000_000)
+    p.add_argument(
+        "--rate", nargs="+", default=["1gbit", "100mbit"], help="each host's link (tc tbf rate)"
+    )
+    p.add_argument("--rows", type=int, default=2_000_000)
     p.add_argument("--mr", type=int, nargs="+", default=[50, 250], help="M = R values")
     p.add_argument("--memory-budget", type=int, default=2 << 30)
     p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--tpch-sf", type=float, default=0.0, help="also TPC-H at this SF (0: no)")
+    p.add_argument("--tpch-data", default="data/tpch-sf1", help="where the TPC-H Parquet files are")
+    p.add_argument("--no-shuffles", action="store_true", help="only the TPC-H part")
     p.add_argument("-o", "--output", help="also write the JSON here")
     p.set_defaults(run=lambda a: emit(measure(a), a.output))

@@ -53,6 +53,33 @@ def unavailable() -> str | None:
     return None
 
 
+def sweep_stale() -> None:
+    """Remove the namespaces and links of runs whose process is gone (killed before
+    :meth:`SimHosts.down` ran): names ``fs<pid>...`` of a pid that no longer runs this."""
+    import re
+
+    names = (
+        subprocess.run(
+            ["ip", "-o", "link", "show"], capture_output=True, text=True, check=False
+        ).stdout
+        + subprocess.run(
+            ["ip", "netns", "list"], capture_output=True, text=True, check=False
+        ).stdout
+    )
+    for tag in set(re.findall(r"\bfs(\d+)[bohi]\d*\b", names)):
+        if os.path.exists(f"/proc/{tag}") or int(tag) == os.getpid():
+            continue
+        for ns in re.findall(rf"\b(fs{tag}h\d+)\b", names):
+            for pid in subprocess.run(
+                ["ip", "netns", "pids", ns], capture_output=True, text=True, check=False
+            ).stdout.split():
+                with contextlib.suppress(OSError, ValueError):
+                    os.kill(int(pid), 9)
+            _ip("netns", "del", ns, check=False)
+        for link in set(re.findall(rf"\b(fs{tag}[bo]\d*)\b", names)):
+            _ip("link", "del", link, check=False)
+
+
 def rate_bytes(rate: str) -> float:
     """``"1gbit"``, ``"500mbit"``, ``"10gbit"`` in bytes per second."""
     units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
@@ -70,7 +97,7 @@ class SimHosts:
             raise ValueError("between 1 and 200 hosts")
         self.n = n
         self.rate = rate
-        tag = f"fs{os.getpid() % 100000}"
+        tag = f"fs{os.getpid()}"  # at most 7 digits: link names stay within 15 characters
         self.bridge = f"{tag}b"
         self.namespaces = [f"{tag}h{i}" for i in range(n)]
         self.outer = [f"{tag}o{i}" for i in range(n)]  # the bridge's end of host i's link
@@ -80,7 +107,9 @@ class SimHosts:
         self.procs: list[subprocess.Popen[Any]] = []
 
     def up(self) -> Self:
-        """Make the bridge, the namespaces and their capped links."""
+        """Make the bridge, the namespaces and their capped links (after removing what a run
+        killed before it could clean up left: names of a process that is gone)."""
+        sweep_stale()
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("addr", "add", f"{self.driver_ip}/24", "dev", self.bridge)

@@ -94,7 +94,10 @@ fn run(args: Args) -> Result<serde_json::Value, String> {
         }
         None
     } else {
-        let path = args.token_file.as_ref().ok_or("--addresses needs --token-file")?;
+        let path = args
+            .token_file
+            .as_ref()
+            .ok_or("--addresses needs --token-file")?;
         let token = std::fs::read_to_string(path)
             .map_err(|e| format!("{}: {e}", path.display()))?
             .trim()
