@@ -26,6 +26,13 @@ if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get 
   quiet apt-get update -q || true
   DEBIAN_FRONTEND=noninteractive quiet apt-get install -y -q chromium || echo "(chromium not installed: the browser test is skipped)"
 fi
+# The Arrow Flight SQL JDBC driver for tests/test_flight_sql.py (skipped where there is no
+# JDK or Maven, or the registry does not serve it).
+if command -v mvn >/dev/null && command -v javac >/dev/null && \
+  [ ! -f "$HOME/.m2/repository/org/apache/arrow/flight-sql-jdbc-driver/18.3.0/flight-sql-jdbc-driver-18.3.0.jar" ]; then
+  echo "== fetching the Arrow Flight SQL JDBC driver (mvn; once per machine)"
+  quiet mvn -q dependency:get -Dartifact=org.apache.arrow:flight-sql-jdbc-driver:18.3.0 -Dtransitive=false || echo "(not fetched: the JDBC test is skipped)"
+fi
 echo "== python: build (maturin develop), ruff, pytest"
 echo "== building the extension (maturin develop; output shown only on failure)"
 quiet maturin develop

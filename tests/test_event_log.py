@@ -161,3 +161,27 @@ def test_tasks_that_wait_for_memory_log_the_wait(tmp_path):
     assert ends and all(e["admission_wait_s"] >= 0 for e in ends)
     assert max(e["admission_wait_s"] for e in ends) > 0, "no task waited for memory"
     assert "wait for memory" in render(events, title="t")
+
+
+def test_an_online_job_logs_its_rounds_beside_its_tasks(tmp_path, tpch_data):
+    """Online aggregation writes its own log: its start, the driver's task events, one
+    online_round per round (fraction read rising to 1, the widest interval shrinking to 0 at
+    the exact last round) and its end; the report lists the rounds."""
+    sql = "SELECT l_returnflag, SUM(l_quantity) AS q FROM lineitem GROUP BY l_returnflag"
+    with fs.Cluster(workers=2, timeout=60, event_log=tmp_path / "events") as c:
+        c.register_parquet("lineitem", tpch.table_paths(tpch_data)["lineitem"])
+        got = list(c.online(sql, rounds=4, progress=False))
+        path = c.last_event_log
+        assert path and os.path.basename(path).startswith("online-"), path
+        events = read_events(path)
+        page = c.last_report()
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "query_start" and kinds[-1] == "query_end", kinds
+    assert events[0]["sql"] == sql and events[-1]["ok"]
+    rounds = [e for e in events if e["event"] == "online_round"]
+    assert len(rounds) == len(got) >= 2
+    assert [r["fraction"] for r in rounds] == sorted(r["fraction"] for r in rounds)
+    assert rounds[-1]["final"] and rounds[-1]["fraction"] == 1.0
+    assert rounds[-1]["widest_interval"] == 0 and rounds[0]["widest_interval"] > 0
+    assert "task_end" in kinds, "the driver's task events are in the same log"
+    assert "Online rounds" in page and "(exact)" in page

@@ -30,6 +30,7 @@ import pyarrow as pa
 from flightshuffle import footers, ops
 from flightshuffle._exec import MapTask, Split, apply_ops
 from flightshuffle.estimates import NEEDS, AggRef, Shape, combine, shaped
+from flightshuffle.joblog import JobLog
 
 
 @dataclass
@@ -129,6 +130,8 @@ class SqlPlan:
     """Aggregates only HAVING uses: estimated, then dropped from the output."""
     selected: list[str] | None = None
     """Output columns in SELECT order (each aggregate followed by its interval)."""
+    query: str = ""
+    """The query's text (for its event log)."""
 
 
 _SQL_KINDS = {"Sum": "sum", "Avg": "mean", "Count": "count", "Min": "min", "Max": "max"}
@@ -399,6 +402,7 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
         having,
         hidden,
         selected,
+        query,
     )
 
 
@@ -466,11 +470,17 @@ def run(
     weights = [s.rows for s in splits]
     reducer = cloudpickle.dumps(StatsReducer(keys, aggs))
     partitions = cluster.workers if keys else 1
-    native = cluster.native.stream(schema, partitions, keys, tasks, weights, rounds, reducer)
+    log = JobLog(cluster.native, plan.query if plan else "group_by().agg()", cluster.workers)
+    try:
+        native = cluster.native.stream(schema, partitions, keys, tasks, weights, rounds, reducer)
+    except BaseException as e:
+        log.end(False, str(e))
+        raise
     shape = Shape(keys, aggs, order, limit)
     if plan is not None:
         shape = Shape(keys, aggs, order, limit, plan.having, plan.hidden, plan.selected)
-    return results(native, ops.to_polars, shape, sum(weights), confidence, progress, started)
+    out = results(native, ops.to_polars, shape, sum(weights), confidence, progress, started)
+    return log.rounds(out)
 
 
 def run_sql(
@@ -511,6 +521,7 @@ def run_sql(
     )
     total = sum(s[4] for s in splits)
     expand = lambda t: expand_stats(t, plan)
+    log = JobLog(cluster.native, plan.query, cluster.workers)
     try:
         native, cluster.last_online_plan = cluster.native.online_sql(
             plan.stats,
@@ -521,11 +532,15 @@ def run_sql(
         )
     except ValueError as e:
         if "small enough to run whole" not in str(e):
+            log.end(False, str(e))
             raise
         # Nothing to stream: the statistics query runs whole, its one result is exact.
         native = _Whole(cluster.sql(plan.stats), started)
         cluster.last_online_plan = cluster.explain(plan.stats)
-    return results(native, expand, shape, total, confidence, progress, started)
+    except BaseException as e:
+        log.end(False, str(e))
+        raise
+    return log.rounds(results(native, expand, shape, total, confidence, progress, started))
 
 
 def emit_top(plan: SqlPlan) -> tuple[int, int | None, bool, bool, int] | None:

@@ -79,6 +79,10 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
 def _quantile_cell(kind: str, values: tuple[float, ...]) -> str:
     if kind.startswith("duration"):
         shown = [f"{v:.3f}" for v in values]
@@ -211,6 +215,14 @@ def render(events: list[dict[str, Any]], title: str = "flightshuffle query") -> 
         for e in events
         if e["event"] in RECOVERY
     ]
+    online = [
+        f"<li>round {e['round']}: {e['fraction']:.1%} read at {e['t']:.3f} s, {e['groups']} "
+        f"groups, widest interval ±{_pct(e.get('widest_interval'))}"
+        + (" (exact)" if e.get("final") else "")
+        + "</li>"
+        for e in events
+        if e["event"] == "online_round"
+    ]
     summary = (
         f"{end.get('rows', '?')} rows in {end.get('seconds', 0):.3f} s"
         if end.get("ok")
@@ -232,6 +244,7 @@ pre {{ background: #f6f6f6; padding: 8px; white-space: pre-wrap; }}
 {timeline_svg(events, stage_of)}
 <h2>Recovery</h2>
 <ul>{"".join(recovery) or "<li>none</li>"}</ul>
+{"<h2>Online rounds</h2><ul>" + "".join(online) + "</ul>" if online else ""}
 <h2>Stages</h2>
 <p>Quantiles per stage over its committed map attempts: min / median / p90 / max.</p>
 <table><tr><th>stage</th><th>exchange</th><th>tasks</th><th>failed attempts</th><th>rows</th>

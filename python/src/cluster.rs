@@ -30,6 +30,9 @@ pub struct NativeCluster {
     pub(crate) event_log: Option<String>,
     /// The event log of the last shuffle job started from Python.
     pub(crate) last_job_log: Mutex<Option<std::path::PathBuf>>,
+    /// The event log of the job Python is running (online aggregation), and the one the
+    /// driver wrote to before it.
+    pub(crate) py_job_log: Mutex<Option<crate::job::PyJobLog>>,
     /// The Flight SQL endpoint, once served (stopped with the cluster).
     pub(crate) flight_sql: Mutex<Option<flightshuffle_datafusion::flight_sql::FlightSqlServer>>,
 }
@@ -458,6 +461,7 @@ impl NativeCluster {
             flight_sql: Mutex::new(None),
             event_log: None,
             last_job_log: Mutex::new(None),
+            py_job_log: Mutex::new(None),
         }
     }
 

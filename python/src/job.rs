@@ -55,6 +55,13 @@ pub struct NativeShuffle {
     log: Option<JobLog>,
 }
 
+/// An event log open for a job run from Python (online aggregation), and the driver's log
+/// before it (see `NativeCluster::job_log_begin`).
+pub struct PyJobLog {
+    pub log: Arc<EventLog>,
+    pub before: Option<Arc<EventLog>>,
+}
+
 /// A shuffle job's event log: the driver writes to it while the job runs (the log it wrote
 /// to before comes back when the job ends); the job's start, its one stage and its end are
 /// written here, as a query's are.

@@ -22,7 +22,8 @@
 //! - Metadata: `GetSqlInfo` (name, version, read-only, no transactions), `GetCatalogs`,
 //!   `GetDbSchemas`, `GetTables` (with table schemas), `GetTableTypes`.
 //! - Auth: every call carries `authorization: Bearer <token>` (checked in constant time by
-//!   [`TokenCheck`]); a wrong or missing token is `Unauthenticated`. TLS with the cluster's
+//!   [`TokenCheck`]), a `Handshake` too (answered with the same bearer, as the JDBC driver
+//!   expects); a wrong or missing token is `Unauthenticated`. TLS with the cluster's
 //!   certificate when the cluster has one.
 //! - Errors: SQL and planning errors are `InvalidArgument` with DataFusion's message; anything
 //!   the endpoint does not do is `Unimplemented`, by the trait's defaults.
@@ -50,7 +51,7 @@ use datafusion::common::ParamValues;
 use futures::TryStreamExt;
 use kept::{Kept, KeptResults, Polls};
 pub use kept::{OnlineRunner, Rounds, MAX_RESULTS, RESULT_TTL};
-use params::{bind, ipc_schema, no_statement, parameter_schema};
+use params::{bind, ipc_schema, no_statement, parameter_schema, positional};
 use prost::Message;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -95,6 +96,9 @@ pub struct FlightSqlEndpoint {
 }
 
 type DoGetStream = <FlightSqlEndpoint as FlightService>::DoGetStream;
+type HandshakeStream = std::pin::Pin<
+    Box<dyn futures::Stream<Item = Result<arrow_flight::HandshakeResponse, Status>> + Send>,
+>;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -376,6 +380,26 @@ const CANCEL_FLIGHT_INFO: &str = "CancelFlightInfo";
 impl FlightSqlService for FlightSqlEndpoint {
     type FlightService = FlightSqlEndpoint;
 
+    async fn do_handshake(
+        &self,
+        request: Request<tonic::Streaming<arrow_flight::HandshakeRequest>>,
+    ) -> Result<Response<HandshakeStream>, Status> {
+        // The token was checked on the way in (`TokenCheck`): the answer hands the same bearer
+        // back, the one a client that authenticates by handshake (the JDBC driver) sends from
+        // then on.
+        let bearer = request.metadata().get("authorization").cloned();
+        let reply = arrow_flight::HandshakeResponse {
+            protocol_version: 0,
+            payload: Default::default(),
+        };
+        let stream: HandshakeStream = Box::pin(futures::stream::once(async { Ok(reply) }));
+        let mut response = Response::new(stream);
+        if let Some(bearer) = bearer {
+            response.metadata_mut().insert("authorization", bearer);
+        }
+        Ok(response)
+    }
+
     async fn get_flight_info_statement(
         &self,
         query: CommandStatementQuery,
@@ -431,9 +455,10 @@ impl FlightSqlService for FlightSqlEndpoint {
         _request: Request<arrow_flight::Action>,
     ) -> Result<ActionCreatePreparedStatementResult, Status> {
         // Planned, not run: a DDL statement runs when it is executed, not here.
+        let sql = positional(&query.query)?;
         let state = self.ctx.session().state();
         let plan = state
-            .create_logical_plan(&query.query)
+            .create_logical_plan(&sql)
             .await
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let schema = plan.schema().as_arrow().clone();
@@ -448,7 +473,7 @@ impl FlightSqlService for FlightSqlEndpoint {
         prepared.insert(
             h.clone(),
             Prepared {
-                sql: query.query,
+                sql,
                 parameters: Arc::new(parameters.clone()),
                 params: None,
             },

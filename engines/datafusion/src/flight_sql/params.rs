@@ -109,3 +109,73 @@ pub(super) fn bind(batches: &[RecordBatch], wanted: &Schema) -> Result<ParamValu
     }
     Ok(ParamValues::from(values))
 }
+
+/// `sql` with each `?` placeholder (JDBC's) numbered in order as `$1`, `$2`, ... (found by
+/// sqlparser's tokenizer: a `?` inside a string or a comment stays); the text unchanged when it
+/// has none. Mixing `?` with numbered placeholders is refused.
+pub(super) fn positional(sql: &str) -> Result<String, Status> {
+    use datafusion::sql::sqlparser::dialect::GenericDialect;
+    use datafusion::sql::sqlparser::tokenizer::{Token, Tokenizer};
+    let tokens = Tokenizer::new(&GenericDialect {}, sql)
+        .tokenize_with_location()
+        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+    let mut marks = Vec::new();
+    let mut numbered = false;
+    for t in &tokens {
+        match &t.token {
+            Token::Placeholder(p) if p == "?" => {
+                marks.push((t.span.start.line, t.span.start.column))
+            }
+            Token::Placeholder(_) => numbered = true,
+            _ => {}
+        }
+    }
+    if marks.is_empty() {
+        return Ok(sql.to_string());
+    }
+    if numbered {
+        return Err(Status::invalid_argument(
+            "use either ? or numbered placeholders ($1, ...), not both",
+        ));
+    }
+    // (line, column), both from 1, counted in characters, to byte offsets.
+    let (mut line, mut column) = (1u64, 1u64);
+    let mut at = Vec::with_capacity(marks.len());
+    for (offset, ch) in sql.char_indices() {
+        if marks.contains(&(line, column)) {
+            at.push(offset);
+        }
+        if ch == '\n' {
+            line += 1;
+            column = 1;
+        } else {
+            column += 1;
+        }
+    }
+    if at.len() != marks.len() {
+        return Err(Status::internal("could not place the ? placeholders"));
+    }
+    let mut out = String::with_capacity(sql.len() + 2 * at.len());
+    let mut last = 0;
+    for (i, offset) in at.iter().enumerate() {
+        out.push_str(&sql[last..*offset]);
+        out.push_str(&format!("${}", i + 1));
+        last = offset + 1;
+    }
+    out.push_str(&sql[last..]);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn question_marks_are_numbered_outside_strings_and_comments() {
+        let sql = "SELECT '?', x FROM t -- ?\nWHERE a = ? AND b = 'it''s ?' AND c = ?";
+        assert_eq!(
+            super::positional(sql).unwrap(),
+            "SELECT '?', x FROM t -- ?\nWHERE a = $1 AND b = 'it''s ?' AND c = $2"
+        );
+        assert_eq!(super::positional("SELECT 1").unwrap(), "SELECT 1");
+        assert!(super::positional("SELECT ?, $1").is_err());
+    }
+}
