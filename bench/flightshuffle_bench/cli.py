@@ -589,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     skewbench.add_parser(sub)
     from flightshuffle_bench import (
         hostsbench,
+        online_coverage,
         onlinebench,
         overheadbench,
         samplebound,
@@ -598,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     onlinebench.add_parser(sub)
+    online_coverage.add_parser(sub)
     samplebound.add_parser(sub)
     storagebench.add_parser(sub)
     overheadbench.add_parser(sub)

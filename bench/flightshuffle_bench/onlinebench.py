@@ -41,7 +41,9 @@ def top_within(history: list, final: Any, keys: list[str], names: list[str], top
 def estimate_columns(est: Any) -> tuple[list[str], list[str]]:
     """An online result's group keys and estimated columns (those with an interval)."""
     names = [x for x in est.columns if f"{x}_low" in est.columns]
-    keys = [k for k in est.columns if k not in names and not k.endswith(("_low", "_high"))]
+    keys = [
+        k for k in est.columns if k not in names and not k.endswith(("_low", "_high", "_reliable"))
+    ]
     return keys, names
 
 
@@ -80,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
             final = history[-1]
             est = final.estimates
             keys, names = estimate_columns(est)
-            cols = [x for x in est.columns if not x.endswith(("_low", "_high"))]
+            cols = [x for x in est.columns if not x.endswith(("_low", "_high", "_reliable"))]
             problem = tpch.compare(
                 con.sql(query).to_arrow_table(), est.select(cols).to_arrow(), ordered
             )

@@ -52,6 +52,9 @@ impl EventLog {
     /// Append one event: `{"t": <now>, "event": kind, ...fields}` (fields an object). A
     /// failed write is logged once per call, never fatal to the job.
     pub fn write(&self, kind: &str, fields: serde_json::Value) {
+        // The clock is read under the lock, so lines written from several threads are in
+        // time order in the file.
+        let mut out = crate::sync::lock(&self.out);
         let mut line = serde_json::Map::new();
         line.insert("t".into(), serde_json::json!(self.now()));
         line.insert("event".into(), serde_json::json!(kind));
@@ -59,7 +62,6 @@ impl EventLog {
             line.extend(f);
         }
         let text = serde_json::Value::Object(line).to_string();
-        let mut out = crate::sync::lock(&self.out);
         if let Err(e) = writeln!(out, "{text}") {
             tracing::warn!(path = %self.path.display(), error = %e, "event not written");
         }

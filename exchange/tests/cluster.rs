@@ -419,6 +419,7 @@ async fn streaming_partials(
     let job = StreamingJob {
         spec: spec_k(3),
         weights: vec![500; inputs.len()],
+        unit_sizes: Vec::new(),
         inputs,
         rounds,
         by_completion,

@@ -217,6 +217,7 @@ async fn online_first_wave(workers: usize, maps: usize, works: bool) -> usize {
     let job = StreamingJob {
         spec: spec_k(3),
         weights: vec![200; maps],
+        unit_sizes: Vec::new(),
         inputs: g.inputs,
         rounds: 4,
         by_completion: true,

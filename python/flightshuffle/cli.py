@@ -218,7 +218,11 @@ def run_online(args: argparse.Namespace, tables: dict[str, str], query: str) -> 
         final = history[-1]
         est = final.estimates
         names = [n for n in est.columns if f"{n}_low" in est.columns]
-        keys = [k for k in est.columns if k not in names and not k.endswith(("_low", "_high"))]
+        keys = [
+            k
+            for k in est.columns
+            if k not in names and not k.endswith(("_low", "_high", "_reliable"))
+        ]
         interval = [n for n in names if est[f"{n}_low"].null_count() == 0]
         close = first_within(history, final, keys, interval, args.within)
         report = {

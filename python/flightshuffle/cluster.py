@@ -17,6 +17,7 @@ from flightshuffle._native import (
     NativeCluster,
 )
 from flightshuffle.progress import PartitionProgress, QueryProgress, showing
+from flightshuffle.shuffle_result import ShuffleResult
 
 if TYPE_CHECKING:
     from flightshuffle.dataset import Dataset, Grouped
@@ -93,57 +94,6 @@ def _size_of(data: Any) -> int | None:
     except (TypeError, ValueError, AttributeError):  # only a hint: never fail the shuffle
         return None
     return None
-
-
-class ShuffleResult:
-    """The reduce partitions of one shuffle, yielded in partition order as each is complete.
-
-    Iterating yields ``pyarrow.Table`` (or ``polars.DataFrame`` with ``output="polars"``).
-    ``partition_ids`` lists the partitions yielded so far. Leaving a ``with`` block or calling
-    ``close()`` frees the shuffle's blocks on the workers.
-    """
-
-    def __init__(self, native: Any, output: str, bar: PartitionProgress | None = None) -> None:
-        self._native = native
-        self._output = output
-        self._bar = bar or PartitionProgress(0, False)
-        self.partition_ids: list[int] = []
-
-    def __iter__(self) -> Iterator[Any]:
-        return self
-
-    def __next__(self) -> Any:
-        item = self._native.next_partition()
-        if item is None:
-            self.close()
-            raise StopIteration
-        index, table = item
-        self.partition_ids.append(index)
-        self._bar.read(table.num_rows)
-        if self._output == "polars":
-            import polars as pl
-
-            return pl.from_arrow(table)
-        return table
-
-    def wait_mapped(self) -> dict[str, Any]:
-        """Block until every map task finished; returns rows, bytes, maps, blocks, merges,
-        checksum and, under ``auto``, ``strategy_choice`` (its pick and predicted times)."""
-        return json.loads(self._native.wait_mapped())
-
-    @property
-    def shuffle_id(self) -> str:
-        return self._native.shuffle_id
-
-    def close(self) -> None:
-        self._bar.close()
-        self._native.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _tls_setting(tls: Any) -> tuple[str, tuple[str, str, str] | None]:
@@ -522,17 +472,17 @@ class Cluster:
 
         ``query`` is SQL (``SELECT keys, SUM/COUNT/AVG/MIN/MAX(expr) ... FROM t [WHERE ...]
         GROUP BY keys``) over ``tables`` (as in :meth:`sql`) or a table registered here, run
-        on each split by ``engine`` (DataFusion or DuckDB); or a ``dataset.group_by(keys).agg(
-        exprs)`` with Polars expressions. Input splits are read in a random order (``seed``) in
-        ``rounds`` rounds (SQL on DataFusion: after an early first round of one split per
-        worker) from at least ``min_splits`` splits, default ``2 * rounds``: whole Parquet row
-        groups where there are that many, since a row group cut in two decompresses the pages
-        at the cut twice; for SQL on DataFusion, runs of consecutive row groups of up to
-        ~1M rows after the first round, as long as each round keeps a split (every split is
-        a map task to call, commit and fold). Each result has ``.progress`` (fraction of the
-        input read), ``.final`` and ``.estimates`` (a Polars DataFrame: keys, then per
-        aggregate ``name``, ``name_low``, ``name_high``, the estimate and its ``confidence``
-        interval; MIN/MAX have none). A tqdm bar shows progress on a terminal."""
+        by ``engine`` (DataFusion or DuckDB); or a ``dataset.group_by(keys).agg(exprs)`` with
+        Polars expressions. The input is read in sampling units, in a random order
+        (``seed``), in ``rounds`` rounds. SQL on DataFusion: at least 256 units (or
+        ``min_splits``) of at least 8,192 rows within a row group, several per map task,
+        after an early first round of one task per worker; otherwise one split per map task,
+        at least ``min_splits`` (default ``2 * rounds``). Each result has ``.progress``
+        (fraction of the input read), ``.final`` and ``.estimates`` (a Polars DataFrame:
+        keys, then per aggregate ``name``, ``name_low``, ``name_high``, the estimate and its
+        ``confidence`` interval from the spread between the units read, and
+        ``name_reliable``, false while the group was seen in fewer than 5 units; MIN/MAX have
+        no interval). A tqdm bar shows progress on a terminal."""
         from flightshuffle import online as ol
         from flightshuffle.dataset import Grouped, make_splits, parquet_files, shuffled
 
@@ -577,7 +527,7 @@ class Cluster:
             splits, schema = make_splits(parquet_files(self._tables[plan.table]), want)
             columns = [c for c in schema.names if c in plan.columns] or None
             pre, aggs, keys = [], plan.aggs, plan.keys
-            stats = ol.SqlStats(engine, plan.table, plan.stats, plan.keys, plan.stat_of)
+            stats = ol.SqlStats(engine, plan.table, plan.stats, plan.keys, plan.stat_of, plan.aggs)
             order, limit = plan.order, plan.limit
         else:
             raise TypeError("online() takes SQL text or a dataset.group_by(...).agg(...)")

@@ -1,17 +1,35 @@
-"""Estimates of online aggregation from folded statistics: per group and aggregate, the count,
-sum and sum of squares (or the extreme) of what was read so far become an estimate and a CLT
-interval (Hellerstein, Haas, Wang 1997) with the finite-population correction, and the
-round's result is filtered, ordered and cut as the query asks.
+"""Estimates of online aggregation from folded statistics.
+
+The input is read in units (splits: row ranges of the fact table's Parquet files) in a random
+order, and a unit's rows are read together, so the unit, not the row, is what is sampled:
+where a layout keeps a group's rows together (a table stored by key or by date) its rows are
+not independent draws, and an interval that treats them so is far too narrow. Per group and
+aggregate the folds give the totals over the units read (count ``c``, sum ``s``, or the
+extreme ``m``) and sums over units of products of each unit's totals (``ss``, ``cc``, ``sc``
+and, with the unit's rows ``m``, ``sm``, ``cm``; see ``split_totals.rs``), plus the units the
+group appears in. From them, the standard estimators of cluster sampling (Cochran,
+*Sampling Techniques*, 1977, §9A.2-3; Lohr, *Sampling: Design and Analysis*, §5.3):
+
+* SUM and COUNT: the ratio-to-size estimate ``M·Σt/Σm`` (``M`` the input's rows), with the
+  variance of the residuals ``t - r·m`` between units and the finite-population correction
+  over units, ``1 - n/N``;
+* AVG: the ratio ``Σs/Σc``, with the variance of ``s - R·c`` between units;
+* a Student t quantile with ``n - 1`` degrees of freedom, ``n`` the units read;
+* MIN and MAX: the extremes seen so far, without interval.
+
+After every unit is read the intervals have zero width: the answer is exact. An estimate is
+flagged unreliable (``{name}_reliable`` false) while its group has been seen in fewer than
+:data:`MIN_UNITS` units: the normal approximation then has too little to stand on (a group
+whose rows all lie in one unit is either absent or seen once, and its interval says little).
 
 The driver computes this every round while the workers want the same cores, so the SQL path
-stays in Arrow and NumPy and makes one Polars frame per round; the Polars path (Python map
-tasks) keeps its Polars types.
+stays in Arrow and NumPy and makes one Polars frame per round.
 """
 
 from __future__ import annotations
 
 import functools
-import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,15 +39,32 @@ import pyarrow.compute as pc
 
 from flightshuffle import ops
 
-# Statistics each aggregate kind needs: c = count, s = sum, q = sum of squares, m = min/max.
+# Statistics each aggregate kind needs: c = count, s = sum, m = min/max.
 NEEDS = {
-    "sum": "csq",
-    "mean": "csq",
+    "sum": "cs",
+    "mean": "cs",
     "count": "c",
     "len": "c",
     "min": "m",
     "max": "m",
 }
+
+# Products of a unit's totals each kind's interval needs, summed over the units read: two
+# factors each, a statistic of the aggregate (c, s) or m, the unit's rows.
+PRODUCTS = {
+    "sum": ("ss", "sm"),
+    "mean": ("ss", "cc", "sc"),
+    "count": ("cc", "cm"),
+    "len": ("cc", "cm"),
+    "min": (),
+    "max": (),
+}
+
+# Per group: the units it appears in.
+UNITS = "__units"
+
+# An estimate is reliable from this many units holding its group on (see the module doc).
+MIN_UNITS = 5
 
 
 @dataclass(frozen=True)
@@ -40,6 +75,52 @@ class AggRef:
     kind: str
 
 
+@dataclass(frozen=True)
+class Sample:
+    """What has been read: ``units`` of ``total_units`` units, ``rows`` of ``total_rows``
+    rows, and the sum of the squared rows of the units read."""
+
+    units: int
+    total_units: int
+    rows: int
+    total_rows: int
+    row_squares: float
+
+    @property
+    def complete(self) -> bool:
+        return self.units >= self.total_units
+
+
+def product_columns(aggs: list[AggRef]) -> list[str]:
+    """The per-group sums of products the folds carry after the statistics, in order."""
+    return [f"__{p}{j}" for j, a in enumerate(aggs) for p in PRODUCTS[a.kind]] + [UNITS]
+
+
+def unit_products(table: pa.Table, aggs: list[AggRef], rows: int) -> pa.Table:
+    """``table`` (one unit's totals, one row per group, columns ``__{stat}{j}``) with the
+    unit's products (:func:`product_columns`) appended: the Python map side's counterpart of
+    ``SplitTotalsExec``."""
+    cols: dict[str, pa.Array] = {}
+    value = functools.partial(_column, table)
+    for j, a in enumerate(aggs):
+        for p in PRODUCTS[a.kind]:
+            x, y = (value(f"__{f}{j}") if f != "m" else float(rows) for f in p)
+            cols[f"__{p}{j}"] = pa.array(np.multiply(x, y), type=pa.float64())
+    cols[UNITS] = pa.array(np.ones(table.num_rows), type=pa.float64())
+    for name, arr in cols.items():
+        table = table.append_column(name, arr)
+    return table
+
+
+def _column(table: pa.Table, name: str) -> np.ndarray:
+    """A numeric column as doubles, nulls as 0."""
+    col = table.column(name)
+    arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+    if arr.null_count or not (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)):
+        arr = pc.fill_null(pc.cast(arr, pa.float64()), 0.0)
+    return np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.float64)
+
+
 def combine(df: pl.DataFrame, keys: list[str], aggs: list[AggRef]) -> pl.DataFrame:
     """Merge rows of statistics of the same group."""
     exprs: list[pl.Expr] = []
@@ -47,114 +128,105 @@ def combine(df: pl.DataFrame, keys: list[str], aggs: list[AggRef]) -> pl.DataFra
         for stat in NEEDS[a.kind]:
             col = pl.col(f"__{stat}{j}")
             exprs.append(getattr(col, a.kind)() if stat == "m" else col.sum())
+    exprs += [pl.col(p).sum() for p in product_columns(aggs) if p in df.columns]
     if not keys:
         return df.select(exprs)
     return df.group_by(keys).agg(exprs)
 
 
-@functools.lru_cache(maxsize=64)
-def _float_stats(aggs: tuple[AggRef, ...]) -> list[pl.Expr]:
-    """The statistics :func:`_intervals` reads, as Float64 columns in its order (made once
-    per query shape: building Polars expressions costs more than running them on a few
-    groups)."""
-    wanted: list[pl.Expr] = []
-    for j, a in enumerate(aggs):
-        if a.kind in ("min", "max"):
-            continue
-        wanted.append(pl.col(f"__c{j}").cast(pl.Float64))
-        if a.kind not in ("count", "len"):
-            # A null sum (no rows) counts as 0; a NaN sum stays NaN.
-            wanted += [pl.col(f"__{s}{j}").cast(pl.Float64).fill_null(0.0) for s in "sq"]
-    return wanted
+@functools.lru_cache(maxsize=256)
+def t_quantile(confidence: float, df: int) -> float:
+    """The two-sided Student t quantile for ``confidence`` with ``df`` degrees of freedom."""
+    from scipy.stats import t
 
-
-def _arrow_floats(table: pa.Table, aggs: list[AggRef]) -> np.ndarray:
-    """What :func:`_float_stats` selects, read from an Arrow table's columns."""
-    out: list[np.ndarray] = []
-    for j, a in enumerate(aggs):
-        if a.kind in ("min", "max"):
-            continue
-        stats = [("c", None)] + ([] if a.kind in ("count", "len") else [("s", 0.0), ("q", 0.0)])
-        for stat, fill in stats:
-            col = table.column(f"__{stat}{j}")
-            arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
-            kind = arr.type
-            if arr.null_count or not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
-                arr = pc.cast(arr, pa.float64())
-                if fill is not None:
-                    arr = pc.fill_null(arr, fill)
-            out.append(np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.float64))
-    return np.column_stack(out) if out else np.zeros((table.num_rows, 0))
+    return float(t.ppf(0.5 + confidence / 2, df))
 
 
 def _intervals(
-    stats: np.ndarray, aggs: list[AggRef], n: int, total: int, confidence: float
+    value: Callable[[str], np.ndarray],
+    height: int,
+    aggs: list[AggRef],
+    sample: Sample,
+    confidence: float,
 ) -> dict[str, pa.Array]:
-    """Per estimated aggregate (not MIN/MAX): its estimate and interval, from the columns of
-    ``stats`` (count; and sum, sum of squares unless a COUNT) after reading ``n`` of ``total``
-    input rows."""
-    z = statistics.NormalDist().inv_cdf(0.5 + confidence / 2)
-    f = n / total if total else 1.0
-    fpc = max(0.0, 1.0 - f)
-    nn = max(n, 1)
+    """Per estimated aggregate: its estimate, interval and reliability flag, from the
+    folded columns ``value(name)`` (doubles, nulls as 0; see the module doc); MIN/MAX get a
+    null flag (they have no interval)."""
+    n, big_n = sample.units, sample.total_units
+    final = sample.complete
+    fpc = 0.0 if final else max(0.0, 1.0 - n / max(big_n, 1))
+    q = t_quantile(confidence, n - 1) if n >= 2 and not final else float("nan")
+    mean_rows = sample.rows / n if n else float("nan")
+    reliable = pa.array(
+        np.full(height, True) if final else value(UNITS) >= MIN_UNITS, type=pa.bool_()
+    )
     floats: dict[str, pa.Array] = {}
-    no = np.zeros(stats.shape[0], dtype=bool)
-    at = 0
     with np.errstate(all="ignore"):
-        for a in aggs:
+        for j, a in enumerate(aggs):
             if a.kind in ("min", "max"):
                 continue
-            c = stats[:, at]
-            at += 1
-            if a.kind in ("count", "len"):
-                est = c / f if f > 0 else c
-                p = c / nn
-                se = total * np.sqrt(np.maximum(p * (1 - p) / nn * fpc, 0))
-                est_null = se_null = np.isnan(c)
+            c = value(f"__c{j}")
+            if a.kind == "mean":
+                s = value(f"__s{j}")
+                est = s / c
+                est_null = ~(c > 0)
+                if not final:
+                    sc, cc = value(f"__sc{j}"), value(f"__cc{j}")
+                    resid = value(f"__ss{j}") - 2 * est * sc + est**2 * cc
+                    se = np.sqrt(fpc * np.maximum(resid, 0) / (n - 1) / (n * (c / n) ** 2))
             else:
-                s, q = stats[:, at], stats[:, at + 1]
-                at += 2
-                if a.kind == "sum":
-                    est = s / f if f > 0 else s
-                    var = np.maximum(q / nn - (s / nn) ** 2, 0)
-                    se = total * np.sqrt(var / nn * fpc)
-                    est_null = se_null = no
-                else:
-                    est = s / c
-                    var = np.maximum(q / c - (s / c) ** 2, 0)
-                    se = np.sqrt(var / c * fpc)
-                    est_null, se_null = ~(c > 0), ~(c > 1)
+                t = c if a.kind in ("count", "len") else value(f"__s{j}")
+                r = t / sample.rows if sample.rows else t * 0
+                # Scaled by one factor: exactly 1 once every row is read.
+                est = t * (sample.total_rows / sample.rows) if sample.rows else t * 0
+                est_null = np.zeros(height, dtype=bool)
+                if not final:
+                    x = "c" if a.kind in ("count", "len") else "s"
+                    tt, tm = value(f"__{x}{x}{j}"), value(f"__{x}m{j}")
+                    resid = tt - 2 * r * tm + r**2 * sample.row_squares
+                    var_r = fpc * np.maximum(resid, 0) / (n - 1) / (n * mean_rows**2)
+                    se = sample.total_rows * np.sqrt(var_r)
+            if final:
+                se = np.zeros(height)
+            no_se = est_null | ~np.isfinite(se)
             floats[a.name] = pa.array(est, mask=est_null)
-            floats[f"{a.name}_low"] = pa.array(est - z * se, mask=est_null | se_null)
-            floats[f"{a.name}_high"] = pa.array(est + z * se, mask=est_null | se_null)
+            floats[f"{a.name}_low"] = pa.array(est if final else est - q * se, mask=no_se)
+            floats[f"{a.name}_high"] = pa.array(est if final else est + q * se, mask=no_se)
+            floats[f"{a.name}_reliable"] = reliable
     return floats
 
 
+EXTRAS = ("", "_low", "_high", "_reliable")
+
+
 def _output_names(keys: list[str], aggs: list[AggRef]) -> list[str]:
-    return [*keys, *(f"{a.name}{x}" for a in aggs for x in ("", "_low", "_high"))]
+    return [*keys, *(f"{a.name}{x}" for a in aggs for x in EXTRAS)]
 
 
 def estimate(
     state: pl.DataFrame,
     keys: list[str],
     aggs: list[AggRef],
-    n: int,
-    total: int,
+    sample: Sample,
     confidence: float = 0.95,
 ) -> pl.DataFrame:
-    """Estimates and CLT intervals from combined statistics (Polars columns ``__{stat}{j}``)
-    after reading ``n`` of ``total`` input rows. Keys and MIN/MAX keep their Polars types (an
-    Enum its categories)."""
-    wanted = _float_stats(tuple(aggs))
-    stats = state.select(wanted).to_numpy() if wanted else np.zeros((state.height, 0))
+    """Estimates, intervals and flags from combined statistics (Polars columns
+    ``__{stat}{j}`` and the products) after reading ``sample``. Keys and MIN/MAX keep their
+    Polars types (an Enum its categories)."""
     kept: dict[str, pl.Series] = {k: state.get_column(k) for k in keys}
     for j, a in enumerate(aggs):
         if a.kind in ("min", "max"):
             m = state.get_column(f"__m{j}")
             none = pl.repeat(None, state.height, dtype=m.dtype, eager=True)
-            kept |= {a.name: m.alias(a.name)}
+            flag = pl.repeat(None, state.height, dtype=pl.Boolean, eager=True)
+            kept |= {
+                a.name: m.alias(a.name),
+                f"{a.name}_reliable": flag.alias(f"{a.name}_reliable"),
+            }
             kept |= {f"{a.name}{x}": none.alias(f"{a.name}{x}") for x in ("_low", "_high")}
-    floats = _intervals(stats, aggs, n, total, confidence)
+    numeric = [c for c in state.columns if c not in keys and not c.startswith("__m")]
+    table = state.select(numeric).to_arrow()
+    floats = _intervals(functools.partial(_column, table), state.height, aggs, sample, confidence)
     if floats:
         made = pl.from_arrow(pa.table(floats))
         assert isinstance(made, pl.DataFrame)
@@ -166,8 +238,7 @@ def estimate_arrow(
     state: pa.Table,
     keys: list[str],
     aggs: list[AggRef],
-    n: int,
-    total: int,
+    sample: Sample,
     confidence: float = 0.95,
 ) -> pa.Table:
     """:func:`estimate` over an Arrow table, to an Arrow table: the estimates of online SQL are
@@ -180,7 +251,9 @@ def estimate_arrow(
             m = state.column(f"__m{j}")
             none = pa.nulls(state.num_rows, type=m.type)
             cols |= {a.name: m, f"{a.name}_low": none, f"{a.name}_high": none}
-    cols |= _intervals(_arrow_floats(state, aggs), aggs, n, total, confidence)
+            cols |= {f"{a.name}_reliable": pa.nulls(state.num_rows, type=pa.bool_())}
+    value = functools.partial(_column, state)
+    cols |= _intervals(value, state.num_rows, aggs, sample, confidence)
     return pa.table({name: cols[name] for name in _output_names(keys, aggs)})
 
 
@@ -198,7 +271,7 @@ class Shape:
 
 
 def shaped(
-    state: pl.DataFrame | pa.Table, shape: Shape, n: int, total: int, confidence: float
+    state: pl.DataFrame | pa.Table, shape: Shape, sample: Sample, confidence: float
 ) -> pl.DataFrame:
     """One round's estimates from its folded statistics, filtered, ordered and cut as the
     query asks. Polars statistics (the Python map side) keep their Polars types; Arrow
@@ -211,16 +284,16 @@ def shaped(
         frame = ops.to_polars(state) if isinstance(state, pa.Table) else state
         state = combine(frame, keys, aggs)
     if isinstance(state, pa.Table):
-        est = ops.to_polars(estimate_arrow(state, keys, aggs, n, total, confidence))
+        est = ops.to_polars(estimate_arrow(state, keys, aggs, sample, confidence))
     else:
-        est = estimate(state, keys, aggs, n, total, confidence)
+        est = estimate(state, keys, aggs, sample, confidence)
     if shape.having:
         est = est.sql(f"SELECT * FROM self WHERE {shape.having}")
     # The rest is one lazy query on the in-memory engine (Polars' default engine costs
     # 0.9 ms a query here, the in-memory one 0.2 ms, eager calls 0.1-0.2 ms each).
     lazy = est.lazy()
     if shape.hidden:
-        lazy = lazy.drop([f"{h}{x}" for h in shape.hidden for x in ("", "_low", "_high")])
+        lazy = lazy.drop([f"{h}{x}" for h in shape.hidden for x in EXTRAS])
     by = [c for c, _ in shape.order or []] or keys
     if by:
         desc = [d for _, d in shape.order] if shape.order else False

@@ -1,14 +1,15 @@
 """Online aggregation (Hellerstein, Haas, Wang 1997; Exoshuffle §3.3.1) over the streaming
 strategy.
 
-Input splits are read in a random order, in rounds. Every map task computes, per group and per
-aggregate, the sufficient statistics of what it read (count, sum, sum of squares, min, max);
-they are shuffled by group key and every reducer folds each round's blocks into its running
-state. After each round the driver turns the states into estimates: with a fraction ``f`` of
-the input rows read (``n`` of ``N``), SUM and COUNT are scaled by ``1/f``, AVG is the ratio of
-the sums, and the CLT gives a ``z``-interval with the finite-population correction ``1 - f``
-(so the final round, ``f = 1``, is exact with a zero-width interval). MIN and MAX are the
-extremes seen so far, without interval.
+Input units (row ranges of the input's files) are read in a random order, in rounds. Every
+map task computes, per group and per aggregate, the totals of each unit it read (count, sum,
+min, max) and the products of a unit's totals the intervals need; they are shuffled by group
+key and every reducer folds each round's blocks into its running state. After each round the
+driver turns the states into estimates (:mod:`flightshuffle.estimates`): SUM and COUNT scaled
+by the share of rows read, AVG as the ratio of the sums, and intervals from the spread
+between units (cluster sampling), with the finite-population correction over units, so the
+final round is exact with zero-width intervals. MIN and MAX are the extremes seen so far,
+without interval.
 
 Frontends: SQL (run by DataFusion or DuckDB on each split, after rewriting the aggregates into
 statistics) and ``Dataset.group_by().agg()`` with Polars expressions.
@@ -20,7 +21,7 @@ import functools
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import cloudpickle
@@ -29,8 +30,19 @@ import pyarrow as pa
 
 from flightshuffle import footers, ops
 from flightshuffle._exec import MapTask, Split, apply_ops
-from flightshuffle.estimates import NEEDS, AggRef, Shape, combine, shaped
+from flightshuffle.estimates import (
+    NEEDS,
+    PRODUCTS,
+    UNITS,
+    AggRef,
+    Sample,
+    Shape,
+    combine,
+    shaped,
+    unit_products,
+)
 from flightshuffle.joblog import JobLog
+from flightshuffle.units import FIRST_WAVE_ROWS, fact_units
 
 
 @dataclass
@@ -52,10 +64,12 @@ class StatsReducer:
 
 @dataclass
 class PolarsStats:
-    """Map side of ``group_by().agg()`` online: statistics per group with Polars."""
+    """Map side of ``group_by().agg()`` online: statistics per group with Polars, and the
+    unit's products (a map task reads one unit of ``rows`` rows)."""
 
     keys: list[str]
     aggs: list[ops.Agg]
+    rows: int = 0
 
     def apply(self, table: pa.Table) -> pa.Table:
         exprs: list[pl.Expr] = []
@@ -68,13 +82,12 @@ class PolarsStats:
                     exprs.append(e.cast(pl.Int64).alias(name))
                 elif stat == "s" and x is not None:
                     exprs.append(x.sum().alias(name))
-                elif stat == "q" and x is not None:
-                    exprs.append((x * x).sum().alias(name))
                 elif stat == "m" and a.inner is not None:
                     exprs.append(getattr(a.inner, a.kind)().alias(name))
         df = ops.to_polars(table)
         out = df.group_by(self.keys).agg(exprs) if self.keys else df.select(exprs)
-        return out.to_arrow()
+        refs = [AggRef(f"a{j}", a.kind) for j, a in enumerate(self.aggs)]
+        return unit_products(out.to_arrow(), refs, self.rows)
 
 
 @dataclass
@@ -87,6 +100,8 @@ class SqlStats:
     query: str
     keys: list[str]
     stat_of: dict[str, str]
+    aggs: list[AggRef] = field(default_factory=list)
+    rows: int = 0
 
     def apply(self, data: pa.Table) -> pa.Table:
         if self.engine == "duckdb":
@@ -105,7 +120,7 @@ class SqlStats:
             out = datafusion_query(self.query, {self.table: data})
         cols = [pl.col(k) for k in self.keys]
         cols += [pl.col(c).alias(s) for s, c in self.stat_of.items()]
-        return ops.to_polars(out).select(cols).to_arrow()
+        return unit_products(ops.to_polars(out).select(cols).to_arrow(), self.aggs, self.rows)
 
 
 @dataclass
@@ -132,6 +147,10 @@ class SqlPlan:
     """Output columns in SELECT order (each aggregate followed by its interval)."""
     query: str = ""
     """The query's text (for its event log)."""
+    terms: list[tuple[int, int]] = field(default_factory=list)
+    """The products each unit appends to its statistics (``SplitTotalsExec``'s terms)."""
+    term_of: dict[str, int] = field(default_factory=dict)
+    """Each product column (:func:`product_columns`) -> its term."""
 
 
 _SQL_KINDS = {"Sum": "sum", "Avg": "mean", "Count": "count", "Min": "min", "Max": "max"}
@@ -317,7 +336,7 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
                 expr = "COUNT(*)"
             else:
                 x = column(sql(as_double(node.this, cast=to_double)))
-                expr = {"c": f"COUNT({x})", "s": f"SUM({x})", "q": f"SUM({x} * {x})"}[stat]
+                expr = {"c": f"COUNT({x})", "s": f"SUM({x})"}[stat]
             col = stat_items.setdefault(expr, f"__u{len(stat_items)}")
             stat_of[f"__{stat}{j}"] = col
 
@@ -333,7 +352,7 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
             key_exprs.append(sql(inner))
             selected.append(name)
             continue
-        selected += [name, f"{name}_low", f"{name}_high"]
+        selected += [name, f"{name}_low", f"{name}_high", f"{name}_reliable"]
         if not isinstance(inner, exp.AggFunc):
             raise unsupported(
                 f"{sql(inner)} computes over aggregates, which has no interval here; select "
@@ -388,6 +407,7 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
     if tree.args.get("limit") is not None:
         limit = int(tree.args["limit"].expression.name)
     columns = sorted({c.name for c in tree.find_all(exp.Column)})
+    terms, term_of = _terms(aggs, list(stat_items.values()), stat_of)
     return SqlPlan(
         table,
         tables,
@@ -403,21 +423,58 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
         hidden,
         selected,
         query,
+        terms,
+        term_of,
     )
 
 
+# Factors of a term that are not statistics (see split_totals.rs).
+SIZE, ONE = 2**32 - 1, 2**32 - 2
+
+
+def _terms(
+    aggs: list[AggRef], stat_columns: list[str], stat_of: dict[str, str]
+) -> tuple[list[tuple[int, int]], dict[str, int]]:
+    """The products of a unit's totals the intervals need, each once: factor pairs (a
+    statistic's column index, or SIZE), and each product column's term."""
+    terms: list[tuple[int, int]] = []
+    term_of: dict[str, int] = {}
+
+    def factor(f: str, j: int) -> int:
+        return SIZE if f == "m" else stat_columns.index(stat_of[f"__{f}{j}"])
+
+    def add(name: str, pair: tuple[int, int]) -> None:
+        pair = (min(pair), max(pair))
+        if pair not in terms:
+            terms.append(pair)
+        term_of[name] = terms.index(pair)
+
+    for j, a in enumerate(aggs):
+        for p in PRODUCTS[a.kind]:
+            add(f"__{p}{j}", (factor(p[0], j), factor(p[1], j)))
+    add(UNITS, (ONE, ONE))
+    return terms, term_of
+
+
 def expand_stats(table: pa.Table, plan: SqlPlan) -> pa.Table:
-    """Folded statistics (keys, then the statistics query's columns, by position) as the
-    per-aggregate columns ``__{stat}{j}`` that :func:`combine` and :func:`estimate` read."""
-    want = len(plan.keys) + len(plan.stat_columns)
-    if table.num_columns != want:
+    """Folded statistics (keys, the statistics query's columns, then the terms' sums, by
+    position) as the per-aggregate columns ``__{stat}{j}`` and product columns that
+    :func:`combine` and :func:`estimate` read. A statistics query run whole (one final
+    result) has no terms."""
+    stats = len(plan.keys) + len(plan.stat_columns)
+    terms = [f"__term{k}" for k in range(len(plan.terms))]
+    if table.num_columns not in (stats, stats + len(terms)):
         raise RuntimeError(
             f"online aggregation: the folded statistics have {table.num_columns} columns, "
-            f"expected {want}"
+            f"expected {stats + len(terms)}"
         )
-    table = table.rename_columns(plan.keys + plan.stat_columns)
+    with_terms = table.num_columns > stats
+    table = table.rename_columns(plan.keys + plan.stat_columns + (terms if with_terms else []))
     cols = {k: table.column(k) for k in plan.keys}
-    return pa.table(cols | {s: table.column(c) for s, c in plan.stat_of.items()})
+    cols |= {s: table.column(c) for s, c in plan.stat_of.items()}
+    if with_terms:
+        cols |= {name: table.column(terms[k]) for name, k in plan.term_of.items()}
+    return pa.table(cols)
 
 
 @dataclass
@@ -465,8 +522,16 @@ def run(
     started = time.perf_counter() if started is None else started
     stage_ops = [*pre_ops, stats_op]
     schema = apply_ops(empty(splits[0].schema(columns)), stage_ops).schema
-    body = cloudpickle.dumps(MapTask(stage_ops))
-    tasks = [(body, None, 0, s.native(columns)) for s in splits]
+    # Each map task reads one split, one sampling unit: its products need its rows.
+    tasks = [
+        (
+            cloudpickle.dumps(MapTask([*pre_ops, replace(stats_op, rows=s.rows)])),
+            None,
+            0,
+            s.native(columns),
+        )
+        for s in splits
+    ]
     weights = [s.rows for s in splits]
     reducer = cloudpickle.dumps(StatsReducer(keys, aggs))
     partitions = cluster.workers if keys else 1
@@ -479,7 +544,9 @@ def run(
     shape = Shape(keys, aggs, order, limit)
     if plan is not None:
         shape = Shape(keys, aggs, order, limit, plan.having, plan.hidden, plan.selected)
-    out = results(native, ops.to_polars, shape, sum(weights), confidence, progress, started)
+    out = results(
+        native, ops.to_polars, shape, sum(weights), len(splits), confidence, progress, started
+    )
     return log.rounds(out)
 
 
@@ -513,7 +580,7 @@ def run_sql(
     # With joins the first estimate waits for the build sides: a first wave cut below a row
     # group brings it little earlier and its extra splits cost more (see FIRST_WAVE_ROWS).
     head = FIRST_WAVE_ROWS if len(plan.tables) == 1 else None
-    splits = fact_splits(files[fact], want, seed, cluster.workers, rounds, head)
+    splits, per_task = fact_units(files[fact], want, seed, cluster.workers, rounds, head)
     if not splits:
         raise ValueError(f"the fact table {fact!r} has no rows")
     shape = Shape(
@@ -529,6 +596,8 @@ def run_sql(
             splits,
             rounds,
             emit_top(plan),
+            plan.terms,
+            per_task,
         )
     except ValueError as e:
         if "small enough to run whole" not in str(e):
@@ -540,7 +609,8 @@ def run_sql(
     except BaseException as e:
         log.end(False, str(e))
         raise
-    return log.rounds(results(native, expand, shape, total, confidence, progress, started))
+    out = results(native, expand, shape, total, len(splits), confidence, progress, started)
+    return log.rounds(out)
 
 
 def emit_top(plan: SqlPlan) -> tuple[int, int | None, bool, bool, int] | None:
@@ -592,112 +662,18 @@ class _Whole:
         self.table = None
 
 
-# Rows a split of the first wave reads at most (a quarter of the 262,144-row row groups
-# DataFusion and tpchgen write), for a query over one table: its first estimate comes after
-# that many rows per worker, not a whole row group each. A/B in one cluster, 10 seeds x 3
-# runs, TPC-H SF1: Q1's first estimate 74 -> 49 ms (median), time-to-5% / SQL 0.146 ->
-# 0.106. Its W extra splits (the tails) cost the joins more than they bring: Q3's first
-# estimate 110 -> 105 ms, its whole run / SQL 1.258 -> 1.279; Q10 182 -> 165 ms and
-# 1.167 -> 1.208; so queries with joins read whole row groups from the start.
-FIRST_WAVE_ROWS = 65_536
-
-
-def fact_splits(
-    files: list[str],
-    want: int,
-    seed: int | None,
-    first: int = 0,
-    rounds: int = 0,
-    head_rows: int | None = None,
-) -> list[tuple[str, int, int, int, int]]:
-    """The fact table's splits in a random order: (path, file bytes, file rows, first row,
-    rows). One per row group, row groups cut into row ranges when there would be fewer than
-    ``want``; then consecutive whole row groups of a file read as one split of at most
-    :data:`SPLIT_ROWS` rows, as long as ``first + rounds`` splits remain. The first ``first``
-    splits (the first wave: one per worker) read one row group (at most ``head_rows`` rows);
-    the rest of each is one more split, at a random place among the others."""
-    import os
-    import random
-
-    from flightshuffle.dataset import make_splits, shuffled
-
-    splits, _ = make_splits(files, want)
-    meta: dict[str, tuple[int, int, list[int]]] = {}
-    sizes: dict[str, list[int]] = {}
-    for f in files:
-        md = footers.metadata(f)
-        sizes[f] = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
-        offsets = [0]
-        for n in sizes[f]:
-            offsets.append(offsets[-1] + n)
-        meta[f] = (os.path.getsize(f), md.num_rows, offsets)
-    # (path, first row, rows, rows of its first row group or piece) in file order.
-    units = [
-        (s.path, meta[s.path][2][s.row_group] + s.start, s.rows, s.rows)
-        for s in splits
-        if s.rows > 0
-    ]
-    if len(units) == sum(len(g) for g in sizes.values()):
-        k = runs_per_split(list(sizes.values()), first + rounds)
-        units = [
-            (f, meta[f][2][i], sum(g[i : i + k]), g[i])
-            for f, g in sizes.items()
-            for i in range(0, len(g), k)
-            if sum(g[i : i + k]) > 0
-        ]
-    order = shuffled(units, seed)  # type: ignore[arg-type]
-    rng = random.Random(None if seed is None else f"{seed}/first wave")
-    out = [(os.path.abspath(f), *meta[f][:2], start, rows) for f, start, rows, _ in order]
-    rest = out[first:]
-    for i, (f, start, rows, head) in enumerate(order[:first]):
-        cut = min(head, head_rows or head)
-        if rows > cut:
-            path, size, file_rows = out[i][:3]
-            out[i] = (path, size, file_rows, start, cut)
-            rest.insert(
-                rng.randrange(len(rest) + 1), (path, size, file_rows, start + cut, rows - cut)
-            )
-    return out[:first] + rest
-
-
-# Rows a split after the first wave reads at most when whole row groups are merged into it
-# (four of the 262,144-row row groups DataFusion and tpchgen write). Every split is a map
-# task: a call, a commit, blocks every fold reads, a Parquet open. With 24 single row groups
-# TPC-H Q3 at SF1 took 1.22 x distributed SQL, with 12 splits of two 1.06 (A/B in one
-# cluster, fastest of 10).
-SPLIT_ROWS = 1 << 20
-
-
-def runs_per_split(groups: list[list[int]], at_least: int) -> int:
-    """How many consecutive row groups of a file one split reads: the most that keeps every
-    split within :data:`SPLIT_ROWS` rows and at least ``at_least`` splits (``groups``: each
-    file's row group sizes)."""
-    k = 1
-    while True:
-        nxt = k + 1
-        count = sum(-(-len(g) // nxt) for g in groups)
-        widest = max(
-            (sum(g[i : i + nxt]) for g in groups for i in range(0, len(g), nxt)), default=0
-        )
-        if (
-            nxt > max((len(g) for g in groups), default=0)
-            or count < at_least
-            or widest > SPLIT_ROWS
-        ):
-            return k
-        k = nxt
-
-
 def results(
     native: Any,
     to_stats: Any,
     shape: Shape,
     total: int,
+    units: int,
     confidence: float,
     progress: bool | None,
     started: float,
 ) -> Iterator[OnlineResult]:
-    """Turn each round's folded statistics from ``native`` into an :class:`OnlineResult`."""
+    """Turn each round's folded statistics from ``native`` (of ``units`` sampling units and
+    ``total`` rows) into an :class:`OnlineResult`."""
     show = sys.stderr.isatty() if progress is None else progress
     bar = None
     if show:
@@ -711,8 +687,14 @@ def results(
                 return
             info, table = item
             state = to_stats(table)
-            n = round(info["progress"] * total)
-            est = shaped(state, shape, n, total, confidence)
+            sample = Sample(
+                units=units if info["final"] else info.get("units_done", info["maps_done"]),
+                total_units=units,
+                rows=round(info["progress"] * total),
+                total_rows=total,
+                row_squares=info.get("weight_squares", 0.0),
+            )
+            est = shaped(state, shape, sample, confidence)
             if bar is not None:
                 bar.update(100 * info["progress"] - bar.n)
             yield OnlineResult(

@@ -5,7 +5,7 @@ use crate::sql::df_err;
 use crate::stage::NativeStream;
 use flightshuffle::driver::Driver;
 use flightshuffle::strategy::StrategyOptions;
-use flightshuffle_datafusion::online::{self, EmitTop, FactSplit};
+use flightshuffle_datafusion::online::{self, EmitTop, FactSplit, Term};
 use flightshuffle_datafusion::DistributedContext;
 use pyo3::prelude::*;
 use std::collections::HashMap;
@@ -40,6 +40,7 @@ struct Session {
 
 impl Sessions {
     /// Plan `sql` over `tables` on the cluster's online context (made on first use).
+    #[allow(clippy::too_many_arguments)]
     async fn plan(
         &self,
         driver: &Arc<Driver>,
@@ -48,6 +49,8 @@ impl Sessions {
         sql: &str,
         splits: Vec<FactSplit>,
         top: Option<EmitTop>,
+        terms: Vec<Term>,
+        per_task: Vec<u32>,
     ) -> flightshuffle_datafusion::Result<(Arc<DistributedContext>, online::OnlinePlan)> {
         let mut state = self.state.lock().await;
         let session = match state.take() {
@@ -70,7 +73,7 @@ impl Sessions {
                 session.tables.insert(name.clone(), now);
             }
         }
-        let planned = online::plan(&session.ctx, sql, splits, top).await?;
+        let planned = online::plan(&session.ctx, sql, splits, top, terms, per_task).await?;
         Ok((session.ctx.clone(), planned))
     }
 
@@ -83,8 +86,9 @@ impl Sessions {
 }
 
 /// Plan `sql` over `tables` with the fact table cut into `splits` (in the order they are
-/// read), the folds sending only candidates for `top`, and start it; returns the stream of
-/// folded statistics and the staged plan's text.
+/// read; `per_task[i]` consecutive splits per map task), each split's `terms` appended to its totals (see
+/// `flightshuffle_datafusion::split_totals`), the folds sending only candidates for `top`,
+/// and start it; returns the stream of folded statistics and the staged plan's text.
 #[allow(clippy::too_many_arguments)]
 pub fn start(
     py: Python<'_>,
@@ -97,7 +101,10 @@ pub fn start(
     splits: Vec<SplitTuple>,
     rounds: usize,
     top: Option<TopTuple>,
+    terms: Vec<(u32, u32)>,
+    per_task: Vec<u32>,
 ) -> PyResult<(NativeStream, String)> {
+    let terms: Vec<Term> = terms.into_iter().map(|(a, b)| Term(a, b)).collect();
     let top = top.map(|(column, divisor, null_as_zero, descending, k)| EmitTop {
         column,
         divisor,
@@ -105,7 +112,6 @@ pub fn start(
         descending,
         k,
     });
-    let weights: Vec<u64> = splits.iter().map(|s| s.4).collect();
     let splits: Vec<FactSplit> = splits
         .into_iter()
         .map(|(path, size, file_rows, start, rows)| FactSplit {
@@ -123,7 +129,16 @@ pub fn start(
             )));
         }
     }
-    let planning = sessions.plan(&driver, opts, &tables, &sql, splits.clone(), top.clone());
+    let planning = sessions.plan(
+        &driver,
+        opts,
+        &tables,
+        &sql,
+        splits.clone(),
+        top.clone(),
+        terms.clone(),
+        per_task.clone(),
+    );
     let (ctx, planned) = crate::wait(py, rt, planning)?.map_err(df_err)?;
     // A run after a lost worker plans again over the same tables, under the same lock.
     let replan: online::Replan = {
@@ -136,8 +151,10 @@ pub fn start(
                 sql.clone(),
             );
             let (splits, top) = (splits.clone(), top.clone());
+            let (terms, per_task) = (terms.clone(), per_task.clone());
             Box::pin(async move {
-                let planned = sessions.plan(&driver, opts, &tables, &sql, splits, top);
+                let planned =
+                    sessions.plan(&driver, opts, &tables, &sql, splits, top, terms, per_task);
                 planned.await.map(|(_, p)| p)
             })
         })
@@ -147,7 +164,7 @@ pub fn start(
     ids.push(planned.fact.writer.shuffle);
     let (tx, rx) = mpsc::channel(2);
     let task = rt.spawn(async move {
-        online::run(&ctx, planned, rounds, weights, tx, replan).await;
+        online::run(&ctx, planned, rounds, tx, replan).await;
     });
     Ok((NativeStream::new(rt, &driver, ids, rx, task), explain))
 }

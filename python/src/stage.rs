@@ -180,6 +180,7 @@ pub fn start_stream(
         spec: job::stage_spec(schema, partitions, &keys),
         inputs: inputs(driver, stages, tasks)?,
         weights,
+        unit_sizes: Vec::new(),
         rounds,
         by_completion: false,
         reducer: PYTHON_KIND.to_string(),
@@ -235,6 +236,8 @@ impl NativeStream {
         info.set_item("progress", partial.progress)?;
         info.set_item("maps_done", partial.maps_done)?;
         info.set_item("maps_total", partial.maps_total)?;
+        info.set_item("units_done", partial.units_done)?;
+        info.set_item("weight_squares", partial.weight_squares)?;
         info.set_item("final", partial.is_final)?;
         info.set_item("rows_folded", partial.rows_folded)?;
         info.set_item("elapsed", partial.elapsed)?;

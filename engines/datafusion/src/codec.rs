@@ -3,6 +3,7 @@
 
 use crate::reader::{ReadMode, ShuffleReaderExec};
 use crate::split::{FactSplit, SplitScanExec};
+use crate::split_totals::{SplitTotalsExec, Term};
 use crate::writer::{ShuffleWriterExec, WriterKind};
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::{DataFusionError, Result};
@@ -66,6 +67,15 @@ struct SplitScanNode {
     splits: Vec<FactSplit>,
 }
 
+/// An online query's per-split totals: its terms (factor pairs, flattened) and split sizes.
+#[derive(Clone, PartialEq, prost::Message)]
+struct SplitTotalsNode {
+    #[prost(uint32, repeated, tag = "1")]
+    terms: Vec<u32>,
+    #[prost(uint64, repeated, tag = "2")]
+    split_rows: Vec<u64>,
+}
+
 #[derive(Clone, PartialEq, prost::Message)]
 struct ExtensionNode {
     #[prost(message, optional, tag = "1")]
@@ -74,9 +84,12 @@ struct ExtensionNode {
     writer: Option<WriterNode>,
     #[prost(message, optional, tag = "3")]
     split_scan: Option<SplitScanNode>,
+    #[prost(message, optional, tag = "4")]
+    split_totals: Option<SplitTotalsNode>,
 }
 
-/// The `datafusion-proto` extension codec for shuffle writers, shuffle readers and split scans.
+/// The `datafusion-proto` extension codec for shuffle writers, shuffle readers, split scans
+/// and per-split totals.
 #[derive(Debug, Default)]
 pub struct ExchangeCodec;
 
@@ -100,6 +113,21 @@ impl PhysicalExtensionCodec for ExchangeCodec {
                 .ok_or_else(|| bad("a split scan wraps no data source"))?;
             let split = SplitScanExec::try_new(scan, s.splits).map_err(|e| bad(&e.to_string()))?;
             return Ok(Arc::new(split));
+        }
+        if let Some(t) = node.split_totals {
+            let input = inputs
+                .first()
+                .cloned()
+                .ok_or_else(|| bad("per-split totals without input"))?;
+            if t.terms.len() % 2 != 0 {
+                return Err(bad("a term with one factor"));
+            }
+            let terms = t.terms.chunks(2).map(|p| Term(p[0], p[1])).collect();
+            return Ok(Arc::new(SplitTotalsExec::try_new(
+                input,
+                terms,
+                t.split_rows,
+            )?));
         }
         if let Some(r) = node.reader {
             let mode = match r.mode {
@@ -213,6 +241,14 @@ impl PhysicalExtensionCodec for ExchangeCodec {
                 split_scan: Some(SplitScanNode {
                     scan: physical_plan_to_bytes_with_extension_codec(s.scan(), self)?.to_vec(),
                     splits: s.splits.as_ref().clone(),
+                }),
+                ..Default::default()
+            }
+        } else if let Some(t) = node.downcast_ref::<SplitTotalsExec>() {
+            ExtensionNode {
+                split_totals: Some(SplitTotalsNode {
+                    terms: t.terms.iter().flat_map(|t| [t.0, t.1]).collect(),
+                    split_rows: t.split_rows.as_ref().clone(),
                 }),
                 ..Default::default()
             }

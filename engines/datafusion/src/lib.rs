@@ -28,6 +28,7 @@ pub mod sendable;
 pub mod skew;
 pub mod source;
 pub mod split;
+pub mod split_totals;
 pub mod writer;
 
 use datafusion::prelude::SessionConfig;

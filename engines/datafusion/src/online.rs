@@ -48,6 +48,8 @@ pub use crate::fold::{EmitTop, PartialFold, PARTIAL_FOLD};
 
 use crate::split::plan_err;
 pub use crate::split::{FactSplit, SplitScanExec};
+use crate::split_totals::{self, SplitTotalsExec};
+pub use crate::split_totals::{Term, ONE, SIZE};
 
 /// Why a query has no fact stage to stream: its inputs are small (it runs whole on the
 /// driver), or its answer comes from file statistics. Callers run it whole instead.
@@ -65,6 +67,10 @@ pub struct OnlinePlan {
     pub schema: SchemaRef,
     /// The staged plan as `EXPLAIN` shows it.
     pub explain: String,
+    /// The splits each map task reads (consecutive ranges of the splits, in order).
+    pub tasks: Vec<std::ops::Range<usize>>,
+    /// Rows of each split.
+    pub split_rows: Vec<u64>,
 }
 
 /// Plans the query again, as the caller planned it first (over the same tables), with new
@@ -80,10 +86,13 @@ pub async fn plan(
     sql: &str,
     splits: Vec<FactSplit>,
     top: Option<EmitTop>,
+    terms: Vec<Term>,
+    per_task: Vec<u32>,
 ) -> Result<OnlinePlan> {
     if splits.is_empty() {
         return Err(plan_err("the fact table has no rows to split"));
     }
+    let tasks = task_ranges(&per_task, splits.len())?;
     let staged = ctx.plan(sql).await?;
     if let Some(why) = &staged.on_driver {
         return Err(plan_err(why));
@@ -125,9 +134,15 @@ pub async fn plan(
                 staged.display()
             ))
         })?;
-    let reduce = crate::combine::partial_reduce(agg)?
+    // With terms, the folds merge the widened states (see [`crate::split_totals`]).
+    let folded = if terms.is_empty() {
+        None
+    } else {
+        Some(split_totals::widened(agg, &terms)?)
+    };
+    let reduce = crate::combine::partial_reduce(folded.as_ref().unwrap_or(agg))?
         .ok_or_else(|| plan_err("the aggregate's partial states cannot be folded again"))?;
-    let schema = agg.schema();
+    let schema = folded.as_ref().unwrap_or(agg).schema();
     if let Some(t) = &top {
         let n = schema.fields().len() as u32;
         if let Some(c) = [Some(t.column), t.divisor]
@@ -180,6 +195,12 @@ pub async fn plan(
             input.output_partitioning().partition_count()
         )));
     }
+    let input = if terms.is_empty() {
+        input
+    } else {
+        let rows = splits.iter().map(|s| s.rows).collect();
+        Arc::new(SplitTotalsExec::try_new(input, terms, rows)?) as Arc<dyn ExecutionPlan>
+    };
     // One fold partition per worker, not the planner's count (cut for the cores of the whole
     // query): every round costs a fold task per partition, a call and a read of its blocks
     // from every worker.
@@ -204,7 +225,30 @@ pub async fn plan(
         fold,
         schema,
         explain,
+        tasks,
+        split_rows: splits.iter().map(|s| s.rows).collect(),
     })
+}
+
+/// The splits of each map task: `per_task[i]` consecutive splits for task i (one each when
+/// empty), which must cover the `n` splits exactly.
+fn task_ranges(per_task: &[u32], n: usize) -> Result<Vec<std::ops::Range<usize>>> {
+    if per_task.is_empty() {
+        return Ok((0..n).map(|i| i..i + 1).collect());
+    }
+    let mut at = 0usize;
+    let mut out = Vec::with_capacity(per_task.len());
+    for &k in per_task {
+        if k == 0 {
+            return Err(plan_err("a map task of no splits"));
+        }
+        out.push(at..at + k as usize);
+        at += k as usize;
+    }
+    if at != n {
+        return Err(plan_err(format!("the map tasks read {at} splits of {n}")));
+    }
+    Ok(out)
 }
 
 /// Fold partitions of the fact stage's exchange on `workers` workers, where the planner cut
@@ -276,7 +320,6 @@ pub async fn run(
     ctx: &DistributedContext,
     plan: OnlinePlan,
     rounds: usize,
-    weights: Vec<u64>,
     out: mpsc::Sender<flightshuffle::Result<Partial>>,
     replan: Replan,
 ) {
@@ -287,7 +330,7 @@ pub async fn run(
     loop {
         let replacements = driver.replacements();
         let (tx, mut rx) = mpsc::channel(2);
-        let attempt = run_once(ctx, &plan, rounds, weights.clone(), tx);
+        let attempt = run_once(ctx, &plan, rounds, tx);
         let forward = async {
             while let Some(item) = rx.recv().await {
                 match item {
@@ -340,7 +383,6 @@ async fn run_once(
     ctx: &DistributedContext,
     plan: &OnlinePlan,
     rounds: usize,
-    weights: Vec<u64>,
     out: mpsc::Sender<flightshuffle::Result<Partial>>,
 ) {
     let driver = ctx.driver().clone();
@@ -377,8 +419,17 @@ async fn run_once(
         let spec: ShuffleSpec = ctx.stage_run_plain(&plan.fact)?.spec;
         let job = StreamingJob {
             spec,
-            inputs: split_tasks(ctx, &plan.fact.writer)?,
-            weights,
+            inputs: split_tasks(ctx, &plan.fact.writer, &plan.tasks)?,
+            weights: plan
+                .tasks
+                .iter()
+                .map(|r| plan.split_rows[r.clone()].iter().sum())
+                .collect(),
+            unit_sizes: plan
+                .tasks
+                .iter()
+                .map(|r| plan.split_rows[r.clone()].to_vec())
+                .collect(),
             rounds,
             by_completion: true,
             reducer: PARTIAL_FOLD.to_string(),
@@ -399,22 +450,32 @@ async fn run_once(
     }
 }
 
-/// One map task per split: partition i of the fact stage.
-fn split_tasks(ctx: &DistributedContext, writer: &Arc<ShuffleWriterExec>) -> Result<Vec<MapInput>> {
+/// One map task per range of splits: those partitions of the fact stage.
+fn split_tasks(
+    ctx: &DistributedContext,
+    writer: &Arc<ShuffleWriterExec>,
+    tasks: &[std::ops::Range<usize>],
+) -> Result<Vec<MapInput>> {
     let plan = physical_plan_to_bytes_with_extension_codec(
         writer.clone() as Arc<dyn ExecutionPlan>,
         &ExchangeCodec,
     )?
     .to_vec();
     let n = writer.input().output_partitioning().partition_count();
+    if tasks.last().map_or(0, |r| r.end) != n {
+        return Err(plan_err(format!(
+            "map tasks for {n} splits do not cover them"
+        )));
+    }
     let workers = ctx.driver().addresses();
     let timeout_secs = ctx.driver().config().rpc_timeout.as_secs();
     let batch_size = ctx.session().copied_config().batch_size() as u32;
-    Ok((0..n as u32)
-        .map(|p| {
+    Ok(tasks
+        .iter()
+        .map(|r| {
             let task = StageTask {
                 plan: plan.clone(),
-                partitions: vec![p],
+                partitions: r.clone().map(|p| p as u32).collect(),
                 workers: workers.clone(),
                 timeout_secs,
                 batch_size,

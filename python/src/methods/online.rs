@@ -19,8 +19,12 @@ impl NativeCluster {
     /// they are read, folded in an early first round and then `rounds` rounds as they commit;
     /// with `top` (column, divisor, null as zero, descending, k) each fold sends only the
     /// groups that can be among the first k in that order. `tables` are (name, Parquet path,
-    /// a version of its files). Returns the stream and the staged plan's text.
-    #[pyo3(signature = (sql, tables, splits, rounds, top=None))]
+    /// a version of its files); `terms` (factor pairs: a statistic's index, or 2^32-1 for the
+    /// split's rows, 2^32-2 for 1) are summed per group over the splits read, after the
+    /// statistics; map task i reads `per_task[i]` consecutive splits (one each when empty).
+    /// Returns the stream and the staged plan's text.
+    #[pyo3(signature = (sql, tables, splits, rounds, top=None, terms=Vec::new(), per_task=Vec::new()))]
+    #[allow(clippy::too_many_arguments)]
     fn online_sql(
         &self,
         py: Python<'_>,
@@ -29,6 +33,8 @@ impl NativeCluster {
         splits: Vec<online::SplitTuple>,
         rounds: usize,
         top: Option<online::TopTuple>,
+        terms: Vec<(u32, u32)>,
+        per_task: Vec<u32>,
     ) -> PyResult<(stage::NativeStream, String)> {
         let driver = self.driver()?;
         online::start(
@@ -42,6 +48,8 @@ impl NativeCluster {
             splits,
             rounds,
             top,
+            terms,
+            per_task,
         )
     }
 

@@ -3,7 +3,8 @@
 //! commit.
 
 use super::round::{
-    fold_round, input_weights, round_ranges, FoldSpec, Partial, RoundInfo, StreamingJob,
+    fold_round, input_units, input_weights, round_ranges, FoldSpec, Partial, RoundInfo,
+    StreamingJob, Units,
 };
 use crate::driver::{Driver, MapDone};
 use crate::error::{Error, Result};
@@ -29,6 +30,7 @@ pub(super) async fn completion_rounds(
     }
     let sizes = round_sizes(total_maps, driver.num_workers(), job.rounds);
     let (weights, total_weight) = input_weights(&job.weights, total_maps);
+    let units = input_units(&job, &weights);
     let fold = FoldSpec {
         spec: job.spec.clone(),
         reducer: job.reducer,
@@ -61,7 +63,7 @@ pub(super) async fn completion_rounds(
     };
     let folds = async {
         let mut seen = std::collections::HashSet::new();
-        let (mut round, mut folded_weight) = (0usize, 0u64);
+        let (mut round, mut folded_weight, mut folded_units) = (0usize, 0u64, Units::default());
         let rounds = sizes.len();
         for size in sizes.iter().copied() {
             // The next `size` maps to commit.
@@ -77,12 +79,16 @@ pub(super) async fn completion_rounds(
                 .iter()
                 .map(|d| weights.get(d.map as usize).copied().unwrap_or(0))
                 .sum::<u64>();
+            for d in &arrived {
+                folded_units.add(units.get(d.map as usize).copied().unwrap_or_default());
+            }
             let info = RoundInfo {
                 round,
                 rounds,
                 is_final: seen.len() == total_maps,
                 maps_done: seen.len(),
                 progress: folded_weight as f64 / total_weight,
+                units: folded_units,
                 start,
             };
             let partial = fold_round(driver, &fold, &info, arrived).await?;

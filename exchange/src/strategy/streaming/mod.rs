@@ -26,7 +26,7 @@ use crate::driver::{Driver, MapDone, MapInput};
 use crate::error::{Error, Result};
 use completion::completion_rounds;
 use recover::fold_round_recovering;
-use round::{input_weights, join, FoldSpec, RoundInfo};
+use round::{input_units, input_weights, join, FoldSpec, RoundInfo, Units};
 pub use round::{round_ranges, Partial, StreamingJob};
 use std::sync::Arc;
 use std::time::Instant;
@@ -68,6 +68,7 @@ async fn rounds(
     let start = Instant::now();
     let total_maps = job.inputs.len();
     let (weights, total_weight) = input_weights(&job.weights, total_maps);
+    let units = input_units(&job, &weights);
     let ranges = round_ranges(total_maps, job.rounds);
     let rounds = ranges.len();
     let fold = Arc::new(FoldSpec {
@@ -82,6 +83,7 @@ async fn rounds(
     let mut guard = AbortOnDrop(Vec::new());
     let mut maps_done = 0usize;
     let mut folded_weight = 0u64;
+    let mut folded_units = Units::default();
     // Every round's committed maps (to fold again after a lost worker), and the generation
     // of each worker slot whose fold states are intact.
     let done = Arc::new(tokio::sync::Mutex::new(Vec::<Vec<MapDone>>::new()));
@@ -104,7 +106,10 @@ async fn rounds(
         )
         .await?;
         maps_done += mapped.maps.len();
-        folded_weight += weights[range].iter().sum::<u64>();
+        folded_weight += weights[range.clone()].iter().sum::<u64>();
+        for u in &units[range.clone()] {
+            folded_units.add(*u);
+        }
         // One fold of a partition at a time: the previous round's folds finish first.
         if let Some(prev) = pending.take() {
             join(prev).await?;
@@ -116,6 +121,7 @@ async fn rounds(
             is_final: r + 1 == rounds,
             maps_done,
             progress: folded_weight as f64 / total_weight,
+            units: folded_units,
             start,
         };
         let (driver, fold, out) = (driver.clone(), fold.clone(), out.clone());

@@ -17,6 +17,9 @@ pub struct StreamingJob {
     pub inputs: Vec<MapInput>,
     /// Size of each input (e.g. rows), for progress; empty = every input weighs 1.
     pub weights: Vec<u64>,
+    /// The sizes of the sampling units each input reads (online aggregation; see
+    /// [`Partial::units_done`]); empty = each input is one unit of its weight.
+    pub unit_sizes: Vec<Vec<u64>>,
     /// Number of rounds (clamped to 1..=inputs; by completion, after the early first one).
     pub rounds: usize,
     /// Rounds by completion rather than fixed rounds (see the module doc).
@@ -40,6 +43,11 @@ pub struct Partial {
     pub maps_done: usize,
     /// Map tasks of the job.
     pub maps_total: usize,
+    /// Sampling units folded so far (one per input unless the job says otherwise).
+    pub units_done: u64,
+    /// Sum of the squared sizes of the units folded so far (with `progress` and
+    /// `units_done`, what a variance between units of unequal size needs).
+    pub weight_squares: f64,
     /// Whether this is the last partial (every input folded).
     pub is_final: bool,
     /// The schema of the partial results.
@@ -69,6 +77,43 @@ pub(super) fn input_weights(given: &[u64], inputs: usize) -> (Vec<u64>, f64) {
     (weights, total)
 }
 
+/// Sampling units: how many, and the sum of their squared sizes.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Units {
+    pub(super) count: u64,
+    pub(super) squares: f64,
+}
+
+impl Units {
+    pub(super) fn add(&mut self, other: Units) {
+        self.count += other.count;
+        self.squares += other.squares;
+    }
+}
+
+/// Each input's units: as the job gives them, else one unit of the input's weight.
+pub(super) fn input_units(job: &StreamingJob, weights: &[u64]) -> Vec<Units> {
+    let squares =
+        |sizes: &mut dyn Iterator<Item = u64>| sizes.map(|w| (w as f64) * (w as f64)).sum();
+    if job.unit_sizes.len() == weights.len() {
+        job.unit_sizes
+            .iter()
+            .map(|u| Units {
+                count: u.len() as u64,
+                squares: squares(&mut u.iter().copied()),
+            })
+            .collect()
+    } else {
+        weights
+            .iter()
+            .map(|&w| Units {
+                count: 1,
+                squares: squares(&mut std::iter::once(w)),
+            })
+            .collect()
+    }
+}
+
 pub(super) async fn join(h: tokio::task::JoinHandle<Result<()>>) -> Result<()> {
     h.await
         .map_err(|e| Error::Cluster(format!("fold round panicked: {e}")))?
@@ -88,6 +133,7 @@ pub(super) struct RoundInfo {
     pub(super) is_final: bool,
     pub(super) maps_done: usize,
     pub(super) progress: f64,
+    pub(super) units: Units,
     pub(super) start: Instant,
 }
 
@@ -115,6 +161,8 @@ pub(super) async fn fold_round(
         progress: round.progress,
         maps_done: round.maps_done,
         maps_total: f.total_maps,
+        units_done: round.units.count,
+        weight_squares: round.units.squares,
         is_final: round.is_final,
         schema: schema.unwrap_or_else(|| f.spec.schema.clone()),
         partitions,
