@@ -1,8 +1,8 @@
 """A/B in one cluster (the source of docs/online/ab-units-*.json; usage:
-`python -m flightshuffle_bench.ab_units SF QUERIES REPEAT [OUT.json]`): the fact table cut
-into many sampling units (TARGET_UNITS as built, several per map task) vs one unit per row
-group (TARGET_UNITS = 1), alternating; per query: fastest and median streaming, first
-estimate, time-to-5%, and distributed SQL."""
+`python -m flightshuffle_bench.ab_units SF QUERIES REPEAT [OUT.json [TARGETS]]`): the fact
+table cut into TARGET_UNITS units (TARGETS, default "1,256": 1 is one unit per row group,
+256 as built, several units per map task), alternating; per query: fastest and median
+streaming, first estimate, time-to-5%, and distributed SQL."""
 
 import json
 import statistics
@@ -19,7 +19,8 @@ sf = float(sys.argv[1])
 qs = [int(x) for x in sys.argv[2].split(",")]
 reps = int(sys.argv[3])
 built = un.TARGET_UNITS
-modes = {"row_groups": 1, "units": built}
+targets = sys.argv[5].split(",") if len(sys.argv) > 5 else ["1", str(built)]
+modes = {f"target_{t}": int(t) for t in targets}
 report = {"sf": sf, "reps": reps, "target_units": built, "queries": []}
 with Cluster(workers=2, memory_budget="4GiB") as c:
     for name, path in tpch.table_paths(f"data/tpch-sf{sf:g}").items():
@@ -34,7 +35,7 @@ with Cluster(workers=2, memory_budget="4GiB") as c:
             t = time.perf_counter()
             c.sql(query)
             sql.append(time.perf_counter() - t)
-            for m in list(modes) if rep % 2 else list(modes)[::-1]:
+            for m in list(modes) if rep % 2 else list(modes)[::-1]:  # alternating
                 un.TARGET_UNITS = modes[m]
                 t = time.perf_counter()
                 h = list(c.online(query, rounds=10, seed=1, progress=False))

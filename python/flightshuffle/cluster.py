@@ -474,7 +474,7 @@ class Cluster:
         GROUP BY keys``) over ``tables`` (as in :meth:`sql`) or a table registered here, run
         by ``engine`` (DataFusion or DuckDB); or a ``dataset.group_by(keys).agg(exprs)`` with
         Polars expressions. The input is read in sampling units, in a random order
-        (``seed``), in ``rounds`` rounds. SQL on DataFusion: at least 256 units (or
+        (``seed``), in ``rounds`` rounds. SQL on DataFusion: at least 64 units (or
         ``min_splits``) of at least 8,192 rows within a row group, several per map task,
         after an early first round of one task per worker; otherwise one split per map task,
         at least ``min_splits`` (default ``2 * rounds``). Each result has ``.progress``

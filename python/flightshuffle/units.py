@@ -1,8 +1,8 @@
 """The fact table of an online SQL query cut into sampling units, and the units into map tasks.
 
 The estimates' intervals come from the spread between units (see :mod:`flightshuffle.estimates`),
-so they are only as good as the units are many: a few hundred row ranges of the fact table's
-row groups, read in a random order. A map task is costlier than a unit (a call, a commit,
+so they are only as good as the units are many: at least 64 row ranges of the fact table's
+row groups, read in a random order (each costs about 2 ms: see TARGET_UNITS). A map task is costlier than a unit (a call, a commit,
 blocks every fold reads), so a task reads several units at once, each as its own partition of
 the fact stage (their totals stay apart: ``SplitTotalsExec``), and the tasks stay about as
 many as the rounds asked for.
@@ -15,10 +15,13 @@ import random
 
 from flightshuffle import footers
 
-# Units the fact table is cut into (at least; more when the caller asks for more), each of
-# at least MIN_UNIT_ROWS rows and within one row group. 256 units put about 25 in the first
-# 10% of a table: a t interval with 24 degrees of freedom.
-TARGET_UNITS = 256
+# Units the fact table is cut into (at least; more when the caller asks with min_splits),
+# each of at least MIN_UNIT_ROWS rows and within one row group. Each unit is a partition of
+# the fact stage and costs about 2 ms on 2 workers whatever its size (A/B at SF1, fastest of
+# 3: Q1 0.37 s with one unit per row group, 0.44 s with 64 units, 0.81 s with 256; Q3 0.28,
+# 0.36, 0.75; docs/online/ab-units-sf1-w2.json), so 64: about 6 units in the first 10% of a
+# table (a t interval with 5 degrees of freedom); a large table's units are whole row groups.
+TARGET_UNITS = 64
 MIN_UNIT_ROWS = 8192
 
 # Rows a map task reads at most after the first wave, unless that would make fewer tasks

@@ -226,35 +226,8 @@ impl NativeCluster {
         replace: Py<PyAny>,
         options: ClusterOptions,
     ) -> PyResult<Self> {
-        let opts = options.strategy_options(addresses.len())?;
-        let storage = options.storage_config()?;
-        let creds = hosted::credentials(token, tls_setting(&options.tls, options.tls_files)?)?;
-        let cfg = flightshuffle::driver::DriverConfig {
-            rpc_timeout: Duration::from_secs_f64(options.timeout_secs.max(1.0)),
-            storage,
-            durable: options.durable,
-            ..Default::default()
-        };
-        let scratch = options.spill_dir;
-        let rt = runtime()?;
-        let replacer = hosted::py_replacer(replace);
-        let hosted = wait(py, &rt, async {
-            let c = HostedCluster::connect(
-                &addresses,
-                &creds,
-                cfg,
-                scratch.map(Into::into),
-                Some(replacer),
-            )
-            .await?;
-            calibrate_for(&c.driver, &opts).await?;
-            Ok::<_, flightshuffle::Error>(c)
-        })?
-        .map_err(to_py)?;
-        Ok(Self {
-            event_log: options.event_log,
-            ..Self::with_workers(rt, Workers::Hosted(hosted), opts)
-        })
+        let supervisor = Supervisor::Replacer(hosted::py_replacer(replace));
+        Self::connect_hosted(py, addresses, token, supervisor, options)
     }
 
     /// A driver for workers a supervisor runs at fixed `addresses` (a static cluster, see
@@ -269,35 +242,8 @@ impl NativeCluster {
         restart_wait: f64,
         options: ClusterOptions,
     ) -> PyResult<Self> {
-        let opts = options.strategy_options(addresses.len())?;
-        let storage = options.storage_config()?;
-        let creds = hosted::credentials(token, tls_setting(&options.tls, options.tls_files)?)?;
-        let cfg = flightshuffle::driver::DriverConfig {
-            rpc_timeout: Duration::from_secs_f64(options.timeout_secs.max(1.0)),
-            storage,
-            durable: options.durable,
-            ..Default::default()
-        };
-        let scratch = options.spill_dir;
-        let rt = runtime()?;
-        let wait_for = Duration::from_secs_f64(restart_wait.max(0.0));
-        let hosted = wait(py, &rt, async {
-            let c = HostedCluster::connect_static(
-                &addresses,
-                &creds,
-                cfg,
-                scratch.map(Into::into),
-                wait_for,
-            )
-            .await?;
-            calibrate_for(&c.driver, &opts).await?;
-            Ok::<_, flightshuffle::Error>(c)
-        })?
-        .map_err(to_py)?;
-        Ok(Self {
-            event_log: options.event_log,
-            ..Self::with_workers(rt, Workers::Hosted(hosted), opts)
-        })
+        let supervisor = Supervisor::Restarts(Duration::from_secs_f64(restart_wait.max(0.0)));
+        Self::connect_hosted(py, addresses, token, supervisor, options)
     }
 
     /// Take worker `worker` out of the cluster for good (see `Driver::retire_worker`): the
@@ -503,5 +449,55 @@ impl NativeCluster {
     pub(crate) fn driver(&self) -> PyResult<Arc<flightshuffle::driver::Driver>> {
         self.with(|c| c.driver().clone())
             .ok_or_else(|| ShuffleError::new_err("the cluster is closed"))
+    }
+}
+
+/// What brings a hosted cluster's lost worker back.
+enum Supervisor {
+    /// A Python callable that starts a replacement and returns its address (Ray).
+    Replacer(flightshuffle::driver::Replacer),
+    /// Nothing here: a supervisor restarts the process at its address within this time.
+    Restarts(Duration),
+}
+
+impl NativeCluster {
+    /// A driver for workers at `addresses`, started by something else (see
+    /// [`Supervisor`]), calibrated before it returns.
+    fn connect_hosted(
+        py: Python<'_>,
+        addresses: Vec<String>,
+        token: String,
+        supervisor: Supervisor,
+        options: ClusterOptions,
+    ) -> PyResult<Self> {
+        let opts = options.strategy_options(addresses.len())?;
+        let storage = options.storage_config()?;
+        let creds = hosted::credentials(token, tls_setting(&options.tls, options.tls_files)?)?;
+        let cfg = flightshuffle::driver::DriverConfig {
+            rpc_timeout: Duration::from_secs_f64(options.timeout_secs.max(1.0)),
+            storage,
+            durable: options.durable,
+            ..Default::default()
+        };
+        let scratch = options.spill_dir.map(Into::into);
+        let rt = runtime()?;
+        let hosted = wait(py, &rt, async {
+            let c = match supervisor {
+                Supervisor::Replacer(r) => {
+                    HostedCluster::connect(&addresses, &creds, cfg, scratch, Some(r)).await?
+                }
+                Supervisor::Restarts(wait_for) => {
+                    HostedCluster::connect_static(&addresses, &creds, cfg, scratch, wait_for)
+                        .await?
+                }
+            };
+            calibrate_for(&c.driver, &opts).await?;
+            Ok::<_, flightshuffle::Error>(c)
+        })?
+        .map_err(to_py)?;
+        Ok(Self {
+            event_log: options.event_log,
+            ..Self::with_workers(rt, Workers::Hosted(hosted), opts)
+        })
     }
 }

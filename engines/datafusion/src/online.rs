@@ -1,16 +1,18 @@
 //! Online aggregation of distributed SQL (Hellerstein, Haas, Wang 1997), the native map side.
 //!
 //! The caller (the Python layer) rewrites a grouped aggregate into its *statistics query*
-//! (per group: counts, sums, sums of squares, minima, maxima), names the fact table (the
-//! largest input) and cuts it into splits, in a random order. Here:
+//! (per group: counts, sums, minima, maxima), names the fact table (the largest input) and
+//! cuts it into splits (the sampling units), in a random order, and groups consecutive splits
+//! into map tasks. Here:
 //!
 //! * [`plan`] plans the statistics query once, on the driver, with every join planned as a
 //!   broadcast (the other join inputs are small next to the fact table). The stage that scans
 //!   the fact table must end in DataFusion's partial aggregate; its scan becomes a
-//!   [`SplitScanExec`] with one partition per split, so map task i of that stage reads split i
-//!   (a row range of one Parquet file) and joins it with the broadcast build sides, which a
-//!   worker builds once for all its splits (it decodes a stage plan once, see
-//!   [`crate::source`]).
+//!   [`SplitScanExec`] with one partition per split, and with terms the aggregate is followed
+//!   by a [`SplitTotalsExec`] (each split's totals per group and the products of them the
+//!   intervals need, see [`crate::split_totals`]). A map task runs the partitions of its
+//!   splits, each joined with the broadcast build sides, which a worker builds once for all
+//!   its splits (it decodes a stage plan once, see [`crate::source`]).
 //! * [`run`] runs the stages that feed the fact stage to completion first, then the fact stage
 //!   under the streaming strategy with rounds by completion: its partial aggregates are
 //!   hash-exchanged on the group keys into one fold partition per worker and folded there
