@@ -6,13 +6,20 @@ use crate::{Error, Result};
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::datasource::listing::PartitionedFile;
 use datafusion::datasource::physical_plan::parquet::ParquetRowSelection;
-use datafusion::datasource::physical_plan::{FileGroup, FileScanConfigBuilder, ParquetSource};
+use datafusion::datasource::physical_plan::{
+    FileGroup, FileScanConfigBuilder, ParquetFileReaderFactory, ParquetSource,
+};
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::DataFusionError;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::parquet::arrow::arrow_reader::ArrowReaderOptions;
 use datafusion::parquet::arrow::arrow_reader::{RowSelection, RowSelector};
+use datafusion::parquet::arrow::async_reader::AsyncFileReader;
+use datafusion::parquet::file::metadata::{PageIndexPolicy, ParquetMetaData};
 use datafusion::physical_expr::PhysicalExpr;
+use datafusion::physical_plan::metrics::ExecutionPlanMetricsSet;
 use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties};
+use futures::future::BoxFuture;
 use std::fmt;
 use std::sync::Arc;
 
@@ -54,16 +61,21 @@ pub struct SplitScanExec {
 impl SplitScanExec {
     /// `template` (a Parquet scan of the split files) reading one split per partition.
     pub fn try_new(template: &DataSourceExec, splits: Vec<FactSplit>) -> Result<Self> {
-        let (config, _) = template
+        let (config, source) = template
             .downcast_to_file_source::<ParquetSource>()
             .ok_or_else(|| plan_err("the fact table's scan is not a Parquet scan"))?;
         let groups = splits
             .iter()
             .map(|s| Ok(FileGroup::new(vec![split_file(s)?])))
             .collect::<Result<Vec<_>>>()?;
-        let config = FileScanConfigBuilder::from(config.clone())
-            .with_file_groups(groups)
-            .build();
+        let mut builder = FileScanConfigBuilder::from(config.clone()).with_file_groups(groups);
+        if let Some(factory) = source.parquet_file_reader_factory() {
+            let source = source
+                .clone()
+                .with_parquet_file_reader_factory(Arc::new(WithPageIndex(factory.clone())));
+            builder = builder.with_source(Arc::new(source));
+        }
+        let config = builder.build();
         Ok(SplitScanExec {
             scan: DataSourceExec::from_data_source(config),
             splits: Arc::new(splits),
@@ -73,6 +85,58 @@ impl SplitScanExec {
     /// The wrapped scan (to encode it).
     pub fn scan(&self) -> Arc<dyn ExecutionPlan> {
         self.scan.clone()
+    }
+}
+
+/// Opens a split's file with its page index, whatever the scan's predicate. DataFusion loads
+/// the page index only where a predicate could prune pages; without its offset index the
+/// reader cannot go straight to a split's pages, and every split of a row group fetched and
+/// decompressed the column chunks up to its rows (online TPC-H Q1 at SF1: about 2 ms a split).
+#[derive(Debug)]
+struct WithPageIndex(Arc<dyn ParquetFileReaderFactory>);
+
+impl ParquetFileReaderFactory for WithPageIndex {
+    fn create_reader(
+        &self,
+        partition_index: usize,
+        file: PartitionedFile,
+        metadata_size_hint: Option<usize>,
+        metrics: &ExecutionPlanMetricsSet,
+    ) -> datafusion::error::Result<Box<dyn AsyncFileReader + Send>> {
+        let inner = self
+            .0
+            .create_reader(partition_index, file, metadata_size_hint, metrics)?;
+        Ok(Box::new(PageIndexReader(inner)))
+    }
+}
+
+/// A file reader whose metadata includes the page index when the file has one.
+struct PageIndexReader(Box<dyn AsyncFileReader + Send>);
+
+impl AsyncFileReader for PageIndexReader {
+    fn get_bytes(
+        &mut self,
+        range: std::ops::Range<u64>,
+    ) -> BoxFuture<'_, datafusion::parquet::errors::Result<bytes::Bytes>> {
+        self.0.get_bytes(range)
+    }
+
+    fn get_byte_ranges(
+        &mut self,
+        ranges: Vec<std::ops::Range<u64>>,
+    ) -> BoxFuture<'_, datafusion::parquet::errors::Result<Vec<bytes::Bytes>>> {
+        self.0.get_byte_ranges(ranges)
+    }
+
+    fn get_metadata<'a>(
+        &'a mut self,
+        options: Option<&'a ArrowReaderOptions>,
+    ) -> BoxFuture<'a, datafusion::parquet::errors::Result<Arc<ParquetMetaData>>> {
+        let options = options
+            .cloned()
+            .unwrap_or_default()
+            .with_page_index_policy(PageIndexPolicy::Optional);
+        Box::pin(async move { self.0.get_metadata(Some(&options)).await })
     }
 }
 
