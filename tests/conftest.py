@@ -27,6 +27,21 @@ def tpch_data() -> str:
     return tpch.ensure_data(TPCH_SF, TPCH_DATA, progress=False)
 
 
+@pytest.fixture(scope="module")
+def tpch_cluster(tpch_data: str) -> Iterator[fs.Cluster]:
+    """Two real workers with every TPC-H SF 0.1 table registered (one per test module)."""
+    with fs.Cluster(workers=2, timeout=120) as c:
+        for name, path in tpch.table_paths(tpch_data).items():
+            c.register_parquet(name, path)
+        yield c
+
+
+@pytest.fixture(scope="session")
+def tpch_duckdb(tpch_data: str) -> Any:
+    """DuckDB over the same TPC-H files: the reference answers."""
+    return tpch.duckdb_connect(tpch_data)
+
+
 def checksum(df: pl.DataFrame) -> tuple[int, int]:
     """Row count and an order-independent content checksum (sum of row hashes mod 2^64)."""
     if df.height == 0:

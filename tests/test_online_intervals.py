@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import random
 
-import flightshuffle as fs
 import numpy as np
 import polars as pl
 import pyarrow as pa
@@ -54,20 +53,7 @@ Q10_UNIT = (
 )
 
 
-@pytest.fixture(scope="module")
-def cl(tpch_data):
-    with fs.Cluster(workers=2, timeout=120) as c:
-        for name, path in tpch.table_paths(tpch_data).items():
-            c.register_parquet(name, path)
-        yield c
-
-
-@pytest.fixture(scope="module")
-def con(tpch_data):
-    return tpch.duckdb_connect(tpch_data)
-
-
-def unit_rows_sql(con, units: list[tuple], files: list[str]) -> str:
+def unit_rows_sql(tpch_duckdb, units: list[tuple], files: list[str]) -> str:
     """A DuckDB relation of the fact table's rows with their unit's index (``unit``)."""
     ranges = pa.table(
         {
@@ -77,7 +63,7 @@ def unit_rows_sql(con, units: list[tuple], files: list[str]) -> str:
             "unit": list(range(len(units))),
         }
     )
-    con.register("__units", ranges)
+    tpch_duckdb.register("__units", ranges)
     listed = ", ".join(f"'{f}'" for f in files)
     return (
         f"(SELECT r.*, u.unit FROM read_parquet([{listed}], filename = true, "
@@ -86,21 +72,23 @@ def unit_rows_sql(con, units: list[tuple], files: list[str]) -> str:
     )
 
 
-def per_unit(con, sql: str, units, files) -> pl.DataFrame:
+def per_unit(tpch_duckdb, sql: str, units, files) -> pl.DataFrame:
     """DuckDB's totals of each unit (``sql`` over ``{rows}``), decimals as doubles."""
-    out = pl.from_arrow(con.sql(sql.format(rows=unit_rows_sql(con, units, files))).to_arrow_table())
+    out = pl.from_arrow(
+        tpch_duckdb.sql(sql.format(rows=unit_rows_sql(tpch_duckdb, units, files))).to_arrow_table()
+    )
     return out.with_columns(pl.col(pl.Decimal).cast(pl.Float64))
 
 
-def test_the_folds_products_equal_duckdbs_per_unit_totals(cl, con, tpch_data):
+def test_the_folds_products_equal_duckdbs_per_unit_totals(tpch_cluster, tpch_duckdb, tpch_data):
     """Run Q1 online to the end on the workers with its terms, and compare the folded sums of
     products (per group: Σ t_a·t_b over units, Σ t·m, units seen) with DuckDB's totals of
     each unit, computed from the same row ranges of the same files."""
-    plan = ol.plan_sql(Q1, "datafusion", cl._never_null)
+    plan = ol.plan_sql(Q1, "datafusion", tpch_cluster._never_null)
     files = parquet_files(tpch.table_paths(tpch_data)["lineitem"])
-    units, per_task = fact_units(files, 0, 7, cl.workers, 4, FIRST_WAVE_ROWS)
+    units, per_task = fact_units(files, 0, 7, tpch_cluster.workers, 4, FIRST_WAVE_ROWS)
     assert len(units) > 2 * len(per_task), "several units per map task"
-    native, _ = cl.native.online_sql(
+    native, _ = tpch_cluster.native.online_sql(
         plan.stats,
         [("lineitem", tpch.table_paths(tpch_data)["lineitem"], "v")],
         units,
@@ -118,7 +106,7 @@ def test_the_folds_products_equal_duckdbs_per_unit_totals(cl, con, tpch_data):
     assert info["final"] and info["units_done"] == len(units)
     assert info["weight_squares"] == pytest.approx(sum(u[4] ** 2 for u in units))
     got = pl.from_arrow(ol.expand_stats(table, plan)).sort("l_returnflag", "l_linestatus")
-    want = per_unit(con, Q1_UNIT, units, files)
+    want = per_unit(tpch_duckdb, Q1_UNIT, units, files)
     rows = pl.DataFrame({"unit": list(range(len(units))), "m": [float(u[4]) for u in units]})
     want = (
         want.join(rows, on="unit")
@@ -146,15 +134,15 @@ def test_the_folds_products_equal_duckdbs_per_unit_totals(cl, con, tpch_data):
         assert np.allclose(a, b, rtol=1e-9), (name, a, b)
 
 
-def simulate(con, files, unit_sql, exact_sql, keys, aggs, seeds=100, share=0.1):
+def simulate(tpch_duckdb, files, unit_sql, exact_sql, keys, aggs, seeds=100, share=0.1):
     """Coverage of the intervals after about ``share`` of the units' rows, over ``seeds``
     random orders of the units, through :func:`estimates.estimate_arrow`: (covered share of
     (group, aggregate) pairs, covered share among those flagged reliable, flagged share)."""
     units, _ = fact_units(files, 0, 0)
-    t = per_unit(con, unit_sql, units, files)
+    t = per_unit(tpch_duckdb, unit_sql, units, files)
     m = np.array([u[4] for u in units], dtype=float)
     t = t.with_columns(pl.Series("m", m[t["unit"].to_numpy()]))
-    exact = pl.from_arrow(con.sql(exact_sql).to_arrow_table())
+    exact = pl.from_arrow(tpch_duckdb.sql(exact_sql).to_arrow_table())
     total_rows, big_n = int(m.sum()), len(units)
     covered = reliable_total = reliable_covered = total = 0
     for seed in range(seeds):
@@ -196,7 +184,7 @@ Q10_AGGS = [es.AggRef("revenue", "sum"), es.AggRef("n", "len")]
 
 
 def test_q1_intervals_cover_the_truth_on_lineitem_as_stored_and_in_random_order(
-    con, tpch_data, tmp_path
+    tpch_duckdb, tpch_data, tmp_path
 ):
     """lineitem as tpchgen stores it (by order): at least 93% of Q1's (group, aggregate)
     pairs inside their 95% interval after 10% of the rows, over 100 unit orders; the same on
@@ -206,32 +194,32 @@ def test_q1_intervals_cover_the_truth_on_lineitem_as_stored_and_in_random_order(
     files = parquet_files(tpch.table_paths(tpch_data)["lineitem"])
     exact = Q1.replace("lineitem", f"read_parquet([{', '.join(repr(f) for f in files)}])")
     keys = ["l_returnflag", "l_linestatus"]
-    stored, _, _ = simulate(con, files, Q1_UNIT, exact, keys, Q1_AGGS)
+    stored, _, _ = simulate(tpch_duckdb, files, Q1_UNIT, exact, keys, Q1_AGGS)
     assert stored >= 0.93, f"as stored: {stored:.3f}"
-    rows = con.sql(
+    rows = tpch_duckdb.sql(
         f"SELECT * FROM read_parquet([{', '.join(repr(f) for f in files)}]) ORDER BY hash(l_orderkey * 8 + l_linenumber)"
     )
     path = str(tmp_path / "random.parquet")
     pq.write_table(rows.to_arrow_table(), path, row_group_size=100_000)
-    shuffled, _, _ = simulate(con, [path], Q1_UNIT, exact, keys, Q1_AGGS)
+    shuffled, _, _ = simulate(tpch_duckdb, [path], Q1_UNIT, exact, keys, Q1_AGGS)
     assert shuffled >= 0.93, f"random order: {shuffled:.3f}"
 
 
-def test_clustered_groups_are_covered_or_flagged(con, tpch_data):
+def test_clustered_groups_are_covered_or_flagged(tpch_duckdb, tpch_data):
     """A Q10 shape over a few customers, whose orders each lie in one unit: every estimate
     not flagged unreliable is inside its interval at least 90% of the time."""
     files = parquet_files(tpch.table_paths(tpch_data)["lineitem"])
     keys = ["c_nationkey", "l_returnflag"]
-    _, reliable, flagged = simulate(con, files, Q10_UNIT, Q10, keys, Q10_AGGS)
+    _, reliable, flagged = simulate(tpch_duckdb, files, Q10_UNIT, Q10, keys, Q10_AGGS)
     assert reliable >= 0.90, f"reliable ones covered: {reliable:.3f} ({flagged:.2f} flagged)"
 
 
-def test_a_real_run_flags_groups_seen_in_few_units_and_ends_exact(cl, con):
+def test_a_real_run_flags_groups_seen_in_few_units_and_ends_exact(tpch_cluster, tpch_duckdb):
     """Q3 groups by order: each group lies in one unit, so every estimate before the end is
     flagged, and the final is exact with every flag true; Q1's groups are in every unit and
     are reliable from the first round on."""
     query, ordered = tpch.query(3, SF)
-    results = list(cl.online(query, rounds=4, seed=1, progress=False))
+    results = list(tpch_cluster.online(query, rounds=4, seed=1, progress=False))
     for r in results[:-1]:
         assert not r.estimates["revenue_reliable"].any(), r.round
     final = results[-1].estimates
@@ -239,10 +227,12 @@ def test_a_real_run_flags_groups_seen_in_few_units_and_ends_exact(cl, con):
     assert (final["revenue_low"] == final["revenue"]).all()
     cols = [c for c in final.columns if not c.endswith(("_low", "_high", "_reliable"))]
     assert (
-        tpch.compare(con.sql(query).to_arrow_table(), final.select(cols).to_arrow(), ordered)
+        tpch.compare(
+            tpch_duckdb.sql(query).to_arrow_table(), final.select(cols).to_arrow(), ordered
+        )
         is None
     )
-    first = next(iter(cl.online(tpch.query(1, SF)[0], rounds=4, seed=1, progress=False)))
+    first = next(iter(tpch_cluster.online(tpch.query(1, SF)[0], rounds=4, seed=1, progress=False)))
     flags = [c for c in first.estimates.columns if c.endswith("_reliable")]
     assert first.estimates.select(flags).fill_null(True).to_numpy().all()
 

@@ -17,19 +17,6 @@ from flightshuffle_bench import tpch
 SF = TPCH_SF
 
 
-@pytest.fixture(scope="module")
-def cl(tpch_data):
-    with fs.Cluster(workers=2, timeout=120) as c:
-        for name, path in tpch.table_paths(tpch_data).items():
-            c.register_parquet(name, path)
-        yield c
-
-
-@pytest.fixture(scope="module")
-def con(tpch_data):
-    return tpch.duckdb_connect(tpch_data)
-
-
 def output(est: pl.DataFrame) -> pa.Table:
     """The estimates without their intervals: the query's own columns."""
     cols = [c for c in est.columns if not c.endswith(("_low", "_high", "_reliable"))]
@@ -37,15 +24,15 @@ def output(est: pl.DataFrame) -> pa.Table:
 
 
 @pytest.mark.parametrize("n", [1, 3, 5, 6, 10])
-def test_tpch_shape_final_equals_duckdb_and_intervals_shrink(cl, con, n):
+def test_tpch_shape_final_equals_duckdb_and_intervals_shrink(tpch_cluster, tpch_duckdb, n):
     query, ordered = tpch.query(n, SF)
-    results = list(cl.online(query, rounds=5, seed=n, progress=False))
+    results = list(tpch_cluster.online(query, rounds=5, seed=n, progress=False))
     # An early first round (one split per worker), then 5 of the splits' fifths.
     assert len(results) == results[-1].rounds == 6 and results[-1].final
     assert [r.round for r in results] == list(range(6))
     assert all(a.progress < b.progress for a, b in itertools.pairwise(results))
     assert results[-1].progress == pytest.approx(1.0)
-    want = con.sql(query).to_arrow_table()
+    want = tpch_duckdb.sql(query).to_arrow_table()
     got = output(results[-1].estimates)
     assert got.column_names == want.column_names
     problem = tpch.compare(want, got, ordered)
@@ -54,7 +41,7 @@ def test_tpch_shape_final_equals_duckdb_and_intervals_shrink(cl, con, n):
     for c in [c for c in final.columns if c.endswith("_low")]:
         hi = c.removesuffix("_low") + "_high"
         assert (final[c] == final[hi]).all(), "the final interval has width 0"
-    plan = cl.last_online_plan
+    plan = tpch_cluster.last_online_plan
     assert "SplitScanExec" in plan or "DataSourceExec" in plan
     if "Folds" in plan:
         # Streamed: the fact stage reads splits, into one fold partition per worker (one in
@@ -67,23 +54,25 @@ def width(est: pl.DataFrame, names: list[str]) -> float:
     return sum(float(((est[f"{n}_high"] - est[f"{n}_low"]) / est[n].abs()).mean()) for n in names)
 
 
-def test_intervals_shrink_round_over_round_with_joins(cl):
+def test_intervals_shrink_round_over_round_with_joins(tpch_cluster):
     query, _ = tpch.query(5, SF)
-    results = list(cl.online(query, rounds=5, seed=11, progress=False))
+    results = list(tpch_cluster.online(query, rounds=5, seed=11, progress=False))
     widths = [width(r.estimates, ["revenue"]) for r in results]
     assert widths[0] > widths[2] > widths[4] > widths[5] == 0.0, widths
 
 
-def coverage(cl, con, query: str, keys: list[str], exact_query: str | None = None) -> float:
+def coverage(
+    tpch_cluster, tpch_duckdb, query: str, keys: list[str], exact_query: str | None = None
+) -> float:
     """Share of (group, aggregate) pairs, among estimates not flagged unreliable, whose 95%
     interval after the first round (the first wave: 10-30% of lineitem at SF0.1, about half
     with joins, whose first wave reads up to a row group per worker) holds the
     exact answer, over 20 seeds."""
-    exact = pl.from_arrow(con.sql(exact_query or query).to_arrow_table())
+    exact = pl.from_arrow(tpch_duckdb.sql(exact_query or query).to_arrow_table())
     names = [c for c in exact.columns if c not in keys]
     covered = total = 0
     for seed in range(20):
-        stream = cl.online(query, rounds=10, seed=seed, progress=False)
+        stream = tpch_cluster.online(query, rounds=10, seed=seed, progress=False)
         first = next(stream)
         stream.close()
         assert first.maps_done == 2 and 0.05 < first.progress < 0.55, first.progress
@@ -98,53 +87,57 @@ def coverage(cl, con, query: str, keys: list[str], exact_query: str | None = Non
     return covered / total
 
 
-def test_95_percent_intervals_cover_the_truth_on_a_randomly_ordered_table(cl, con, tmp_path):
+def test_95_percent_intervals_cover_the_truth_on_a_randomly_ordered_table(
+    tpch_cluster, tpch_duckdb, tmp_path
+):
     """lineitem's rows in a random order (12 row groups), Q1: the intervals of the first
     round hold the exact answer for at least 88% of (group, aggregate) pairs over 20 seeds
     (100 seeds: docs/online/index.md#coverage-of-the-intervals)."""
     import pyarrow.parquet as pq
 
-    rows = con.sql("SELECT * FROM lineitem ORDER BY hash(l_orderkey * 8 + l_linenumber)")
+    rows = tpch_duckdb.sql("SELECT * FROM lineitem ORDER BY hash(l_orderkey * 8 + l_linenumber)")
     table = rows.to_arrow_table()
     pq.write_table(table, tmp_path / "random.parquet", row_group_size=-(-table.num_rows // 12))
-    cl.register_parquet("lineitem_random", str(tmp_path / "random.parquet"))
+    tpch_cluster.register_parquet("lineitem_random", str(tmp_path / "random.parquet"))
     query, _ = tpch.query(1, SF)
     random_query = query.replace("lineitem", "lineitem_random")
-    share = coverage(cl, con, random_query, ["l_returnflag", "l_linestatus"], query)
+    share = coverage(
+        tpch_cluster, tpch_duckdb, random_query, ["l_returnflag", "l_linestatus"], query
+    )
     assert share >= 0.88, f"coverage {share:.3f}"
 
 
-def test_95_percent_intervals_cover_the_truth_on_lineitem_as_stored(cl, con):
+def test_95_percent_intervals_cover_the_truth_on_lineitem_as_stored(tpch_cluster, tpch_duckdb):
     """lineitem as tpchgen stores it (by order, an order's lines sharing their dates), Q1
     (one table) and Q5 (six tables): the first round's intervals, from the spread between
     units, hold at least 88% of the reliable pairs over 20 seeds (the row-level intervals
     before held 86-88% over 100 seeds for Q1)."""
     for n, keys in [(1, ["l_returnflag", "l_linestatus"]), (5, ["n_name"])]:
-        share = coverage(cl, con, tpch.query(n, SF)[0], keys)
+        share = coverage(tpch_cluster, tpch_duckdb, tpch.query(n, SF)[0], keys)
         assert share >= 0.88, f"q{n}: coverage {share:.3f}"
 
 
-def test_having_and_order_by_an_aggregate_apply_to_the_estimates(cl, con):
+def test_having_and_order_by_an_aggregate_apply_to_the_estimates(tpch_cluster, tpch_duckdb):
     query = (
         "SELECT n_name, count(*) AS lines, sum(l_quantity) AS qty FROM lineitem, supplier, nation "
         "WHERE l_suppkey = s_suppkey AND s_nationkey = n_nationkey "
         "GROUP BY n_name HAVING sum(l_quantity) > 600000 AND avg(l_discount) < 0.06 "
         "ORDER BY qty DESC LIMIT 5"
     )
-    results = list(cl.online(query, rounds=4, seed=2, progress=False))
-    want = con.sql(query).to_arrow_table()
+    results = list(tpch_cluster.online(query, rounds=4, seed=2, progress=False))
+    want = tpch_duckdb.sql(query).to_arrow_table()
     got = output(results[-1].estimates)
     assert got.column_names == ["n_name", "lines", "qty"], "the HAVING-only AVG is not shown"
     assert 0 < want.num_rows <= 5
     assert tpch.compare(want, got, True) is None
 
 
-def test_online_sql_over_arrow_tables_and_polars(cl):
+def test_online_sql_over_arrow_tables_and_polars(tpch_cluster):
     facts = pl.DataFrame({"k": [i % 7 for i in range(50_000)], "x": list(range(50_000))})
     dims = pl.DataFrame({"k": list(range(7)), "name": [f"g{i}" for i in range(7)]})
     query = "SELECT name, sum(x) AS s, count(*) AS n FROM facts JOIN dims ON facts.k = dims.k GROUP BY name"
     results = list(
-        cl.online(query, tables={"facts": facts, "dims": dims}, rounds=3, progress=False)
+        tpch_cluster.online(query, tables={"facts": facts, "dims": dims}, rounds=3, progress=False)
     )
     got = results[-1].estimates.sort("name")
     want = facts.join(dims, on="k").group_by("name").agg(s=pl.col("x").sum(), n=pl.len())
@@ -154,7 +147,7 @@ def test_online_sql_over_arrow_tables_and_polars(cl):
     assert got["n"].to_list() == [float(v) for v in want["n"]]
 
 
-def test_online_sql_errors_are_clear(cl):
+def test_online_sql_errors_are_clear(tpch_cluster):
     bad = {
         "SELECT n_name, sum(l_quantity) / sum(l_tax) FROM lineitem, supplier, nation "
         "WHERE l_suppkey = s_suppkey AND s_nationkey = n_nationkey GROUP BY n_name": "over aggregates",
@@ -169,27 +162,27 @@ def test_online_sql_errors_are_clear(cl):
     }
     for q, words in bad.items():
         with pytest.raises(ValueError, match=words):
-            next(cl.online(q, progress=False))
+            next(tpch_cluster.online(q, progress=False))
     # The cluster still answers; a query over a small table runs whole: one exact result.
-    r = list(cl.online("SELECT count(*) AS n FROM region", rounds=3, progress=False))
+    r = list(tpch_cluster.online("SELECT count(*) AS n FROM region", rounds=3, progress=False))
     assert len(r) == 1 and r[0].final and r[0].estimates["n"].to_list() == [5.0]
 
 
-def test_duckdb_map_side_refuses_joins_clearly(cl):
+def test_duckdb_map_side_refuses_joins_clearly(tpch_cluster):
     query, _ = tpch.query(3, SF)
     with pytest.raises(ValueError, match="engine='datafusion'"):
-        next(cl.online(query, engine="duckdb", progress=False))
+        next(tpch_cluster.online(query, engine="duckdb", progress=False))
 
 
 @pytest.mark.parametrize("group_by", ["extract(year FROM o_orderdate)", "y", "1"])
-def test_group_by_an_expression_its_alias_or_its_position(cl, con, group_by):
+def test_group_by_an_expression_its_alias_or_its_position(tpch_cluster, tpch_duckdb, group_by):
     query = (
         "SELECT extract(year FROM o_orderdate) AS y, sum(o_totalprice) AS s, "
         "min(o_orderdate) AS first FROM orders JOIN customer ON o_custkey = c_custkey "
         f"GROUP BY {group_by} ORDER BY y"
     )
-    results = list(cl.online(query, rounds=3, seed=1, progress=False))
-    want = con.sql(query).to_arrow_table()
+    results = list(tpch_cluster.online(query, rounds=3, seed=1, progress=False))
+    want = tpch_duckdb.sql(query).to_arrow_table()
     assert tpch.compare(want, output(results[-1].estimates), True) is None
 
 
@@ -254,7 +247,9 @@ def test_closing_the_cluster_under_a_running_online_query_is_quiet(tpch_data, ca
         ),
     ],
 )
-def test_order_by_limit_sends_only_the_candidates_and_stays_exact(cl, con, query, monkeypatch):
+def test_order_by_limit_sends_only_the_candidates_and_stays_exact(
+    tpch_cluster, tpch_duckdb, query, monkeypatch
+):
     """With ORDER BY ... LIMIT k the workers send only the groups that can be among the
     first k (ties included): far fewer rows than there are groups, and the final is exact
     (many ties here: counts, AVG of integers, dates)."""
@@ -277,10 +272,12 @@ def test_order_by_limit_sends_only_the_candidates_and_stays_exact(cl, con, query
         return results_of(Counted(), *args, **kwargs)
 
     monkeypatch.setattr(online, "results", counting)
-    results = list(cl.online(query, rounds=4, seed=3, progress=False))
-    want = con.sql(query).to_arrow_table()
+    results = list(tpch_cluster.online(query, rounds=4, seed=3, progress=False))
+    want = tpch_duckdb.sql(query).to_arrow_table()
     assert tpch.compare(want, output(results[-1].estimates), True) is None
-    groups = con.sql(f"SELECT count(*) FROM ({query.split(' ORDER BY ')[0]})").fetchall()[0][0]
+    groups = tpch_duckdb.sql(f"SELECT count(*) FROM ({query.split(' ORDER BY ')[0]})").fetchall()[
+        0
+    ][0]
     assert len(sent) == len(results) and max(sent) < groups / 4, (sent, groups)
 
 
@@ -301,7 +298,7 @@ def test_counts_of_arguments_that_cannot_be_null_are_one_count():
     assert plan_sql("SELECT k, AVG(a) FROM t GROUP BY k", "datafusion").stats.count("COUNT(*)") == 0
 
 
-def test_nulls_in_a_nullable_column_are_not_counted(cl, tmp_path):
+def test_nulls_in_a_nullable_column_are_not_counted(tpch_cluster, tmp_path):
     """A Parquet table with a required and a nullable column: AVG and COUNT of each are exact
     (the required one's count is shared, the nullable one's is its own)."""
     import pyarrow.parquet as pq
@@ -325,7 +322,7 @@ def test_nulls_in_a_nullable_column_are_not_counted(cl, tmp_path):
     path = tmp_path / "t.parquet"
     pq.write_table(data, path, row_group_size=1000)
     query = "SELECT k, avg(a) AS aa, count(a) AS ca, avg(b) AS ab, count(b) AS cb FROM t GROUP BY k ORDER BY k"
-    final = list(cl.online(query, tables={"t": str(path)}, rounds=3, progress=False))[-1]
+    final = list(tpch_cluster.online(query, tables={"t": str(path)}, rounds=3, progress=False))[-1]
     want = (
         pl.from_arrow(data)
         .group_by("k")
@@ -342,7 +339,7 @@ def test_nulls_in_a_nullable_column_are_not_counted(cl, tmp_path):
         assert got[c].to_list() == pytest.approx([float(v) for v in want[c]]), c
 
 
-def test_a_table_rewritten_in_place_is_read_again(cl, tmp_path):
+def test_a_table_rewritten_in_place_is_read_again(tpch_cluster, tmp_path):
     """The online context keeps its tables registered between queries; a file rewritten
     under the same path (new rows, a new column) is registered again, not read stale."""
     import pyarrow.parquet as pq
@@ -350,16 +347,16 @@ def test_a_table_rewritten_in_place_is_read_again(cl, tmp_path):
     path = tmp_path / "t.parquet"
     pq.write_table(pa.table({"k": [1, 2, 2] * 1000, "x": [1.0, 2.0, 3.0] * 1000}), path)
     query = "SELECT k, sum(x) AS s FROM t GROUP BY k ORDER BY k"
-    first = list(cl.online(query, tables={"t": str(path)}, rounds=2, progress=False))[-1]
+    first = list(tpch_cluster.online(query, tables={"t": str(path)}, rounds=2, progress=False))[-1]
     assert first.estimates["s"].to_list() == [1000.0, 5000.0]
     pq.write_table(
         pa.table({"k": [1, 3] * 1000, "y": ["a", "b"] * 1000, "x": [10.0, 20.0] * 1000}), path
     )
-    again = list(cl.online(query, tables={"t": str(path)}, rounds=2, progress=False))[-1]
+    again = list(tpch_cluster.online(query, tables={"t": str(path)}, rounds=2, progress=False))[-1]
     assert again.estimates["k"].to_list() == [1, 3]
     assert again.estimates["s"].to_list() == [10000.0, 20000.0]
     by_y = "SELECT y, sum(x) AS s FROM t GROUP BY y ORDER BY y"
-    new = list(cl.online(by_y, tables={"t": str(path)}, rounds=2, progress=False))[-1]
+    new = list(tpch_cluster.online(by_y, tables={"t": str(path)}, rounds=2, progress=False))[-1]
     assert new.estimates["y"].to_list() == ["a", "b"]
 
 
@@ -473,7 +470,7 @@ def test_fact_units_cut_row_groups_into_units_and_read_every_row_once(tmp_path):
 
 
 @pytest.mark.parametrize("n, cut", [(1, True), (6, True), (3, False)])
-def test_a_one_table_query_cuts_its_first_wave_and_stays_exact(cl, con, n, cut):
+def test_a_one_table_query_cuts_its_first_wave_and_stays_exact(tpch_cluster, tpch_duckdb, n, cut):
     """lineitem at SF0.1: 4 files of one row group each, cut into units of at least 8,192
     rows. A query over one table reads at most FIRST_WAVE_ROWS rows in each worker's first
     task; a query with joins up to a row group's. Every unit is its own partition of the
@@ -482,21 +479,23 @@ def test_a_one_table_query_cuts_its_first_wave_and_stays_exact(cl, con, n, cut):
     from flightshuffle.dataset import parquet_files
 
     query, ordered = tpch.query(n, SF)
-    results = list(cl.online(query, rounds=2, seed=3, min_splits=1, progress=False))
-    files = parquet_files(cl._tables["lineitem"])
+    results = list(tpch_cluster.online(query, rounds=2, seed=3, min_splits=1, progress=False))
+    files = parquet_files(tpch_cluster._tables["lineitem"])
     units, per_task = un.fact_units(files, 20, 3, 2, 2, un.FIRST_WAVE_ROWS if cut else None)
     assert results[-1].maps_total == len(per_task)
-    assert f"SplitScanExec: {len(units)} splits" in cl.last_online_plan
-    assert "SplitTotalsExec" in cl.last_online_plan
-    rows = con.sql("SELECT count(*) FROM lineitem").fetchall()[0][0]
+    assert f"SplitScanExec: {len(units)} splits" in tpch_cluster.last_online_plan
+    assert "SplitTotalsExec" in tpch_cluster.last_online_plan
+    rows = tpch_duckdb.sql("SELECT count(*) FROM lineitem").fetchall()[0][0]
     # The first round: the first two commits, first-wave tasks (only those run at first).
     assert results[0].progress <= 2 * (un.FIRST_WAVE_ROWS if cut else 150_753) / rows
-    problem = tpch.compare(con.sql(query).to_arrow_table(), output(results[-1].estimates), ordered)
+    problem = tpch.compare(
+        tpch_duckdb.sql(query).to_arrow_table(), output(results[-1].estimates), ordered
+    )
     assert problem is None, f"q{n}: {problem}"
 
 
 @pytest.mark.parametrize("n", [1, 3])
-def test_splits_of_merged_row_groups_stay_exact(cl, con, tpch_data, tmp_path, n):
+def test_splits_of_merged_row_groups_stay_exact(tpch_cluster, tpch_duckdb, tpch_data, tmp_path, n):
     """lineitem as one file of 30 row groups of 20,000 rows: units of a row group or part of
     one, several per map task; the rounds asked for all come, and the final equals
     DuckDB's."""
@@ -508,13 +507,15 @@ def test_splits_of_merged_row_groups_stay_exact(cl, con, tpch_data, tmp_path, n)
     query, ordered = tpch.query(n, SF)
     try:
         results = list(
-            cl.online(query, tables={"lineitem": path}, rounds=3, seed=2, progress=False)
+            tpch_cluster.online(query, tables={"lineitem": path}, rounds=3, seed=2, progress=False)
         )
     finally:
-        cl.register_parquet("lineitem", original)
+        tpch_cluster.register_parquet("lineitem", original)
     assert len(results) == 4 and results[-1].final
     assert 2 + 3 <= results[-1].maps_total < 30
-    units = int(cl.last_online_plan.split("SplitScanExec: ")[1].split(" ")[0])
+    units = int(tpch_cluster.last_online_plan.split("SplitScanExec: ")[1].split(" ")[0])
     assert units >= 2 * results[-1].maps_total, "several units per map task"
-    problem = tpch.compare(con.sql(query).to_arrow_table(), output(results[-1].estimates), ordered)
+    problem = tpch.compare(
+        tpch_duckdb.sql(query).to_arrow_table(), output(results[-1].estimates), ordered
+    )
     assert problem is None, f"q{n}: {problem}"
