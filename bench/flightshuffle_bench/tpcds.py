@@ -131,6 +131,13 @@ def run(args: argparse.Namespace) -> int:
     with Cluster(workers=args.workers, memory_budget=args.memory_budget) as c:
         for name, path in tables(root).items():
             c.register_parquet(name, path)
+        for setting in args.set:
+            name, sep, value = setting.partition("=")
+            if not sep or not name.strip():
+                print(f"--set wants NAME=VALUE, got {setting!r}", file=sys.stderr)
+                return 2
+            c.sql(f"SET {name.strip()} = '{value.strip()}'")
+        report["settings"] = args.set
         for q in wanted:
             sql = texts[q]
             t = time.monotonic()
@@ -177,4 +184,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--memory-budget", default="2GiB")
     s.add_argument("--queries", help="comma-separated query numbers (default: all 99)")
     s.add_argument("--json", help="also write the JSON to this file")
+    s.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a session setting for every distributed query, e.g. "
+        "flightshuffle.selective_joins_first=false (repeatable)",
+    )
     s.set_defaults(run=run)

@@ -5,6 +5,7 @@
 //! driver, which reads the last exchange. `EXPLAIN` / `EXPLAIN ANALYZE` print the stages.
 
 use crate::broadcast::BroadcastJoins;
+use crate::join_order::SelectiveJoinsFirst;
 use crate::planner::{plan_stages_with, StagedPlan, SMALL_GATHER_ROWS};
 use crate::result::text_result;
 pub use crate::result::{QueryResult, StageMetrics};
@@ -106,6 +107,7 @@ impl DistributedContext {
             .with_config(config)
             .with_default_features()
             .with_physical_optimizer_rules(rules)
+            .with_optimizer_rule(Arc::new(SelectiveJoinsFirst))
             .build();
         let ctx = SessionContext::new_with_state(state);
         ctx.register_udf(crate::double::udf());

@@ -18,6 +18,7 @@ pub mod execute;
 pub mod flight_sql;
 pub mod fold;
 pub mod held;
+pub mod join_order;
 pub mod online;
 pub mod planner;
 pub mod pool;
@@ -105,6 +106,10 @@ datafusion::common::extensions_options! {
         /// (`s3://bucket/prefix`, `file:///dir`; it takes the cluster's storage options),
         /// `off` for none, or empty (the default) for the cluster's `storage=`.
         pub storage: String, default = String::new()
+        /// Inner joins with filtered inputs join a chain's first input before the joins that
+        /// do not reduce it ([`crate::join_order`]), so a stage's scan is reduced by them
+        /// where no dynamic filter from another stage can reach it.
+        pub selective_joins_first: bool, default = true
     }
 }
 
