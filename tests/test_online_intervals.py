@@ -269,10 +269,16 @@ def test_the_estimator_equals_the_cluster_sampling_formulas(units, unread):
             "__ss1": [(s * s).sum()],
             "__cc1": [(c * c).sum()],
             "__sc1": [(s * c).sum()],
+            # A ratio SUM(s) / SUM(c): the same sums as the AVG's.
+            "__c2": [c.sum()],
+            "__s2": [s.sum()],
+            "__ss2": [(s * s).sum()],
+            "__cc2": [(c * c).sum()],
+            "__sc2": [(s * c).sum()],
             es.UNITS: [float(n)],
         }
     )
-    aggs = [es.AggRef("total", "sum"), es.AggRef("mean", "mean")]
+    aggs = [es.AggRef("total", "sum"), es.AggRef("mean", "mean"), es.AggRef("share", "ratio")]
     sample = es.Sample(n, big_n, int(m.sum()), total_rows, float((m * m).sum()))
     got = es.estimate_arrow(state, [], aggs, sample).to_pylist()[0]
     fpc = 1 - n / big_n
@@ -290,4 +296,16 @@ def test_the_estimator_equals_the_cluster_sampling_formulas(units, unread):
     half = (got["mean_high"] - got["mean_low"]) / 2
     tol = 1e-4 * max(abs(s).max(), 1.0) / c.mean()
     assert half == pytest.approx(q * np.sqrt(var), rel=1e-4, abs=tol) or fpc == 0
-    assert got["total_reliable"] == (n >= es.MIN_UNITS or n == big_n)
+    for x in ("", "_low", "_high"):
+        assert got[f"share{x}"] == got[f"mean{x}"], "a ratio of sums is estimated as an AVG"
+
+    def spread(x: np.ndarray) -> bool:
+        """The total over at least MIN_EFFECTIVE_UNITS units' worth: (Σx)² / Σx²."""
+        return bool(
+            (x * x).sum() > 0 and x.sum() * x.sum() >= es.MIN_EFFECTIVE_UNITS * (x * x).sum()
+        )
+
+    final = n == big_n
+    assert got["total_reliable"] == (final or (n >= es.MIN_UNITS and spread(s)))
+    assert got["mean_reliable"] == (final or (n >= es.MIN_UNITS and spread(c)))
+    assert got["share_reliable"] == (final or (n >= es.MIN_UNITS and spread(s) and spread(c)))

@@ -23,13 +23,27 @@ def output(est: pl.DataFrame) -> pa.Table:
     return est.select(cols).to_arrow()
 
 
-@pytest.mark.parametrize("n", [1, 3, 5, 6, 10])
+# The TPC-H queries online aggregation runs from their unmodified text: Q7-Q9 through their
+# derived table, Q7 and Q8 reading nation twice, Q8 and Q14 a ratio of two sums, Q11 and Q18
+# with their subquery run exactly first, Q4's EXISTS as a join with the keys it finds.
+ONLINE_TPCH = [1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 14, 18, 19]
+# Those whose sampled table is not lineitem (a small one: fewer rounds).
+SMALL_SAMPLED = {14}
+# Those without group keys (one fold partition in all).
+NO_KEYS = {6, 14, 19}
+
+
+@pytest.mark.parametrize("n", ONLINE_TPCH)
 def test_tpch_shape_final_equals_duckdb_and_intervals_shrink(tpch_cluster, tpch_duckdb, n):
     query, ordered = tpch.query(n, SF)
     results = list(tpch_cluster.online(query, rounds=5, seed=n, progress=False))
-    # An early first round (one split per worker), then 5 of the splits' fifths.
-    assert len(results) == results[-1].rounds == 6 and results[-1].final
-    assert [r.round for r in results] == list(range(6))
+    # An early first round (one split per worker), then 5 of the splits' fifths; fewer when
+    # the table sampled is small (Q14 samples part: lineitem, filtered to one month, is the
+    # side DataFusion builds on).
+    rounds = results[-1].rounds
+    assert len(results) == rounds and results[-1].final
+    assert rounds == 6 or (n in SMALL_SAMPLED and rounds >= 2), rounds
+    assert [r.round for r in results] == list(range(rounds))
     assert all(a.progress < b.progress for a, b in itertools.pairwise(results))
     assert results[-1].progress == pytest.approx(1.0)
     want = tpch_duckdb.sql(query).to_arrow_table()
@@ -47,7 +61,7 @@ def test_tpch_shape_final_equals_duckdb_and_intervals_shrink(tpch_cluster, tpch_
         # Streamed: the fact stage reads splits, into one fold partition per worker (one in
         # all without group keys).
         assert "SplitScanExec" in plan, plan
-        assert f"fold partitions: {1 if n == 6 else 2};" in plan, plan
+        assert f"fold partitions: {1 if n in NO_KEYS else 2};" in plan, plan
 
 
 def width(est: pl.DataFrame, names: list[str]) -> float:
@@ -149,12 +163,17 @@ def test_online_sql_over_arrow_tables_and_polars(tpch_cluster):
 
 def test_online_sql_errors_are_clear(tpch_cluster):
     bad = {
-        "SELECT n_name, sum(l_quantity) / sum(l_tax) FROM lineitem, supplier, nation "
+        "SELECT n_name, sum(l_quantity) - sum(l_tax) FROM lineitem, supplier, nation "
         "WHERE l_suppkey = s_suppkey AND s_nationkey = n_nationkey GROUP BY n_name": "over aggregates",
+        "SELECT sum(l_quantity) / (2 * sum(l_tax)) FROM lineitem": "ratio of two sums",
+        "SELECT f, sum(n) FROM (SELECT l_returnflag AS f, count(*) AS n FROM lineitem "
+        "GROUP BY l_returnflag) AS t GROUP BY f": "subqueries",
+        tpch.query(17, SF)[0]: "correlated",
+        tpch.query(21, SF)[0]: "EXISTS",
         "SELECT a.l_returnflag, sum(a.l_tax) FROM lineitem a JOIN lineitem b "
         "ON a.l_orderkey = b.l_orderkey GROUP BY a.l_returnflag": "twice",
-        "SELECT o_orderpriority, count(*) FROM orders WHERE o_orderkey IN "
-        "(SELECT l_orderkey FROM lineitem) GROUP BY o_orderpriority": "subqueries",
+        "SELECT o_orderpriority, count(*) FROM orders WHERE o_orderkey NOT IN "
+        "(SELECT l_orderkey FROM lineitem) GROUP BY o_orderpriority": "at most 10000",
         "SELECT n_name, count(*) FROM nation LEFT JOIN supplier ON s_nationkey = n_nationkey "
         "GROUP BY n_name": "inner joins",
         "SELECT sum(x) FROM nowhere": "unknown table",

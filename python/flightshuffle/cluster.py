@@ -10,6 +10,7 @@ import re
 import shlex
 import sys
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Self
 
@@ -471,8 +472,10 @@ class Cluster:
         final (exact) one.
 
         ``query`` is SQL (``SELECT keys, SUM/COUNT/AVG/MIN/MAX(expr) ... FROM t [WHERE ...]
-        GROUP BY keys``) over ``tables`` (as in :meth:`sql`) or a table registered here, run
-        by ``engine`` (DataFusion or DuckDB); or a ``dataset.group_by(keys).agg(exprs)`` with
+        GROUP BY keys``, with ratios ``SUM(a) / SUM(b)``, inner joins, a derived table that
+        computes columns, and subqueries that run first, exactly: docs/guide/online.md) over
+        ``tables`` (as in :meth:`sql`) or a table registered here, run by ``engine``
+        (DataFusion or DuckDB); or a ``dataset.group_by(keys).agg(exprs)`` with
         Polars expressions. The input is read in sampling units, in a random order
         (``seed``), in ``rounds`` rounds. SQL on DataFusion: at least 64 units (or
         ``min_splits``) of at least 8,192 rows within a row group, several per map task,
@@ -485,6 +488,7 @@ class Cluster:
         no interval). A tqdm bar shows progress on a terminal."""
         from flightshuffle import online as ol
         from flightshuffle.dataset import Grouped, make_splits, parquet_files, shuffled
+        from flightshuffle.rewrite import resolve
 
         started = time.perf_counter()
 
@@ -515,6 +519,20 @@ class Cluster:
                     self._tables[name] = os.fspath(source)
                 else:
                     self._tables[name] = self._write_arrow(source, name)
+
+            # Uncorrelated subqueries run exactly first, their values written into the query
+            # (many values: a table of them, joined).
+            def keep(values: Any) -> str:
+                name = f"__in_{uuid.uuid4().hex[:12]}"
+                self._tables[name] = self._write_arrow(values, name)
+                return name
+
+            query = resolve(
+                query,
+                engine,
+                lambda q: self.sql(q, tables=dict(self._tables), progress=False),
+                keep,
+            )
             plan = ol.plan_sql(query, engine, self._never_null)
             if engine == "datafusion":
                 return ol.run_sql(

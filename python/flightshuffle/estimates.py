@@ -13,13 +13,16 @@ group appears in. From them, the standard estimators of cluster sampling (Cochra
 * SUM and COUNT: the ratio-to-size estimate ``M·Σt/Σm`` (``M`` the input's rows), with the
   variance of the residuals ``t - r·m`` between units and the finite-population correction
   over units, ``1 - n/N``;
-* AVG: the ratio ``Σs/Σc``, with the variance of ``s - R·c`` between units;
+* AVG: the ratio ``Σs/Σc``, with the variance of ``s - R·c`` between units; a ratio of two
+  sums, ``SUM(a) / SUM(b)`` (times a constant), the same with ``s`` and ``c`` the unit's sums
+  of ``a`` and ``b`` (the delta method for a ratio estimator, Cochran §6.3);
 * a Student t quantile with ``n - 1`` degrees of freedom, ``n`` the units read;
 * MIN and MAX: the extremes seen so far, without interval.
 
 After every unit is read the intervals have zero width: the answer is exact. An estimate is
 flagged unreliable (``{name}_reliable`` false) while its group has been seen in fewer than
-:data:`MIN_UNITS` units: the normal approximation then has too little to stand on (a group
+:data:`MIN_UNITS` units, or the total it rests on comes from fewer than
+:data:`MIN_EFFECTIVE_UNITS` units' worth (a rare condition inside the aggregate): the normal approximation then has too little to stand on (a group
 whose rows all lie in one unit is either absent or seen once, and its interval says little).
 
 The driver computes this every round while the workers want the same cores, so the SQL path
@@ -39,10 +42,13 @@ import pyarrow.compute as pc
 
 from flightshuffle import ops
 
-# Statistics each aggregate kind needs: c = count, s = sum, m = min/max.
+# Statistics each aggregate kind needs: c = count, s = sum, m = min/max. A ratio of two sums
+# (``SUM(a) / SUM(b)``) is estimated as an AVG is, with ``s`` the numerator's sum and ``c`` the
+# denominator's.
 NEEDS = {
     "sum": "cs",
     "mean": "cs",
+    "ratio": "cs",
     "count": "c",
     "len": "c",
     "min": "m",
@@ -54,6 +60,7 @@ NEEDS = {
 PRODUCTS = {
     "sum": ("ss", "sm"),
     "mean": ("ss", "cc", "sc"),
+    "ratio": ("ss", "cc", "sc"),
     "count": ("cc", "cm"),
     "len": ("cc", "cm"),
     "min": (),
@@ -63,8 +70,10 @@ PRODUCTS = {
 # Per group: the units it appears in.
 UNITS = "__units"
 
-# An estimate is reliable from this many units holding its group on (see the module doc).
+# An estimate is reliable from this many units holding its group on (see the module doc), and
+# when the total it rests on is spread over at least this many units' worth (``_spread``).
 MIN_UNITS = 5
+MIN_EFFECTIVE_UNITS = 3
 
 
 @dataclass(frozen=True)
@@ -166,10 +175,10 @@ def _intervals(
             if a.kind in ("min", "max"):
                 continue
             c = value(f"__c{j}")
-            if a.kind == "mean":
+            if a.kind in ("mean", "ratio"):
                 s = value(f"__s{j}")
                 est = s / c
-                est_null = ~(c > 0)
+                est_null = ~(c > 0) if a.kind == "mean" else ~(c != 0)
                 if not final:
                     sc, cc = value(f"__sc{j}"), value(f"__cc{j}")
                     resid = value(f"__ss{j}") - 2 * est * sc + est**2 * cc
@@ -188,12 +197,32 @@ def _intervals(
                     se = sample.total_rows * np.sqrt(var_r)
             if final:
                 se = np.zeros(height)
+                ok = reliable
+            else:
+                ok = pa.array(reliable.to_numpy(zero_copy_only=False) & _spread(value, a, j))
             no_se = est_null | ~np.isfinite(se)
             floats[a.name] = pa.array(est, mask=est_null)
             floats[f"{a.name}_low"] = pa.array(est if final else est - q * se, mask=no_se)
             floats[f"{a.name}_high"] = pa.array(est if final else est + q * se, mask=no_se)
-            floats[f"{a.name}_reliable"] = reliable
+            floats[f"{a.name}_reliable"] = ok
     return floats
+
+
+def _spread(value: Callable[[str], np.ndarray], a: AggRef, j: int) -> np.ndarray:
+    """Whether the total an estimate rests on is spread over at least
+    :data:`MIN_EFFECTIVE_UNITS` units: ``(Σx)² / Σx²`` over the units read, ``x`` a unit's
+    total (the count for COUNT and AVG, the sum for SUM, both for a ratio), is the number of
+    units it would take to give the same total in equal parts. A rare condition
+    (``SUM(CASE WHEN nation = 'BRAZIL' ...)``) met in one or two units, or never, gives a
+    narrow interval or none: the group itself may be in many units."""
+    stats = {"count": "c", "len": "c", "mean": "c", "sum": "s", "ratio": "sc"}[a.kind]
+    ok = np.ones(len(value(UNITS)), dtype=bool)
+    for x in stats:
+        total, squares = value(f"__{x}{j}"), value(f"__{x}{x}{j}")
+        with np.errstate(all="ignore"):
+            ok &= total * total >= MIN_EFFECTIVE_UNITS * squares
+        ok &= squares > 0
+    return ok
 
 
 EXTRAS = ("", "_low", "_high", "_reliable")

@@ -42,6 +42,7 @@ from flightshuffle.estimates import (
     unit_products,
 )
 from flightshuffle.joblog import JobLog
+from flightshuffle.rewrite import inline_derived, parse, ratio
 from flightshuffle.units import FIRST_WAVE_ROWS, fact_units
 
 
@@ -128,7 +129,7 @@ class SqlPlan:
     table: str
     """The first table of FROM (the only one for the DuckDB map side)."""
     tables: list[str]
-    """Every table the query reads."""
+    """Every table the query reads, once per time it is read."""
     keys: list[str]
     aggs: list[AggRef]
     stats: str
@@ -227,20 +228,9 @@ def plan_sql(
     again (15 ms for TPC-H Q10, on the way to its first split)."""
     from sqlglot import exp
 
-    tables = [t.name for t in _parse(query, engine).find_all(exp.Table)]
+    tables = [t.name for t in parse(query, engine).find_all(exp.Table)]
     required = frozenset(never_null(tables) if never_null else ())
     return _plan_sql(query, engine, required)
-
-
-@functools.lru_cache(maxsize=256)
-def _parse(query: str, engine: str) -> Any:
-    """The query's syntax tree (shared: callers copy what they change)."""
-    import sqlglot
-
-    try:
-        return sqlglot.parse_one(query, read="duckdb" if engine == "duckdb" else None)
-    except sqlglot.errors.ParseError as e:
-        raise ValueError(f"cannot parse the online query: {e}") from e
 
 
 @functools.lru_cache(maxsize=256)
@@ -249,13 +239,13 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
     from sqlglot import exp
 
     dialect = "duckdb" if engine == "duckdb" else None
-    tree = _parse(query, engine)
+    tree = inline_derived(parse(query, engine))
 
     def unsupported(what: str) -> ValueError:
         return ValueError(
             "online aggregation supports SELECT <group keys>, SUM/COUNT/AVG/MIN/MAX(<expr>) "
-            "FROM <tables> [JOIN ...] [WHERE ...] GROUP BY <keys> [HAVING ...] [ORDER BY ...] "
-            f"[LIMIT n]; {what}"
+            "or SUM(<expr>) / SUM(<expr>) FROM <tables or one derived table> [JOIN ...] "
+            f"[WHERE ...] GROUP BY <keys> [HAVING ...] [ORDER BY ...] [LIMIT n]; {what}"
         )
 
     def sql(e: exp.Expression) -> str:
@@ -285,8 +275,6 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
         not isinstance(j.this, exp.Table) for j in tree.args.get("joins") or []
     ):
         raise unsupported("FROM and JOIN must name tables (no subqueries)")
-    if len(tables) != len(set(tables)):
-        raise unsupported("a table is read twice (self-joins are not supported)")
     table = source.this.name
     named = frozenset(n for t in tree.find_all(exp.Table) for n in (t.name, t.alias_or_name))
     to_double = TO_DOUBLE if engine == "datafusion" else None
@@ -340,11 +328,23 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
             col = stat_items.setdefault(expr, f"__u{len(stat_items)}")
             stat_of[f"__{stat}{j}"] = col
 
+    def add_ratio(num: exp.Expression, den: exp.Expression, name: str) -> None:
+        # Estimated as an AVG is: ``s`` the numerator's sum, ``c`` the denominator's.
+        j = len(aggs)
+        aggs.append(AggRef(name, "ratio"))
+        for stat, e in (("s", num), ("c", den)):
+            if list(e.find_all(exp.AggFunc)):
+                raise unsupported(f"{sql(e)} nests aggregates")
+            x = column(sql(as_double(e, cast=to_double)))
+            col = stat_items.setdefault(f"SUM({x})", f"__u{len(stat_items)}")
+            stat_of[f"__{stat}{j}"] = col
+
     outputs: dict[str, str] = {}
     selected: list[str] = []
     for item in tree.expressions:
         inner = item.this if isinstance(item, exp.Alias) else item
-        name = item.alias_or_name or sql(inner)
+        # Unnamed: the text, function names in lower case (as DuckDB names `sum(x)`).
+        name = item.alias_or_name or inner.sql(dialect=dialect, normalize_functions="lower")
         if not list(inner.find_all(exp.AggFunc)):
             if sql(inner) not in group_sql:
                 raise unsupported(f"{sql(inner)} is neither an aggregate nor a GROUP BY key")
@@ -353,10 +353,16 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
             selected.append(name)
             continue
         selected += [name, f"{name}_low", f"{name}_high", f"{name}_reliable"]
+        parts = ratio(inner)
+        if parts is not None:
+            add_ratio(*parts, name)
+            outputs[sql(inner)] = name
+            continue
         if not isinstance(inner, exp.AggFunc):
             raise unsupported(
-                f"{sql(inner)} computes over aggregates, which has no interval here; select "
-                "the aggregates and compute it from the estimates"
+                f"{sql(inner)} computes over aggregates: of those only a ratio of two sums, "
+                "SUM(a) / SUM(b), either times a number, has an interval here; select the "
+                "aggregates and compute it from the estimates"
             )
         add_agg(inner, name)
         outputs[sql(inner)] = name
@@ -571,44 +577,62 @@ def run_sql(
     if rounds < 1:
         raise ValueError("online aggregation needs at least one round")
     started = time.perf_counter() if started is None else started
-    for t in plan.tables:
+    names = list(dict.fromkeys(plan.tables))
+    for t in names:
         if t not in tables:
             raise ValueError(f"unknown table {t!r}: pass it in tables= or register_parquet() it")
-    files = {t: parquet_files(tables[t]) for t in plan.tables}
+    files = {t: parquet_files(tables[t]) for t in names}
     rows = {t: sum(footers.file_rows(f) for f in fs) for t, fs in files.items()}
-    fact = max(plan.tables, key=lambda t: rows[t])
-    # With joins the first estimate waits for the build sides: a first wave cut below a row
-    # group brings it little earlier and its extra splits cost more (see FIRST_WAVE_ROWS).
-    head = FIRST_WAVE_ROWS if len(plan.tables) == 1 else None
-    splits, per_task = fact_units(files[fact], want, seed, cluster.workers, rounds, head)
-    if not splits:
-        raise ValueError(f"the fact table {fact!r} has no rows")
+    # The largest table is sampled (the fact table). Each row of an inner join's result holds
+    # one row of every table, so another table read once may be sampled instead: the next
+    # largest is tried when the plan cannot make the largest its probe side (DataFusion builds
+    # on the smaller side by its estimates: a filtered fact table can look smaller).
+    candidates = sorted(names, key=lambda t: -rows[t])
+    if plan.tables.count(candidates[0]) > 1:
+        raise ValueError(
+            f"online aggregation samples the largest table, {candidates[0]!r}, which the query "
+            "reads twice (a self-join of the sampled table is not supported; other tables may "
+            "repeat)"
+        )
+    candidates = [t for t in candidates if plan.tables.count(t) == 1][:2]
     shape = Shape(
         plan.keys, plan.aggs, plan.order, plan.limit, plan.having, plan.hidden, plan.selected
     )
-    total = sum(s[4] for s in splits)
     expand = lambda t: expand_stats(t, plan)
     log = JobLog(cluster.native, plan.query, cluster.workers)
-    try:
-        native, cluster.last_online_plan = cluster.native.online_sql(
-            plan.stats,
-            [(t, tables[t], footers.version(files[t])) for t in plan.tables],
-            splits,
-            rounds,
-            emit_top(plan),
-            plan.terms,
-            per_task,
-        )
-    except ValueError as e:
-        if "small enough to run whole" not in str(e):
+    for i, fact in enumerate(candidates):
+        # With joins the first estimate waits for the build sides: a first wave cut below a
+        # row group brings it little earlier and its extra splits cost more (FIRST_WAVE_ROWS).
+        head = FIRST_WAVE_ROWS if len(plan.tables) == 1 else None
+        splits, per_task = fact_units(files[fact], want, seed, cluster.workers, rounds, head)
+        if not splits:
+            log.end(False, f"the fact table {fact!r} has no rows")
+            raise ValueError(f"the fact table {fact!r} has no rows")
+        total = sum(s[4] for s in splits)
+        try:
+            native, cluster.last_online_plan = cluster.native.online_sql(
+                plan.stats,
+                [(t, tables[t], footers.version(files[t])) for t in names],
+                splits,
+                rounds,
+                emit_top(plan),
+                plan.terms,
+                per_task,
+            )
+            break
+        except ValueError as e:
+            if "must end in a partial aggregate" in str(e) and i + 1 < len(candidates):
+                continue
+            if "small enough to run whole" not in str(e):
+                log.end(False, str(e))
+                raise
+            # Nothing to stream: the statistics query runs whole, its one result is exact.
+            native = _Whole(cluster.sql(plan.stats), started)
+            cluster.last_online_plan = cluster.explain(plan.stats)
+            break
+        except BaseException as e:
             log.end(False, str(e))
             raise
-        # Nothing to stream: the statistics query runs whole, its one result is exact.
-        native = _Whole(cluster.sql(plan.stats), started)
-        cluster.last_online_plan = cluster.explain(plan.stats)
-    except BaseException as e:
-        log.end(False, str(e))
-        raise
     out = results(native, expand, shape, total, len(splits), confidence, progress, started)
     return log.rounds(out)
 
@@ -636,6 +660,9 @@ def emit_top(plan: SqlPlan) -> tuple[int, int | None, bool, bool, int] | None:
         return (at("s"), None, True, desc, plan.limit)
     if kind == "mean":
         return (at("s"), at("c"), True, desc, plan.limit)
+    if kind == "ratio":
+        # Denominators may be negative or zero: every group is sent.
+        return None
     if kind in ("count", "len"):
         return (at("c"), None, False, desc, plan.limit)
     if kind in ("min", "max"):

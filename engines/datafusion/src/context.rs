@@ -82,7 +82,13 @@ impl DistributedContext {
         let opts = &mut config.options_mut().optimizer;
         opts.hash_join_single_partition_threshold = usize::MAX;
         opts.hash_join_single_partition_threshold_rows = usize::MAX;
-        config
+        // Every join is in the fact table's stage anyway; the written order keeps the fact
+        // table on the probe side of the chain (moved, a filtered join could make the chain
+        // the smaller side, a build side cut into a stage of its own).
+        config.with_option_extension(crate::FlightshuffleOptions {
+            selective_joins_first: false,
+            ..Default::default()
+        })
     }
 
     /// A context whose queries run on `driver`'s workers, with the session settings in `config`.

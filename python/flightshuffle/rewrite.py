@@ -1,0 +1,304 @@
+"""Rewrites of an online query's text before it is planned (``online.plan_sql``):
+
+* a derived table that only computes columns is read as the query it stands for
+  (:func:`inline_derived`);
+* ``[k *] SUM(a) / SUM(b)`` is recognised as a ratio of two sums (:func:`ratio`);
+* uncorrelated subqueries in WHERE and HAVING run exactly first, on the cluster, and are
+  replaced by their values (:func:`resolve_subqueries`): the rest of the query streams.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+
+# An IN subquery is replaced by the list of its values up to this many.
+MAX_IN_VALUES = 10_000
+
+
+def inline_derived(tree: Any) -> Any:
+    """``SELECT ... FROM (SELECT <exprs> AS <names> FROM ... WHERE ...) AS t [WHERE ...] GROUP
+    BY ...`` (TPC-H Q7, Q8, Q9) as the one query it stands for: the derived table's names
+    replaced by its expressions, its FROM, joins and WHERE taken over. Anything else (a derived
+    table that aggregates, filters on its own aggregates, is joined) is returned as it is."""
+    from sqlglot import exp
+
+    source = tree.args.get("from_") or tree.args.get("from")
+    if not isinstance(tree, exp.Select) or source is None:
+        return tree
+    derived = source.this
+    if not isinstance(derived, exp.Subquery) or tree.args.get("joins"):
+        return tree
+    inner = derived.this
+    if not isinstance(inner, exp.Select) or any(
+        inner.args.get(a)
+        for a in ("group", "having", "distinct", "limit", "order", "qualify", "windows", "with_")
+    ):
+        return tree
+    if list(inner.find_all(exp.AggFunc)) or any(s is not inner for s in inner.find_all(exp.Select)):
+        return tree
+    alias = derived.alias_or_name
+    names = {e.alias_or_name: e.this if isinstance(e, exp.Alias) else e for e in inner.expressions}
+
+    def put(node: Any) -> Any:
+        if isinstance(node, exp.Column) and node.table in ("", alias) and node.name in names:
+            body = names[node.name].copy()
+            return exp.Paren(this=body) if isinstance(body, (exp.Binary, exp.Case)) else body
+        return node
+
+    out = tree.copy()
+    items = []
+    for item in out.expressions:
+        name = item.alias_or_name
+        body = (item.this if isinstance(item, exp.Alias) else item).transform(put)
+        items.append(exp.alias_(body, name) if name else body)
+    out.set("expressions", items)
+    for arg in ("group", "having"):
+        if out.args.get(arg) is not None:
+            out.set(arg, out.args[arg].transform(put))
+    where = inner.args.get("where")
+    if out.args.get("where") is not None:
+        cond = out.args["where"].this.transform(put)
+        where = exp.Where(this=exp.and_(where.this, cond) if where else cond)
+    out.set("where", where.copy() if where else None)
+    out.set(
+        "from_" if "from_" in out.args else "from",
+        (inner.args.get("from_") or inner.args.get("from")).copy(),
+    )
+    out.set("joins", [j.copy() for j in inner.args.get("joins") or []] or None)
+    return out
+
+
+def ratio(e: Any) -> tuple[Any, Any] | None:
+    """``SUM(a) / SUM(b)``, either sum or the quotient times a numeric literal ``k`` (TPC-H
+    Q8, Q14: ``100.00 * SUM(a) / SUM(b)``): the sums' arguments, ``k`` moved into the
+    numerator; None for anything else."""
+    from sqlglot import exp
+
+    def strip(x: Any) -> Any:
+        while isinstance(x, exp.Paren):
+            x = x.this
+        return x
+
+    def literal(x: Any) -> bool:
+        return isinstance(x, exp.Literal) and x.is_number
+
+    def scaled(x: Any, inner: type) -> tuple[Any, Any] | None:
+        """``x`` as (k or None, an ``inner`` node)."""
+        x = strip(x)
+        if isinstance(x, inner):
+            return None, x
+        if isinstance(x, exp.Mul):
+            a, b = strip(x.this), strip(x.expression)
+            if literal(a) and isinstance(b, inner):
+                return a, b
+            if literal(b) and isinstance(a, inner):
+                return b, a
+        return None
+
+    whole = scaled(e, exp.Div)
+    if whole is None:
+        return None
+    k, div = whole
+    num, den = scaled(div.this, exp.Sum), scaled(div.expression, exp.Sum)
+    if num is None or den is None or den[0] is not None:
+        return None
+    sums = (num[1], den[1])
+    if any(x.args.get("distinct") or isinstance(x.this, exp.Distinct) for x in sums):
+        return None
+    top = sums[0].this.copy()
+    for factor in (f for f in (num[0], k) if f is not None):
+        top = exp.Mul(this=factor.copy(), expression=exp.Paren(this=top))
+    return top, sums[1].this.copy()
+
+
+def _literal(value: Any, t: pa.DataType) -> Any:
+    """A value of an Arrow column of type ``t`` as a SQL literal of the same type."""
+    from sqlglot import exp
+
+    if value is None:
+        return exp.Null()
+    if pa.types.is_boolean(t):
+        return exp.true() if value else exp.false()
+    if pa.types.is_integer(t):
+        return exp.Literal.number(int(value))
+    if pa.types.is_floating(t) and math.isfinite(value):
+        return exp.Literal.number(repr(float(value)))
+    if pa.types.is_decimal(t):
+        to = exp.DataType.build(f"DECIMAL({t.precision}, {t.scale})")
+        return exp.Cast(this=exp.Literal.string(str(value)), to=to)
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+        return exp.Literal.string(value)
+    if pa.types.is_date(t):
+        return exp.Cast(this=exp.Literal.string(value.isoformat()), to=exp.DataType.build("DATE"))
+    raise ValueError(f"a subquery's value {value!r} of type {t} cannot be written into the query")
+
+
+def _conjunct(node: Any) -> bool:
+    """Whether ``node`` is one of the ANDed conditions of its WHERE (not under OR or NOT)."""
+    from sqlglot import exp
+
+    p = node.parent
+    while not isinstance(p, exp.Where):
+        if not isinstance(p, (exp.And, exp.Paren)):
+            return False
+        p = p.parent
+    return True
+
+
+def _as_in(exists: Any, runs: Callable[[str], bool]) -> Any | None:
+    """``EXISTS (SELECT ... FROM ... WHERE inner = outer AND <rest>)`` as ``outer IN (SELECT
+    inner FROM ... WHERE <rest>)`` (the same rows where it is one of the ANDed conditions of a
+    WHERE); None when no equality ties one inner column to one outer column. ``runs`` says
+    whether a query runs: a column the subquery's own tables do not have is the outer one."""
+    from sqlglot import exp
+
+    select = exists.this
+    if not isinstance(select, exp.Select) or select.args.get("where") is None:
+        return None
+    conds = (
+        list(select.args["where"].this.flatten())
+        if isinstance(select.args["where"].this, exp.And)
+        else [select.args["where"].this]
+    )
+    for i, c in enumerate(conds):
+        if not (
+            isinstance(c, exp.EQ) and all(isinstance(x, exp.Column) for x in (c.this, c.expression))
+        ):
+            continue
+        base = select.copy()
+        rest = conds[:i] + conds[i + 1 :]
+        base.set("where", exp.Where(this=exp.and_(*[r.copy() for r in rest])) if rest else None)
+        for inner, outer in ((c.this, c.expression), (c.expression, c.this)):
+            probe = base.copy()
+            probe.set("expressions", [inner.copy()])
+            probe.set("limit", exp.Limit(expression=exp.Literal.number(0)))
+            if not runs(probe.sql()):
+                continue
+            alone = base.copy()
+            alone.set("expressions", [outer.copy()])
+            alone.set("where", None)
+            alone.set("limit", exp.Limit(expression=exp.Literal.number(0)))
+            if runs(alone.sql()):
+                continue  # both sides are the subquery's own columns
+            query = base.copy()
+            query.set("expressions", [inner.copy()])
+            return exp.In(this=outer.copy(), query=exp.Subquery(this=query))
+    return None
+
+
+def resolve_subqueries(
+    tree: Any, run: Callable[[str], pa.Table], keep: Callable[[pa.Table], str] | None = None
+) -> Any:
+    """``tree`` with each subquery of its WHERE and HAVING that does not read the outer query's
+    columns run exactly by ``run`` and replaced by its result: ``x [NOT] IN (SELECT ...)`` by
+    the list of values (none: FALSE), a scalar subquery by its value (no row: NULL). An IN
+    subquery with more than :data:`MAX_IN_VALUES` values, one of the ANDed conditions of the
+    WHERE, becomes a join with a table of its distinct values that ``keep`` stores and names.
+    ``EXISTS`` tied to the outer query by one equality and ANDed in the WHERE is that IN
+    (TPC-H Q4). Anything else that reads the outer query's columns does not run on its own:
+    refused, as are ``NOT EXISTS`` and a large ``NOT IN``. TPC-H Q4, Q11 and Q18 stream this
+    way."""
+    import pyarrow.compute as pc
+    from sqlglot import exp
+
+    clauses = [c for c in ("where", "having") if tree.args.get(c) is not None]
+    if not any(tree.args[c].find(exp.Subquery, exp.Select) for c in clauses):
+        return tree
+    out = tree.copy()
+
+    def exactly(sub: Any) -> pa.Table:
+        inner = sub.this if isinstance(sub, exp.Subquery) else sub
+        try:
+            table = run(inner.sql())
+        except Exception as e:
+            raise ValueError(
+                f"subquery ({inner.sql()[:200]}) cannot run on its own, so it is correlated "
+                f"(reads the outer query's columns), which online aggregation does not support: "
+                f"{str(e).splitlines()[0][:200]}"
+            ) from e
+        if table.num_columns != 1:
+            raise ValueError(f"subquery ({inner.sql()[:200]}) returns {table.num_columns} columns")
+        return table
+
+    def runs(sql: str) -> bool:
+        try:
+            run(sql)
+            return True
+        except Exception:  # noqa: BLE001 - a query that does not run is the answer here
+            return False
+
+    for clause in clauses:
+        node = out.args[clause]
+        for exists in list(node.find_all(exp.Exists)):
+            member = _as_in(exists, runs) if clause == "where" and _conjunct(exists) else None
+            if member is None:
+                raise ValueError(
+                    "EXISTS / NOT EXISTS (a semi or anti join) is supported by online "
+                    "aggregation only as an ANDed condition of the WHERE tied to the outer "
+                    "query by one equality (EXISTS (SELECT ... WHERE inner = outer AND ...))"
+                )
+            exists.replace(member)
+        for member in list(node.find_all(exp.In)):
+            query = member.args.get("query")
+            if query is None:
+                continue
+            table = exactly(query)
+            if table.num_rows > MAX_IN_VALUES:
+                if keep is None or clause != "where" or not _conjunct(member):
+                    raise ValueError(
+                        f"IN subquery ({query.sql()[:200]}) returns {table.num_rows} values; "
+                        f"online aggregation writes at most {MAX_IN_VALUES} into the query "
+                        "(more only for an IN ANDed in the WHERE: a join with its values)"
+                    )
+                keys = pc.unique(table.column(0).drop_null())
+                name = keep(pa.table({"k": keys}))
+                member.replace(exp.EQ(this=member.this.copy(), expression=exp.column("k", name)))
+                out.append("joins", exp.Join(this=exp.to_table(name)))
+                continue
+            t = table.schema.field(0).type
+            values = [_literal(v, t) for v in table.column(0).to_pylist()]
+            if values:
+                member.set("query", None)
+                member.set("expressions", values)
+            else:
+                member.replace(exp.false())
+        for sub in list(node.find_all(exp.Subquery)):
+            table = exactly(sub)
+            if table.num_rows > 1:
+                raise ValueError(
+                    f"scalar subquery ({sub.this.sql()[:200]}) returns {table.num_rows} rows"
+                )
+            value = table.column(0)[0].as_py() if table.num_rows else None
+            sub.replace(_literal(value, table.schema.field(0).type))
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def parse(query: str, engine: str) -> Any:
+    """The query's syntax tree (shared: callers copy what they change)."""
+    import sqlglot
+
+    try:
+        return sqlglot.parse_one(query, read="duckdb" if engine == "duckdb" else None)
+    except sqlglot.errors.ParseError as e:
+        raise ValueError(f"cannot parse the online query: {e}") from e
+
+
+def resolve(
+    query: str,
+    engine: str,
+    run: Callable[[str], pa.Table],
+    keep: Callable[[pa.Table], str] | None = None,
+) -> str:
+    """``query`` with its uncorrelated subqueries run by ``run`` and replaced by their values
+    (:func:`resolve_subqueries`); unchanged without any."""
+    tree = inline_derived(parse(query, engine))
+    out = resolve_subqueries(tree, run, keep)
+    if out is tree:
+        return query
+    return out.sql(dialect="duckdb" if engine == "duckdb" else None)

@@ -1,0 +1,153 @@
+"""Rewrites of online queries before they are planned (``flightshuffle.rewrite``): a query with
+its uncorrelated subqueries replaced by their values, and one whose derived table is inlined,
+give the rows the original gives, on DuckDB (property tests over random small tables, NULLs
+and empty subqueries included)."""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+
+import duckdb
+import pyarrow as pa
+import pytest
+from flightshuffle import rewrite
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+values = st.one_of(st.none(), st.integers(-3, 3))
+rows = st.lists(st.tuples(values, values), max_size=8)
+
+
+def connect(facts: list, keys: list) -> duckdb.DuckDBPyConnection:
+    con = duckdb.connect()
+    con.execute("CREATE TABLE f (a INTEGER, v INTEGER)")
+    con.execute("CREATE TABLE k (b INTEGER, w INTEGER)")
+    if facts:
+        con.executemany("INSERT INTO f VALUES (?, ?)", facts)
+    if keys:
+        con.executemany("INSERT INTO k VALUES (?, ?)", keys)
+    return con
+
+
+def resolved(con: duckdb.DuckDBPyConnection, sql: str) -> str:
+    kept = []
+
+    def keep(table: pa.Table) -> str:
+        name = f"kept{len(kept)}"
+        kept.append(table)
+        con.register(name, table)
+        return name
+
+    return rewrite.resolve(sql, "duckdb", lambda q: con.sql(q).to_arrow_table(), keep)
+
+
+def same_rows(con: duckdb.DuckDBPyConnection, a: str, b: str) -> None:
+    want = sorted(con.sql(a).fetchall(), key=repr)
+    got = sorted(con.sql(b).fetchall(), key=repr)
+    assert got == want, (a, b)
+
+
+WHERES = [
+    "a IN (SELECT b FROM k WHERE w > {t})",
+    "a NOT IN (SELECT b FROM k WHERE w > {t})",
+    "v > (SELECT max(w) FROM k WHERE b < {t})",
+    "v <= (SELECT sum(w) FROM k) - {t}",
+    "a IN (SELECT b FROM k WHERE b IN (SELECT a FROM f WHERE v = {t}))",
+    "EXISTS (SELECT * FROM k WHERE b = a AND w > {t})",
+    "v > {t} AND EXISTS (SELECT 1 FROM k WHERE w < {t} AND a = b)",
+]
+
+
+@settings(max_examples=300, deadline=None)
+@example(  # keys repeat: the joined table must hold each once
+    facts=[(1, 1), (2, 2)], keys=[(1, 5), (1, 6), (2, 7)], where=WHERES[0], t=0, inline=1
+)
+@example(facts=[(1, 1), (2, 2)], keys=[(1, 5), (1, 6), (None, 7)], where=WHERES[5], t=0, inline=1)
+@given(
+    facts=rows,
+    keys=rows,
+    where=st.sampled_from(WHERES),
+    t=st.integers(-3, 3),
+    inline=st.sampled_from([rewrite.MAX_IN_VALUES, 1]),
+)
+def test_subqueries_replaced_by_their_values_give_the_same_rows(facts, keys, where, t, inline):
+    """``inline`` 1: an IN of more than one value becomes a join with a table of them."""
+    rewrite.MAX_IN_VALUES, saved = inline, rewrite.MAX_IN_VALUES
+    try:
+        check(facts, keys, where, t)
+    except ValueError as e:
+        # A NOT IN of more values than are written into the query cannot be a join.
+        assert "NOT IN" in where and "at most 1 " in str(e), e
+    finally:
+        rewrite.MAX_IN_VALUES = saved
+
+
+def check(facts: list, keys: list, where: str, t: int) -> None:
+    con = connect(facts, keys)
+    sql = f"SELECT a, count(*) AS n, sum(v) AS s FROM f WHERE {where.format(t=t)} GROUP BY a"
+    out = resolved(con, sql)
+    assert out.upper().count("SELECT") == 1, out
+    same_rows(con, sql, out)
+    having = f"SELECT a, sum(v) AS s FROM f GROUP BY a HAVING sum(v) > (SELECT min(w) + {t} FROM k)"
+    out = resolved(con, having)
+    assert out.upper().count("SELECT") == 1, out
+    same_rows(con, having, out)
+
+
+@settings(max_examples=60, deadline=None)
+@given(facts=rows, keys=rows, t=st.integers(-3, 3))
+def test_a_derived_table_that_computes_columns_is_inlined(facts, keys, t):
+    con = connect(facts, keys)
+    sql = (
+        "SELECT x, sum(y) AS s, count(*) AS n FROM (SELECT a + w AS x, v * 2 - w AS y FROM f, k "
+        f"WHERE a = b AND v > {t}) AS d WHERE y < 4 GROUP BY x"
+    )
+    tree = rewrite.inline_derived(rewrite.parse(sql, "duckdb"))
+    out = tree.sql(dialect="duckdb")
+    assert "AS d" not in out and out.count("SELECT") == 1, out
+    same_rows(con, sql, out)
+
+
+def test_values_keep_their_types():
+    from sqlglot import exp
+
+    cases = [
+        (decimal.Decimal("12.34"), pa.decimal128(15, 2), "CAST('12.34' AS DECIMAL(15, 2))"),
+        (datetime.date(1995, 3, 15), pa.date32(), "CAST('1995-03-15' AS DATE)"),
+        ("it's", pa.string(), "'it''s'"),
+        (0.1, pa.float64(), "0.1"),
+        (7, pa.int64(), "7"),
+        (None, pa.int64(), "NULL"),
+    ]
+    for value, t, want in cases:
+        assert rewrite._literal(value, t).sql() == want
+    with pytest.raises(ValueError, match="cannot be written"):
+        rewrite._literal([1], pa.list_(pa.int64()))
+    assert isinstance(rewrite._literal(True, pa.bool_()), exp.Boolean)
+
+
+def test_what_cannot_run_first_is_refused_clearly():
+    con = connect([(1, 1)], [(1, 1)])
+    run = lambda q: con.sql(q).to_arrow_table()
+    with pytest.raises(ValueError, match="correlated"):
+        rewrite.resolve(
+            "SELECT sum(v) FROM f WHERE v > (SELECT max(w) FROM k WHERE b = a)", "duckdb", run
+        )
+    with pytest.raises(ValueError, match="EXISTS"):
+        rewrite.resolve("SELECT sum(v) FROM f WHERE EXISTS (SELECT 1 FROM k)", "duckdb", run)
+    with pytest.raises(ValueError, match="EXISTS"):
+        rewrite.resolve(
+            "SELECT sum(v) FROM f WHERE NOT EXISTS (SELECT 1 FROM k WHERE b = a)", "duckdb", run
+        )
+    with pytest.raises(ValueError, match="EXISTS"):
+        rewrite.resolve(
+            "SELECT sum(v) FROM f WHERE v = 1 OR EXISTS (SELECT 1 FROM k WHERE b = a)",
+            "duckdb",
+            run,
+        )
+    with pytest.raises(ValueError, match="2 rows"):
+        con.execute("INSERT INTO k VALUES (2, 2)")
+        rewrite.resolve("SELECT sum(v) FROM f WHERE v > (SELECT w FROM k)", "duckdb", run)
+    with pytest.raises(ValueError, match="2 columns"):
+        rewrite.resolve("SELECT sum(v) FROM f WHERE a IN (SELECT b, w FROM k)", "duckdb", run)
