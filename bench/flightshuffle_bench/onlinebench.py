@@ -26,7 +26,11 @@ def top_within(history: list, final: Any, keys: list[str], names: list[str], top
     within ``rel`` of its final value (the final result if none is earlier)."""
     want = final.estimates.head(top).select(keys + names)
     for r in history:
-        got = want.join(r.estimates.select(keys + names), on=keys, how="left", suffix="_e")
+        est = r.estimates.select(keys + names)
+        if keys:
+            got = want.join(est, on=keys, how="left", suffix="_e")
+        else:  # one row each
+            got = want.hstack(est.rename({n: f"{n}_e" for n in names}))
         ok = True
         for n in names:
             err = ((got[f"{n}_e"] - got[n]).abs() / got[n].abs().clip(1e-12)).fill_nan(0.0)
