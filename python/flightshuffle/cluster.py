@@ -527,12 +527,13 @@ class Cluster:
                 self._tables[name] = self._write_arrow(values, name)
                 return name
 
-            query = resolve(
-                query,
-                engine,
-                lambda q: self.sql(q, tables=dict(self._tables), progress=False),
-                keep,
-            )
+            if engine == "datafusion":  # (DuckDB map tasks take one table, no subquery)
+                query = resolve(
+                    query,
+                    engine,
+                    lambda q: self.sql(q, tables=dict(self._tables), progress=False),
+                    keep,
+                )
             plan = ol.plan_sql(query, engine, self._never_null)
             if engine == "datafusion":
                 return ol.run_sql(

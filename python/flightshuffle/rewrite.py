@@ -41,25 +41,52 @@ def inline_derived(tree: Any) -> Any:
         return tree
     if list(inner.find_all(exp.AggFunc)) or any(s is not inner for s in inner.find_all(exp.Select)):
         return tree
+    # A subquery of the outer query would see the derived table's names replaced too.
+    if any(s is not tree and s is not inner for s in tree.find_all(exp.Select)):
+        return tree
     alias = derived.alias_or_name
-    names = {e.alias_or_name: e.this if isinstance(e, exp.Alias) else e for e in inner.expressions}
 
-    def put(node: Any) -> Any:
-        if isinstance(node, exp.Column) and node.table in ("", alias) and node.name in names:
-            body = names[node.name].copy()
+    def key(name: str, quoted: bool) -> str:
+        # Unquoted identifiers match whatever their case (DataFusion and DuckDB fold them).
+        return name if quoted else name.lower()
+
+    names = {}
+    for e in inner.expressions:
+        ident = e.args["alias"] if isinstance(e, exp.Alias) else e.args.get("this")
+        quoted = bool(getattr(ident, "quoted", False))
+        names[key(e.alias_or_name, quoted)] = e.this if isinstance(e, exp.Alias) else e
+    outputs = {key(i.alias_or_name, False) for i in tree.expressions if i.alias_or_name}
+
+    def derived_column(node: Any, order: bool = False) -> bool:
+        if not isinstance(node, exp.Column) or node.table not in ("", alias):
+            return False
+        k = key(node.name, node.this.quoted)
+        # ORDER BY names the outer query's output columns first.
+        return k in names and not (order and not node.table and key(node.name, False) in outputs)
+
+    def put(node: Any, order: bool = False) -> Any:
+        if derived_column(node, order):
+            body = names[key(node.name, node.this.quoted)].copy()
             return exp.Paren(this=body) if isinstance(body, (exp.Binary, exp.Case)) else body
         return node
 
     out = tree.copy()
     items = []
     for item in out.expressions:
-        name = item.alias_or_name
         body = (item.this if isinstance(item, exp.Alias) else item).transform(put)
-        items.append(exp.alias_(body, name) if name else body)
+        if isinstance(item, exp.Alias):
+            ident = item.args["alias"].copy()
+        elif isinstance(item, exp.Column):
+            ident = item.this.copy()
+        else:  # unnamed: the name it had (function names in lower case, as DuckDB's)
+            ident = exp.to_identifier(item.sql(normalize_functions="lower"), quoted=True)
+        items.append(exp.Alias(this=body, alias=ident))
     out.set("expressions", items)
     for arg in ("group", "having"):
         if out.args.get(arg) is not None:
             out.set(arg, out.args[arg].transform(put))
+    if out.args.get("order") is not None:
+        out.set("order", out.args["order"].transform(lambda n: put(n, order=True)))
     where = inner.args.get("where")
     if out.args.get("where") is not None:
         cond = out.args["where"].this.transform(put)
@@ -138,13 +165,13 @@ def _literal(value: Any, t: pa.DataType) -> Any:
     raise ValueError(f"a subquery's value {value!r} of type {t} cannot be written into the query")
 
 
-def _conjunct(node: Any) -> bool:
-    """Whether ``node`` is one of the ANDed conditions of its WHERE (not under OR or NOT)."""
+def _conjunct(node: Any, where: Any) -> bool:
+    """Whether ``node`` is one of the ANDed conditions of ``where`` (not under OR or NOT)."""
     from sqlglot import exp
 
     p = node.parent
-    while not isinstance(p, exp.Where):
-        if not isinstance(p, (exp.And, exp.Paren)):
+    while p is not where:
+        if p is None or not isinstance(p, (exp.And, exp.Paren)):
             return False
         p = p.parent
     return True
@@ -159,6 +186,11 @@ def _as_in(exists: Any, runs: Callable[[str], bool]) -> Any | None:
 
     select = exists.this
     if not isinstance(select, exp.Select) or select.args.get("where") is None:
+        return None
+    # LIMIT, OFFSET, GROUP BY, HAVING or an aggregate change which rows exist: not an IN.
+    if any(select.args.get(a) for a in ("limit", "offset", "group", "having", "qualify")):
+        return None
+    if any(e.find(exp.AggFunc) for e in select.expressions):
         return None
     conds = (
         list(select.args["where"].this.flatten())
@@ -232,10 +264,15 @@ def resolve_subqueries(
         except Exception:  # noqa: BLE001 - a query that does not run is the answer here
             return False
 
+    def own(nodes: Any) -> list:
+        """Those of ``nodes`` of this query itself, not of one of its subqueries (which run
+        whole) nor cut out of it by an earlier replacement."""
+        return [n for n in nodes if n.find_ancestor(exp.Select) is out]
+
     for clause in clauses:
         node = out.args[clause]
-        for exists in list(node.find_all(exp.Exists)):
-            member = _as_in(exists, runs) if clause == "where" and _conjunct(exists) else None
+        for exists in own(node.find_all(exp.Exists)):
+            member = _as_in(exists, runs) if clause == "where" and _conjunct(exists, node) else None
             if member is None:
                 raise ValueError(
                     "EXISTS / NOT EXISTS (a semi or anti join) is supported by online "
@@ -243,13 +280,15 @@ def resolve_subqueries(
                     "query by one equality (EXISTS (SELECT ... WHERE inner = outer AND ...))"
                 )
             exists.replace(member)
-        for member in list(node.find_all(exp.In)):
+        for member in own(node.find_all(exp.In)):
+            if member.find_ancestor(exp.Select) is not out:
+                continue  # cut out with an earlier one
             query = member.args.get("query")
             if query is None:
                 continue
             table = exactly(query)
             if table.num_rows > MAX_IN_VALUES:
-                if keep is None or clause != "where" or not _conjunct(member):
+                if keep is None or clause != "where" or not _conjunct(member, node):
                     raise ValueError(
                         f"IN subquery ({query.sql()[:200]}) returns {table.num_rows} values; "
                         f"online aggregation writes at most {MAX_IN_VALUES} into the query "
@@ -267,7 +306,9 @@ def resolve_subqueries(
                 member.set("expressions", values)
             else:
                 member.replace(exp.false())
-        for sub in list(node.find_all(exp.Subquery)):
+        for sub in own(node.find_all(exp.Subquery)):
+            if sub.find_ancestor(exp.Select) is not out:
+                continue
             table = exactly(sub)
             if table.num_rows > 1:
                 raise ValueError(
