@@ -19,7 +19,7 @@ import pyarrow as pa
 import pytest
 from conftest import TPCH_SF
 from flightshuffle import estimates as es
-from flightshuffle import online as ol
+from flightshuffle import sql_plan as sp
 from flightshuffle.dataset import parquet_files
 from flightshuffle.units import FIRST_WAVE_ROWS, fact_units
 from flightshuffle_bench import tpch
@@ -84,7 +84,7 @@ def test_the_folds_products_equal_duckdbs_per_unit_totals(tpch_cluster, tpch_duc
     """Run Q1 online to the end on the workers with its terms, and compare the folded sums of
     products (per group: Σ t_a·t_b over units, Σ t·m, units seen) with DuckDB's totals of
     each unit, computed from the same row ranges of the same files."""
-    plan = ol.plan_sql(Q1, "datafusion", tpch_cluster._never_null)
+    plan = sp.plan_sql(Q1, "datafusion", tpch_cluster._never_null)
     files = parquet_files(tpch.table_paths(tpch_data)["lineitem"])
     units, per_task = fact_units(files, 0, 7, tpch_cluster.workers, 4, FIRST_WAVE_ROWS)
     assert len(units) > 2 * len(per_task), "several units per map task"
@@ -105,7 +105,7 @@ def test_the_folds_products_equal_duckdbs_per_unit_totals(tpch_cluster, tpch_duc
         native.close()
     assert info["final"] and info["units_done"] == len(units)
     assert info["weight_squares"] == pytest.approx(sum(u[4] ** 2 for u in units))
-    got = pl.from_arrow(ol.expand_stats(table, plan)).sort("l_returnflag", "l_linestatus")
+    got = pl.from_arrow(sp.expand_stats(table, plan)).sort("l_returnflag", "l_linestatus")
     want = per_unit(tpch_duckdb, Q1_UNIT, units, files)
     rows = pl.DataFrame({"unit": list(range(len(units))), "m": [float(u[4]) for u in units]})
     want = (

@@ -209,7 +209,7 @@ def test_statistics_query_casts_the_operands_not_each_result():
     """The statistics query evaluates SUM/AVG arguments in DOUBLE from their operands
     (decimal products cast row by row cost Q1 1.6x the query itself), except through ``/``,
     whose integer form would become float division; a lone literal is still cast."""
-    from flightshuffle.online import plan_sql
+    from flightshuffle.sql_plan import plan_sql
 
     query = (
         "SELECT k, SUM(a * (1 - b)), AVG(-(c + 2)), SUM(d / 2), SUM(CASE WHEN e THEN f END), "
@@ -303,7 +303,7 @@ def test_order_by_limit_sends_only_the_candidates_and_stays_exact(
 def test_counts_of_arguments_that_cannot_be_null_are_one_count():
     """COUNT of an argument over required columns only is COUNT(*), computed once; a column
     that may hold nulls, TRY_CAST and CASE keep their own count."""
-    from flightshuffle.online import plan_sql
+    from flightshuffle.sql_plan import plan_sql
 
     required = lambda tables: {"a", "b"}
     stats = plan_sql(
@@ -402,7 +402,7 @@ def test_a_column_is_never_null_only_where_every_file_requires_it(tmp_path):
 def test_count_rewrite_follows_identifier_case_and_qualifiers():
     """Unquoted identifiers fold to lower case as in DataFusion; a qualifier that names no
     table of the query may be a struct field, whose nulls are unknown."""
-    from flightshuffle.online import plan_sql
+    from flightshuffle.sql_plan import plan_sql
 
     required = lambda tables: {"price"}
     stats = plan_sql("SELECT k, AVG(Price), AVG(t.price) FROM t GROUP BY k", "datafusion", required)

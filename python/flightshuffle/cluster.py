@@ -489,6 +489,7 @@ class Cluster:
         from flightshuffle import online as ol
         from flightshuffle.dataset import Grouped, make_splits, parquet_files, shuffled
         from flightshuffle.rewrite import resolve
+        from flightshuffle.sql_plan import plan_sql
 
         started = time.perf_counter()
 
@@ -527,14 +528,18 @@ class Cluster:
                 self._tables[name] = self._write_arrow(values, name)
                 return name
 
+            # The first subquery registers the tables online queries were given (an EXISTS
+            # runs several probes; each would register them all again).
+            unregistered = dict(self._tables)
+
+            def run(q: str) -> Any:
+                pending = dict(unregistered)
+                unregistered.clear()
+                return self.sql(q, tables=pending, progress=False)
+
             if engine == "datafusion":  # (DuckDB map tasks take one table, no subquery)
-                query = resolve(
-                    query,
-                    engine,
-                    lambda q: self.sql(q, tables=dict(self._tables), progress=False),
-                    keep,
-                )
-            plan = ol.plan_sql(query, engine, self._never_null)
+                query = resolve(query, engine, run, keep)
+            plan = plan_sql(query, engine, self._never_null)
             if engine == "datafusion":
                 return ol.run_sql(
                     self, plan, self._tables, rounds, want, seed, confidence, progress, started

@@ -1,4 +1,4 @@
-"""Rewrites of an online query's text before it is planned (``online.plan_sql``):
+"""Rewrites of an online query's text before it is planned (``sql_plan.plan_sql``):
 
 * a derived table that only computes columns is read as the query it stands for
   (:func:`inline_derived`);
