@@ -105,7 +105,7 @@ def test_a_worker_that_does_not_come_back_fails_the_job_naming_it(hosts, tmp_pat
     files = certs(tmp_path, hosts)
     addresses = start(hosts, tmp_path, files)
     data = table(300_000)
-    with connect(addresses, files, restart_wait=3) as c:
+    with connect(addresses, files, restart_wait=3, take_over=False) as c:
         result = c.shuffle(data, by="k", partitions=12, map_bytes="256KiB", strategy="pull")
         next(result)
         os.kill(hosts.worker_pid(2), signal.SIGKILL)
@@ -113,6 +113,39 @@ def test_a_worker_that_does_not_come_back_fails_the_job_naming_it(hosts, tmp_pat
         with pytest.raises(ShuffleError, match=r"no new worker process answered there"):
             list(result)
         assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.parametrize("strategy", ["pull", "push"])
+def test_a_worker_that_does_not_come_back_is_taken_over_by_a_survivor(
+    hosts, tmp_path, tpch_data, strategy
+):
+    """No supervisor restarts the lost worker: after restart_wait a survivor serves its slot,
+    lineage recomputes its maps there, and this job and the next end with the exact answer."""
+    files = certs(tmp_path, hosts)
+    addresses = start(hosts, tmp_path, files)
+    data = table(300_000)
+    with connect(addresses, files, restart_wait=2) as c:
+        result = c.shuffle(data, by="k", partitions=12, map_bytes="256KiB", strategy=strategy)
+        parts = [next(result)]
+        lost = hosts.worker_pid(2)
+        os.kill(lost, signal.SIGKILL)  # mid-read: 11 partitions to go
+        parts += list(result)
+        assert multiset(pa.concat_tables(parts)) == multiset(data)
+        rec = c.recovery()
+        # Pull recomputes the lost maps; push runs the shuffle again (every map pushed there).
+        assert rec["replacements"] >= 1, rec
+        assert rec["recomputed_maps" if strategy == "pull" else "rerun_jobs"] >= 1, rec
+        # Nothing restarted it: a second worker process on host 0 serves its slot.
+        assert hosts.worker_pids(2) == []
+        assert len(hosts.worker_pids(0)) == 2 and len(hosts.worker_pids(1)) == 1
+        # The next jobs run on the two processes left, three slots between them.
+        out = pa.concat_tables(c.shuffle(data, by="k", partitions=12, strategy=strategy))
+        assert multiset(out) == multiset(data)
+        for name, path in tpch.table_paths(tpch_data).items():
+            c.register_parquet(name, path)
+        con = tpch.duckdb_connect(tpch_data)
+        sql, ordered = tpch.query(3, 0.1)
+        assert tpch.compare(con.sql(sql).to_arrow_table(), c.sql(sql), ordered) is None
 
 
 def test_a_paused_worker_is_fenced_and_its_restart_takes_over(hosts, tmp_path):

@@ -21,6 +21,7 @@ from conftest import TPCH_SF
 from flightshuffle import estimates as es
 from flightshuffle import sql_plan as sp
 from flightshuffle.dataset import parquet_files
+from flightshuffle.estimates import value_columns
 from flightshuffle.units import FIRST_WAVE_ROWS, fact_units
 from flightshuffle_bench import tpch
 from hypothesis import given, settings
@@ -225,7 +226,7 @@ def test_a_real_run_flags_groups_seen_in_few_units_and_ends_exact(tpch_cluster, 
     final = results[-1].estimates
     assert final["revenue_reliable"].all()
     assert (final["revenue_low"] == final["revenue"]).all()
-    cols = [c for c in final.columns if not c.endswith(("_low", "_high", "_reliable"))]
+    cols = value_columns(final.columns)
     assert (
         tpch.compare(
             tpch_duckdb.sql(query).to_arrow_table(), final.select(cols).to_arrow(), ordered

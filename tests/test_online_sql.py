@@ -12,6 +12,7 @@ import polars as pl
 import pyarrow as pa
 import pytest
 from conftest import TPCH_SF
+from flightshuffle.estimates import value_columns
 from flightshuffle_bench import tpch
 
 SF = TPCH_SF
@@ -19,7 +20,7 @@ SF = TPCH_SF
 
 def output(est: pl.DataFrame) -> pa.Table:
     """The estimates without their intervals: the query's own columns."""
-    cols = [c for c in est.columns if not c.endswith(("_low", "_high", "_reliable"))]
+    cols = value_columns(est.columns)
     return est.select(cols).to_arrow()
 
 
@@ -144,6 +145,11 @@ def test_having_and_order_by_an_aggregate_apply_to_the_estimates(tpch_cluster, t
     assert got.column_names == ["n_name", "lines", "qty"], "the HAVING-only AVG is not shown"
     assert 0 < want.num_rows <= 5
     assert tpch.compare(want, got, True) is None
+    # Each round says whether a group's HAVING holds whatever the values in its intervals;
+    # the final's intervals are points, so every group there passes for certain.
+    for r in results:
+        assert r.estimates.columns[-1] == "having_certain"
+    assert results[-1].estimates["having_certain"].to_list() == [True] * want.num_rows
 
 
 def test_online_sql_over_arrow_tables_and_polars(tpch_cluster):

@@ -23,6 +23,7 @@ from conftest import (
     s3_endpoint,
     s3_keys,
 )
+from flightshuffle.estimates import value_columns
 from flightshuffle_bench import tpch
 
 
@@ -134,7 +135,7 @@ def test_datasets_and_sql_are_exact_through_the_store(durable, store, tpch_data)
     # Online aggregation over the same store: the final round is the exact answer.
     sql, ordered = tpch.query(1, TPCH_SF)
     final = list(durable.online(sql, rounds=3, seed=1, progress=False))[-1]
-    cols = [c for c in final.estimates.columns if not c.endswith(("_low", "_high", "_reliable"))]
+    cols = value_columns(final.estimates.columns)
     got = final.estimates.select(cols).to_arrow()
     assert tpch.compare(con.sql(sql).to_arrow_table(), got, ordered) is None
     assert s3_keys(store[1], "fs-durable") == []

@@ -589,7 +589,9 @@ def main(argv: list[str] | None = None) -> int:
     skewbench.add_parser(sub)
     from flightshuffle_bench import (
         hostsbench,
+        lossbench,
         online_coverage,
+        online_having,
         onlinebench,
         overheadbench,
         samplebound,
@@ -600,12 +602,14 @@ def main(argv: list[str] | None = None) -> int:
 
     onlinebench.add_parser(sub)
     online_coverage.add_parser(sub)
+    online_having.add_parser(sub)
     samplebound.add_parser(sub)
     storagebench.add_parser(sub)
     overheadbench.add_parser(sub)
     shrinkbench.add_parser(sub)
     tpcds.add_parser(sub)
     hostsbench.add_parser(sub)
+    lossbench.add_parser(sub)
 
     from flightshuffle import cli
 

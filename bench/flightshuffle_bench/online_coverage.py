@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Any
 
+from flightshuffle.estimates import value_columns
+
 from flightshuffle_bench import tpch
 from flightshuffle_bench.emit import emit
 
@@ -94,8 +96,7 @@ def run(args: argparse.Namespace) -> int:
                 est = r.estimates
                 if plan_keys is None:
                     names = [x for x in est.columns if f"{x}_low" in est.columns]
-                    extra = ("_low", "_high", "_reliable")
-                    plan_keys = [k for k in est.columns if k not in names and not k.endswith(extra)]
+                    plan_keys = [k for k in value_columns(est.columns) if k not in names]
                 counts = coverage_of(est, exact, plan_keys)
                 for k, v in counts.items():
                     totals[k] += v

@@ -17,6 +17,8 @@ import os
 import time
 from typing import Any
 
+from flightshuffle.estimates import value_columns
+
 from flightshuffle_bench import tpch
 from flightshuffle_bench.emit import emit
 
@@ -45,9 +47,7 @@ def top_within(history: list, final: Any, keys: list[str], names: list[str], top
 def estimate_columns(est: Any) -> tuple[list[str], list[str]]:
     """An online result's group keys and estimated columns (those with an interval)."""
     names = [x for x in est.columns if f"{x}_low" in est.columns]
-    keys = [
-        k for k in est.columns if k not in names and not k.endswith(("_low", "_high", "_reliable"))
-    ]
+    keys = [k for k in value_columns(est.columns) if k not in names]
     return keys, names
 
 
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
             final = history[-1]
             est = final.estimates
             keys, names = estimate_columns(est)
-            cols = [x for x in est.columns if not x.endswith(("_low", "_high", "_reliable"))]
+            cols = value_columns(est.columns)
             problem = tpch.compare(
                 con.sql(query).to_arrow_table(), est.select(cols).to_arrow(), ordered
             )

@@ -187,21 +187,30 @@ class SimHosts:
                     break
         raise RuntimeError(f"the worker in host {host} did not start (exit {proc.poll()})")
 
-    def worker_pid(self, host: int) -> int:
-        """The pid of the worker process running in host ``host`` (under its supervisor)."""
+    def worker_pids(self, host: int) -> list[int]:
+        """The pids of the worker processes running in host ``host`` (not their supervisor),
+        in the order the kernel lists them."""
         out = subprocess.run(
             ["ip", "netns", "pids", self.namespaces[host]],
             capture_output=True,
             text=True,
             check=False,
         ).stdout.split()
+        pids = []
         for pid in out:
             with contextlib.suppress(OSError):
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     argv = f.read().split(b"\0")
                 if b"flightshuffle.worker" in argv and b"while true" not in b" ".join(argv):
-                    return int(pid)
-        raise LookupError(f"no worker runs in host {host}")
+                    pids.append(int(pid))
+        return sorted(pids)
+
+    def worker_pid(self, host: int) -> int:
+        """The pid of the (first) worker process running in host ``host``."""
+        pids = self.worker_pids(host)
+        if not pids:
+            raise LookupError(f"no worker runs in host {host}")
+        return pids[0]
 
     def link_bound(self, bytes_per_host: float) -> float:
         """Seconds for every host to send (and receive) ``bytes_per_host`` over its link."""

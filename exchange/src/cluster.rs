@@ -574,13 +574,17 @@ impl HostedCluster {
     /// `restart_wait` (what its supervisor restarts), and lineage recovery goes on there as on
     /// a local cluster; the lost process itself, should it answer again (it was paused or cut
     /// off), is told to exit first, so that its blocks are never mixed with the recomputed
-    /// ones. Nothing answering in time fails the job with [`Error::WorkerLost`] naming it.
+    /// ones. When nothing answers in time and `take_over` is set, a surviving worker starts a
+    /// stand-in process beside itself for the lost slot (see `worker::stand_in`; lineage
+    /// recovery recomputes what was lost there); otherwise, or when no survivor can, the job
+    /// fails with [`Error::WorkerLost`] naming it.
     pub async fn connect_static(
         addrs: &[String],
         creds: &crate::transport::Credentials,
         cfg: DriverConfig,
         scratch: Option<PathBuf>,
         restart_wait: Duration,
+        take_over: bool,
     ) -> Result<Self> {
         let cluster = Self::connect(addrs, creds, cfg, scratch, None).await?;
         let driver = &cluster.driver;
@@ -595,6 +599,7 @@ impl HostedCluster {
             creds: creds.clone(),
             seen: Arc::new(Mutex::new(seen)),
             wait: restart_wait,
+            take_over,
             handle: tokio::runtime::Handle::current(),
         };
         driver.set_replacer(Arc::new(move |i| restarts.wait_for(i)));
@@ -610,6 +615,8 @@ struct Restarts {
     /// The process instance last seen at each address.
     seen: Arc<Mutex<std::collections::HashMap<String, u64>>>,
     wait: Duration,
+    /// A survivor takes the slot over when no new process answers within `wait`.
+    take_over: bool,
     handle: tokio::runtime::Handle,
 }
 
@@ -645,11 +652,20 @@ impl Restarts {
                 _ => {}
             }
             if Instant::now() >= deadline {
+                if self.take_over {
+                    if let Some(survivor) = self.survivor_for(i, &addr, probe) {
+                        return Ok(survivor);
+                    }
+                }
+                let survivors = match self.take_over {
+                    true => " and no surviving worker could start a stand-in for it",
+                    false => "",
+                };
                 return Err(Error::Cluster(format!(
                     "worker {i} at {addr} was lost and no new worker process answered there \
-                     within {:?}: restart it at the same address (a supervisor such as systemd \
-                     Restart=always or a Kubernetes StatefulSet does this), or remove it with \
-                     remove_worker",
+                     within {:?}{survivors}: restart it at the same address (a supervisor such \
+                     as systemd Restart=always or a Kubernetes StatefulSet does this), or \
+                     remove it with remove_worker",
                     self.wait
                 )));
             }
@@ -657,6 +673,80 @@ impl Restarts {
         }
     }
 }
+
+impl Restarts {
+    /// Start a stand-in for lost slot `i` (last at `lost`) on a surviving host: a worker of
+    /// another live slot starts a second worker process beside itself (see
+    /// `worker::stand_in`); hosts serving the fewest slots are asked first (ties: the lowest
+    /// slot). Returns the stand-in's address; None when no survivor could start one.
+    fn survivor_for(&self, i: usize, lost: &str, probe: Duration) -> Option<String> {
+        use crate::transport::client::WorkerClient;
+        let driver = self.driver.upgrade()?;
+        let n = driver.num_workers();
+        let addrs: Vec<Option<String>> = (0..n)
+            .map(|s| driver.worker(s).ok().map(|w| w.addr))
+            .collect();
+        let host = |a: &str| {
+            a.rsplit_once(':')
+                .map_or(a.to_string(), |(h, _)| h.to_string())
+        };
+        let serving = |a: &str| {
+            let h = host(a);
+            addrs.iter().flatten().filter(|b| host(b) == h).count()
+        };
+        let mut candidates: Vec<(usize, usize, String)> = (0..n)
+            .filter(|&s| s != i && driver.is_alive(s))
+            .filter_map(|s| addrs[s].clone().map(|a| (s, a)))
+            .filter(|(_, a)| a != lost)
+            .map(|(s, a)| (serving(&a), s, a))
+            .collect();
+        drop(driver);
+        candidates.sort();
+        for (_, s, addr) in candidates {
+            let Ok(client) = WorkerClient::new(s, &addr, &self.creds, probe) else {
+                continue;
+            };
+            let started = client.action(
+                crate::transport::actions::STAND_IN,
+                Vec::new(),
+                STAND_IN_TIMEOUT,
+            );
+            let stand_in = match self.handle.block_on(started) {
+                Ok(reply) => String::from_utf8_lossy(&reply).into_owned(),
+                Err(e) => {
+                    tracing::warn!(worker = i, by = s, error = %e, "a survivor could not start a stand-in");
+                    continue;
+                }
+            };
+            // Its instance, so that should it be lost later and answer again, it is fenced
+            // like any lost process rather than taken back.
+            let answered = WorkerClient::new(i, &stand_in, &self.creds, probe)
+                .map(|c| self.handle.block_on(c.health(probe)));
+            match answered {
+                Ok(Ok(h)) => lock(&self.seen).insert(stand_in.clone(), h.instance),
+                _ => continue,
+            };
+            tracing::warn!(
+                worker = i,
+                lost,
+                by = s,
+                %stand_in,
+                "no new worker process answered: a stand-in on a surviving host takes the slot"
+            );
+            if let Some(d) = self.driver.upgrade() {
+                d.event(
+                    "worker_stand_in",
+                    || serde_json::json!({"worker": i, "by": s}),
+                );
+            }
+            return Some(stand_in);
+        }
+        None
+    }
+}
+
+/// How long a survivor may take to start a stand-in (a Python worker imports its modules).
+const STAND_IN_TIMEOUT: Duration = Duration::from_secs(90);
 
 impl Drop for HostedCluster {
     fn drop(&mut self) {

@@ -12,6 +12,7 @@ mod durable;
 mod fence;
 pub mod probe;
 mod service;
+mod stand_in;
 mod state;
 
 use crate::error::{Error, Result};
@@ -126,6 +127,8 @@ pub async fn serve(
         .local_addr()
         .map_err(|e| Error::Cluster(format!("no local address: {e}")))?;
     let advertised = match &args.advertise {
+        // `HOST:0`: this host at the port bound (how a stand-in is started).
+        Some(a) if a.ends_with(":0") => format!("{}:{}", &a[..a.len() - 2], addr.port()),
         Some(a) => a.clone(),
         None if addr.ip().is_unspecified() => {
             return Err(Error::invalid(format!(
@@ -179,7 +182,7 @@ pub fn init_logging() {
 /// runtime, serve, and print the ready line. Returns when the server stops.
 pub fn main_with_args(argv: Vec<String>, sources: SourceRegistry) -> Result<()> {
     use clap::Parser;
-    let args = match WorkerArgs::try_parse_from(argv) {
+    let args = match WorkerArgs::try_parse_from(&argv) {
         Ok(args) => args,
         // `--help`: the help on stdout, and a clean exit.
         Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelp => {
@@ -191,6 +194,7 @@ pub fn main_with_args(argv: Vec<String>, sources: SourceRegistry) -> Result<()> 
     crate::allocator::limit_malloc_arenas();
     init_logging();
     let token = args.token()?;
+    stand_in::remember(&argv, &args, &token);
     // Out of the environment before any thread starts: user code running in this process
     // (Python map tasks) and every process it starts would otherwise see the token.
     std::env::remove_var(TOKEN_ENV);

@@ -10,6 +10,7 @@ import sys
 import time
 
 from flightshuffle import Cluster, ShuffleError
+from flightshuffle.estimates import value_columns
 from flightshuffle.online import plot_history
 
 
@@ -218,11 +219,7 @@ def run_online(args: argparse.Namespace, tables: dict[str, str], query: str) -> 
         final = history[-1]
         est = final.estimates
         names = [n for n in est.columns if f"{n}_low" in est.columns]
-        keys = [
-            k
-            for k in est.columns
-            if k not in names and not k.endswith(("_low", "_high", "_reliable"))
-        ]
+        keys = [k for k in value_columns(est.columns) if k not in names]
         interval = [n for n in names if est[f"{n}_low"].null_count() == 0]
         close = first_within(history, final, keys, interval, args.within)
         report = {

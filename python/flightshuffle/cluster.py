@@ -169,7 +169,9 @@ class Cluster:
 
     ``addresses=["host1:7000", ...]`` (with ``token=`` and ``tls={"ca": path}``) dials workers
     you run with ``flightshuffle worker`` (:mod:`flightshuffle.static_runtime`); a lost one is
-    recovered once its supervisor restarts it at its address (waited up to ``restart_wait`` s).
+    recovered once its supervisor restarts it at its address (waited up to ``restart_wait`` s),
+    or else (``take_over=True``, the default) on a stand-in process that a surviving worker
+    starts beside itself for the lost slot; ``take_over=False`` fails the job instead.
 
     ``storage="s3://bucket/prefix"`` (or ``"file:///shared/dir"``) makes every shuffle
     *durable*: each map task's output is also written to that object store as one object
@@ -220,6 +222,7 @@ class Cluster:
         addresses: Sequence[str] | None = None,
         token: str | None = None,
         restart_wait: float = 60.0,
+        take_over: bool = True,
     ) -> None:
         if addresses is not None:
             if runtime != "local":
@@ -268,7 +271,9 @@ class Cluster:
             from flightshuffle import static_runtime
 
             self.runtime = "static"
-            self._native = static_runtime.connect(addresses, token, tls, restart_wait, options)
+            self._native = static_runtime.connect(
+                addresses, token, tls, restart_wait, take_over, options
+            )
         elif runtime == "ray":
             self._native = self._start_on_ray(workers, options, tls, ray_address, ray_resources)
         else:

@@ -297,6 +297,15 @@ class Shape:
     having: str | None = None
     hidden: list[str] | None = None
     selected: list[str] | None = None
+    having_certain: str | None = None
+    """With ``having``: the ``having_certain`` column's expression (see
+    :func:`flightshuffle.sql_plan.certain_condition`)."""
+
+
+def value_columns(columns: list[str]) -> list[str]:
+    """The columns of an estimates frame that the exact query has too (keys and aggregates):
+    without the intervals, their flags and ``having_certain``."""
+    return [c for c in columns if not c.endswith(EXTRAS[1:]) and c != "having_certain"]
 
 
 def shaped(
@@ -317,7 +326,10 @@ def shaped(
     else:
         est = estimate(state, keys, aggs, sample, confidence)
     if shape.having:
-        est = est.sql(f"SELECT * FROM self WHERE {shape.having}")
+        certain = ""
+        if shape.having_certain:
+            certain = f', COALESCE({shape.having_certain}, FALSE) AS "having_certain"'
+        est = est.sql(f"SELECT *{certain} FROM self WHERE {shape.having}")
     # The rest is one lazy query on the in-memory engine (Polars' default engine costs
     # 0.9 ms a query here, the in-memory one 0.2 ms, eager calls 0.1-0.2 ms each).
     lazy = est.lazy()

@@ -187,7 +187,10 @@ def run(
         raise
     shape = Shape(keys, aggs, order, limit)
     if plan is not None:
-        shape = Shape(keys, aggs, order, limit, plan.having, plan.hidden, plan.selected)
+        shape = Shape(
+            keys, aggs, order, limit, plan.having, plan.hidden, plan.selected,
+            having_certain=plan.having_certain,
+        )  # fmt: skip
     out = results(
         native, ops.to_polars, shape, sum(weights), len(splits), confidence, progress, started
     )
@@ -234,8 +237,9 @@ def run_sql(
         )
     candidates = [t for t in candidates if plan.tables.count(t) == 1][:2]
     shape = Shape(
-        plan.keys, plan.aggs, plan.order, plan.limit, plan.having, plan.hidden, plan.selected
-    )
+        plan.keys, plan.aggs, plan.order, plan.limit, plan.having, plan.hidden, plan.selected,
+        having_certain=plan.having_certain,
+    )  # fmt: skip
     expand = lambda t: expand_stats(t, plan)
     log = JobLog(cluster.native, plan.query, cluster.workers)
     for i, fact in enumerate(candidates):

@@ -8,6 +8,7 @@ per distinct statistic, plus the products of a unit's totals the intervals need
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,9 @@ class SqlPlan:
     limit: int | None
     having: str | None = None
     """A filter over the estimates (aggregates replaced by their output names)."""
+    having_certain: str | None = None
+    """TRUE where ``having`` holds for every value in the estimates' intervals, FALSE where
+    it holds for none, NULL where the intervals straddle it (see :func:`certain_condition`)."""
     hidden: list[str] | None = None
     """Aggregates only HAVING uses: estimated, then dropped from the output."""
     selected: list[str] | None = None
@@ -267,7 +271,7 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
             raise unsupported(f"GROUP BY key {g} must be selected")
     # HAVING: a filter over the estimates; aggregates it names that are not selected are
     # estimated too, under hidden names.
-    having = None
+    having = having_certain = None
     hidden: list[str] = []
     if tree.args.get("having") is not None:
         cond = tree.args["having"].this.copy()
@@ -279,6 +283,9 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
                 add_agg(node, outputs[text])
             node.replace(exp.column(outputs[text], quoted=True))
         having = cond.sql(dialect="duckdb")
+        names = {a.name for a in aggs}
+        having_certain = certain_condition(cond, names).sql(dialect="duckdb")
+        selected.append(HAVING_CERTAIN)
     projected = [f'{e} AS "{k}"' for e, k in zip(key_exprs, keys, strict=True)]
     projected += [f'{text} AS "{c}"' for text, c in evaluated.items()]
     inner_tree = tree.copy()
@@ -320,6 +327,7 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
         order,
         limit,
         having,
+        having_certain,
         hidden,
         selected,
         query,
@@ -408,3 +416,95 @@ def emit_top(plan: SqlPlan) -> tuple[int, int | None, bool, bool, int] | None:
     if kind in ("min", "max"):
         return (at("m"), None, False, desc, plan.limit)
     return None
+
+
+HAVING_CERTAIN = "having_certain"
+"""The output column saying whether a group's HAVING holds whatever the true values within
+the intervals are (true), or only at the estimates (false)."""
+
+
+def certain_condition(cond: Any, aggregates: set[str]) -> Any:
+    """``cond`` (a HAVING over the estimates' columns) in three-valued logic over their
+    intervals: each comparison reading aggregates is TRUE when it holds at every corner of
+    their intervals (each aggregate at its ``_low`` or ``_high``), FALSE when at none, NULL
+    otherwise or when an interval is missing or flagged unreliable; AND, OR and NOT then
+    combine these as SQL does. Exact for comparisons whose sides are monotone in each aggregate
+    (sums and differences of aggregates, keys and constants, times or over a constant); ``=``
+    and ``<>``, and any other use of an aggregate (``ABS``, a product of two aggregates), are
+    certain only once every interval it reads has zero width."""
+    from sqlglot import exp
+
+    monotone = (exp.GT, exp.GTE, exp.LT, exp.LTE)
+
+    def refs(e: exp.Expression) -> list[str]:
+        return sorted({c.name for c in e.find_all(exp.Column) if c.name in aggregates})
+
+    def at(e: exp.Expression, corner: dict[str, str]) -> exp.Expression:
+        def swap(n: exp.Expression) -> exp.Expression:
+            if isinstance(n, exp.Column) and n.name in corner:
+                return exp.column(n.name + corner[n.name], quoted=True)
+            return n
+
+        return e.copy().transform(swap)
+
+    def col(name: str) -> exp.Expression:
+        return exp.column(name, quoted=True)
+
+    def usable(names: list[str]) -> exp.Expression:
+        return exp.and_(*(col(f"{n}_reliable") for n in names))
+
+    def linear(e: exp.Expression) -> bool:
+        # Sums and differences of aggregates, keys and constants, times or over a constant:
+        # monotone in each aggregate, so its extremes over the intervals are at corners.
+        if isinstance(e, (exp.Column, exp.Literal)):
+            return True
+        if isinstance(e, (exp.Paren, exp.Neg)):
+            return linear(e.this)
+        if isinstance(e, (exp.Add, exp.Sub)):
+            return linear(e.this) and linear(e.expression)
+        if isinstance(e, exp.Mul):
+            one_side = not refs(e.this) or not refs(e.expression)
+            return one_side and linear(e.this) and linear(e.expression)
+        if isinstance(e, exp.Div):
+            return not refs(e.expression) and linear(e.this) and linear(e.expression)
+        return False
+
+    def atom(e: exp.Expression) -> exp.Expression:
+        names = refs(e)
+        sides = (e.this, e.expression) if isinstance(e, monotone) else ()
+        if sides and all(linear(x) for x in sides) and len(names) <= 4:
+            corners = [
+                at(e, dict(zip(names, pick, strict=True)))
+                for pick in itertools.product(("_low", "_high"), repeat=len(names))
+            ]
+            held = exp.and_(*corners)
+            missed = exp.not_(exp.or_(*corners))
+            return exp.Case(
+                ifs=[
+                    exp.If(this=exp.not_(usable(names)), true=exp.null()),
+                    exp.If(this=held, true=exp.true()),
+                    exp.If(this=missed, true=exp.false()),
+                ]
+            )
+        # Not monotone: certain once every interval it reads is a point.
+        points = exp.and_(
+            *(exp.EQ(this=col(f"{n}_low"), expression=col(f"{n}_high")) for n in names)
+        )
+        return exp.Case(ifs=[exp.If(this=exp.and_(usable(names), points), true=at(e, {}))])
+
+    def walk(e: exp.Expression) -> exp.Expression:
+        if not refs(e):
+            return e.copy()
+        if isinstance(e, exp.Paren):
+            return exp.Paren(this=walk(e.this))
+        if isinstance(e, exp.Not):
+            return exp.not_(walk(e.this))
+        if isinstance(e, (exp.And, exp.Or)):
+            return type(e)(this=walk(e.this), expression=walk(e.expression))
+        if isinstance(e, exp.Between):
+            low = exp.GTE(this=e.this.copy(), expression=e.args["low"].copy())
+            high = exp.LTE(this=e.this.copy(), expression=e.args["high"].copy())
+            return exp.Paren(this=exp.and_(atom(low), atom(high)))
+        return atom(e)
+
+    return walk(cond)

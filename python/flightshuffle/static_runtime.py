@@ -13,8 +13,13 @@ hosts. The driver stays in your process and dials the addresses; data moves betw
 Nothing here can start a worker, so a lost worker is recovered once its supervisor restarts
 it at the same address: the driver waits up to ``restart_wait`` seconds for a new process
 there (a process that was only paused is told to exit first), then recomputes what was lost
-on it from lineage, as on a local cluster. Nothing answering in time fails the job with an
-error naming the worker. The workers' own flags set their memory budget, spill directory and
+on it from lineage, as on a local cluster. When nothing answers in time, a surviving worker
+starts a *stand-in* beside itself for the lost slot (``take_over=True``, the default): a
+second worker process with the same command line, its own port and spill directory, its
+token on a pipe the survivor holds (it exits with the survivor). Lineage recomputes the lost
+slot's work there, so the job still ends with the exact answer on the hosts left. With
+``take_over=False``, or when no survivor can start one, the job fails with an error naming
+the worker. The workers' own flags set their memory budget, spill directory and
 compression (``auto``: LZ4 when listening on a network address).
 """
 
@@ -55,6 +60,7 @@ def connect(
     token: str | None,
     tls: Any,
     restart_wait: float,
+    take_over: bool,
     options: dict[str, Any],
 ) -> NativeCluster:
     """The native cluster of the workers at ``addresses`` (``host:port``), checked healthy."""
@@ -74,4 +80,6 @@ def connect(
         raise ValueError(f"restart_wait must be at least 0 seconds, not {restart_wait!r}")
     mode, files = _tls_files(tls)
     options = {**options, "tls": mode, "tls_files": files}
-    return NativeCluster.connect_static(addresses, token, float(restart_wait), options)
+    return NativeCluster.connect_static(
+        addresses, token, float(restart_wait), bool(take_over), options
+    )

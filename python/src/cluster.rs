@@ -232,17 +232,20 @@ impl NativeCluster {
 
     /// A driver for workers a supervisor runs at fixed `addresses` (a static cluster, see
     /// `HostedCluster::connect_static`): a lost worker's slot waits up to `restart_wait`
-    /// seconds for a new process at its address. In `options`, `tls_files` (ca, cert, key):
-    /// the CA to verify the workers with (cert and key are the driver's own, for mutual TLS).
+    /// seconds for a new process at its address, then (`take_over`) a survivor takes it over.
+    /// In `options`, `tls_files` (ca, cert, key): the CA to verify the workers with (cert and
+    /// key are the driver's own, for mutual TLS).
     #[staticmethod]
     fn connect_static(
         py: Python<'_>,
         addresses: Vec<String>,
         token: String,
         restart_wait: f64,
+        take_over: bool,
         options: ClusterOptions,
     ) -> PyResult<Self> {
-        let supervisor = Supervisor::Restarts(Duration::from_secs_f64(restart_wait.max(0.0)));
+        let wait_for = Duration::from_secs_f64(restart_wait.max(0.0));
+        let supervisor = Supervisor::Restarts(wait_for, take_over);
         Self::connect_hosted(py, addresses, token, supervisor, options)
     }
 
@@ -456,8 +459,9 @@ impl NativeCluster {
 enum Supervisor {
     /// A Python callable that starts a replacement and returns its address (Ray).
     Replacer(flightshuffle::driver::Replacer),
-    /// Nothing here: a supervisor restarts the process at its address within this time.
-    Restarts(Duration),
+    /// Nothing here: a supervisor restarts the process at its address within this time; if
+    /// not, a survivor takes the slot over when the flag is set.
+    Restarts(Duration, bool),
 }
 
 impl NativeCluster {
@@ -486,9 +490,11 @@ impl NativeCluster {
                 Supervisor::Replacer(r) => {
                     HostedCluster::connect(&addresses, &creds, cfg, scratch, Some(r)).await?
                 }
-                Supervisor::Restarts(wait_for) => {
-                    HostedCluster::connect_static(&addresses, &creds, cfg, scratch, wait_for)
-                        .await?
+                Supervisor::Restarts(wait_for, take_over) => {
+                    HostedCluster::connect_static(
+                        &addresses, &creds, cfg, scratch, wait_for, take_over,
+                    )
+                    .await?
                 }
             };
             calibrate_for(&c.driver, &opts).await?;

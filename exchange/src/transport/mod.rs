@@ -92,6 +92,9 @@ pub mod actions {
     /// Stop the worker process: a driver that gave it up for lost fences it this way when it
     /// answers again, so that its supervisor starts a fresh process in its place.
     pub const EXIT: &str = "exit";
+    /// Start a second worker process on this host to take over a lost worker's slot (a
+    /// static cluster's stand-in); the reply is its address.
+    pub const STAND_IN: &str = "start_stand_in";
     /// Every action type, as `list_actions` reports them.
     pub const ALL: &[&str] = &[
         CREATE_SHUFFLE,
@@ -108,6 +111,7 @@ pub mod actions {
         HEALTH,
         CALIBRATE,
         EXIT,
+        STAND_IN,
     ];
 }
 

@@ -546,6 +546,7 @@ impl FlightService for WorkerService {
                 super::fence::exit_soon()?;
                 vec![]
             }
+            actions::STAND_IN => super::stand_in::start().await?.into_bytes(),
             other => {
                 return Err(bad(format!(
                     "unknown action {other:?} (known: {:?})",
