@@ -9,7 +9,8 @@
 //! standard input, which this process holds open: a stand-in exits with the worker that
 //! started it.
 
-use super::{WorkerArgs, READY_LINE};
+use super::args::WorkerArgs;
+use super::state::READY_LINE;
 use crate::error::{Error, Result};
 use crate::sync::lock;
 use std::ffi::OsString;
