@@ -23,7 +23,9 @@ def conditions() -> st.SearchStrategy[str]:
     op = st.sampled_from([">", ">=", "<", "<=", "=", "<>"])
     atom = st.one_of(
         st.builds(lambda t, o, c: f"{t} {o} {c}", term, op, const),
-        st.builds(lambda t, lo, w: f"{t} BETWEEN {lo} AND {int(lo) + w}", term, const, st.integers(0, 9)),
+        st.builds(
+            lambda t, lo, w: f"{t} BETWEEN {lo} AND {int(lo) + w}", term, const, st.integers(0, 9)
+        ),
         st.builds(lambda c: f'ABS("a") > {c}', const),
     )
     return st.recursive(

@@ -56,6 +56,11 @@ WHERES = [
     "a IN (SELECT b FROM k WHERE b IN (SELECT a FROM f WHERE v = {t}))",
     "EXISTS (SELECT * FROM k WHERE b = a AND w > {t})",
     "v > {t} AND EXISTS (SELECT 1 FROM k WHERE w < {t} AND a = b)",
+    # Correlated scalar subqueries: run once per key into a table the query joins.
+    "v > (SELECT avg(w) FROM k WHERE b = a)",
+    "v >= (SELECT max(w) - {t} FROM k WHERE a = b AND w > {t}) AND a > -2",
+    # Kept: an anti join, which DataFusion plans in the fact table's stage.
+    "v > {t} AND NOT EXISTS (SELECT 1 FROM k WHERE b = a AND w > {t})",
 ]
 
 
@@ -87,7 +92,7 @@ def check(facts: list, keys: list, where: str, t: int) -> None:
     con = connect(facts, keys)
     sql = f"SELECT a, count(*) AS n, sum(v) AS s FROM f WHERE {where.format(t=t)} GROUP BY a"
     out = resolved(con, sql)
-    assert out.upper().count("SELECT") == 1, out
+    assert out.upper().count("SELECT") == 1 + out.upper().count("NOT EXISTS"), out
     same_rows(con, sql, out)
     having = f"SELECT a, sum(v) AS s FROM f GROUP BY a HAVING sum(v) > (SELECT min(w) + {t} FROM k)"
     out = resolved(con, having)
@@ -106,6 +111,22 @@ def test_a_derived_table_that_computes_columns_is_inlined(facts, keys, t):
     tree = rewrite.inline_derived(rewrite.parse(sql, "duckdb"))
     out = tree.sql(dialect="duckdb")
     assert "AS d" not in out and out.count("SELECT") == 1, out
+    same_rows(con, sql, out)
+
+
+@settings(max_examples=60, deadline=None)
+@given(facts=rows, keys=rows, t=st.integers(-3, 3))
+def test_a_derived_table_with_subqueries_in_its_where_is_inlined_with_them(facts, keys, t):
+    """TPC-H Q22's shape: the derived table's WHERE holds a scalar subquery (run first) and a
+    NOT EXISTS (kept as an anti join); both move to the outer query untouched."""
+    con = connect(facts, keys)
+    sql = (
+        "SELECT x, count(*) AS n, sum(y) AS s FROM (SELECT a + 1 AS x, v AS y FROM f "
+        f"WHERE v > (SELECT min(w) FROM k) - {t} AND NOT EXISTS (SELECT 1 FROM k WHERE b = a)) "
+        "AS d GROUP BY x"
+    )
+    out = resolved(con, sql)
+    assert "AS d" not in out and out.upper().count("SELECT") == 2, out
     same_rows(con, sql, out)
 
 
@@ -138,13 +159,36 @@ def test_what_cannot_run_first_is_refused_clearly():
         rewrite.resolve("SELECT sum(v) FROM f WHERE EXISTS (SELECT 1 FROM k)", "duckdb", run)
     with pytest.raises(ValueError, match="EXISTS"):
         rewrite.resolve(
-            "SELECT sum(v) FROM f WHERE NOT EXISTS (SELECT 1 FROM k WHERE b = a)", "duckdb", run
+            "SELECT sum(v) FROM f WHERE NOT EXISTS (SELECT 1 FROM k WHERE b < a)", "duckdb", run
         )
+    with pytest.raises(ValueError, match="EXISTS"):
+        rewrite.resolve(
+            "SELECT sum(v) FROM f WHERE v = 1 OR NOT EXISTS (SELECT 1 FROM k WHERE b = a)",
+            "duckdb",
+            run,
+        )
+    # Tied by an equality and ANDed in the WHERE: kept, for DataFusion's anti join.
+    anti = "SELECT sum(v) FROM f WHERE NOT EXISTS (SELECT 1 FROM k WHERE b = a)"
+    assert rewrite.resolve(anti, "duckdb", run) == anti
     with pytest.raises(ValueError, match="EXISTS"):
         rewrite.resolve(
             "SELECT sum(v) FROM f WHERE v = 1 OR EXISTS (SELECT 1 FROM k WHERE b = a)",
             "duckdb",
             run,
+        )
+    with pytest.raises(ValueError, match="correlated"):  # COUNT is 0, not NULL, for no rows
+        rewrite.resolve(
+            "SELECT sum(v) FROM f WHERE v > (SELECT count(*) FROM k WHERE b = a)",
+            "duckdb",
+            run,
+            lambda t: "unused",
+        )
+    with pytest.raises(ValueError, match="correlated"):  # under OR: the join would drop rows
+        rewrite.resolve(
+            "SELECT sum(v) FROM f WHERE v = 1 OR v > (SELECT max(w) FROM k WHERE b = a)",
+            "duckdb",
+            run,
+            lambda t: "unused",
         )
     with pytest.raises(ValueError, match="2 rows"):
         con.execute("INSERT INTO k VALUES (2, 2)")

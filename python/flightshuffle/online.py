@@ -228,7 +228,7 @@ def run_sql(
     # one row of every table, so another table read once may be sampled instead: the next
     # largest is tried when the plan cannot make the largest its probe side (DataFusion builds
     # on the smaller side by its estimates: a filtered fact table can look smaller).
-    candidates = sorted(names, key=lambda t: -rows[t])
+    candidates = sorted(dict.fromkeys(plan.samplable), key=lambda t: -rows[t])
     if plan.tables.count(candidates[0]) > 1:
         raise ValueError(
             f"online aggregation samples the largest table, {candidates[0]!r}, which the query "

@@ -39,10 +39,14 @@ def inline_derived(tree: Any) -> Any:
         for a in ("group", "having", "distinct", "limit", "order", "qualify", "windows", "with_")
     ):
         return tree
-    if list(inner.find_all(exp.AggFunc)) or any(s is not inner for s in inner.find_all(exp.Select)):
+    # Subqueries of its WHERE move with it, untouched (they read its tables, not its names).
+    where_of_inner = inner.args.get("where")
+    if any(
+        s is not inner and not within(s, where_of_inner) for s in inner.find_all(exp.Select)
+    ) or any(not within(a, where_of_inner) for a in inner.find_all(exp.AggFunc)):
         return tree
     # A subquery of the outer query would see the derived table's names replaced too.
-    if any(s is not tree and s is not inner for s in tree.find_all(exp.Select)):
+    if any(s is not tree and not within(s, inner) for s in tree.find_all(exp.Select)):
         return tree
     alias = derived.alias_or_name
 
@@ -98,6 +102,38 @@ def inline_derived(tree: Any) -> Any:
     )
     out.set("joins", [j.copy() for j in inner.args.get("joins") or []] or None)
     return out
+
+
+def scaled_aggregate(e: Any) -> Any | None:
+    """``SUM(x) * k``, ``k * SUM(x)`` or ``SUM(x) / k`` (also AVG) for a numeric literal ``k``
+    (TPC-H Q17's ``SUM(l_extendedprice) / 7.0``) as the one aggregate ``SUM(x * k)`` or
+    ``SUM(x / k)``; None for anything else."""
+    from sqlglot import exp
+
+    def strip(x: Any) -> Any:
+        while isinstance(x, exp.Paren):
+            x = x.this
+        return x
+
+    e = strip(e)
+    if not isinstance(e, (exp.Mul, exp.Div)):
+        return None
+    a, b = strip(e.this), strip(e.expression)
+    if isinstance(e, exp.Mul) and isinstance(a, exp.Literal):
+        a, b = b, a
+    if not (isinstance(a, (exp.Sum, exp.Avg)) and isinstance(b, exp.Literal) and b.is_number):
+        return None
+    arg = exp.Paren(this=a.this.copy())
+    return type(a)(this=type(e)(this=arg, expression=b.copy()))
+
+
+def within(node: Any, ancestor: Any) -> bool:
+    """Whether ``node`` is ``ancestor`` or below it (False for no ancestor)."""
+    while ancestor is not None and node is not None:
+        if node is ancestor:
+            return True
+        node = node.parent
+    return False
 
 
 def ratio(e: Any) -> tuple[Any, Any] | None:
@@ -223,6 +259,108 @@ def _as_in(exists: Any, runs: Callable[[str], bool]) -> Any | None:
     return None
 
 
+def anti_join(exists: Any, tree: Any) -> bool:
+    """Whether ``exists`` is ``NOT EXISTS (SELECT ... WHERE inner = outer AND ...)``, one of
+    the ANDed conditions of ``tree``'s WHERE: an anti join that keeps or drops each row of the
+    outer query, which DataFusion plans with the subquery's rows as the build side, so the
+    fact table's rows still stream through it."""
+    from sqlglot import exp
+
+    where = tree.args.get("where")
+    not_ = exists.parent
+    if where is None or not isinstance(not_, exp.Not) or not _conjunct(not_, where):
+        return False
+    select = exists.this
+    if not isinstance(select, exp.Select) or select.args.get("where") is None:
+        return False
+    if any(select.args.get(a) for a in ("limit", "offset", "group", "having", "qualify")):
+        return False
+    conds = select.args["where"].this
+    parts = list(conds.flatten()) if isinstance(conds, exp.And) else [conds]
+    return any(
+        isinstance(c, exp.EQ) and all(isinstance(x, exp.Column) for x in (c.this, c.expression))
+        for c in parts
+    )
+
+
+def _per_key(
+    sub: Any,
+    where: Any,
+    runs: Callable[[str], bool],
+    run: Callable[[str], pa.Table],
+    keep: Callable[[pa.Table], str],
+) -> tuple[str, list] | None:
+    """A correlated scalar subquery ``(SELECT <aggregates> FROM ... WHERE inner = outer AND
+    <rest>)`` compared in one of the ANDed conditions of ``where`` (TPC-H Q17), run once for
+    every key, exactly: ``SELECT inner AS __key0, <aggregates> AS __value ... WHERE <rest> GROUP BY
+    inner``, kept as a table (its name returned) that the outer query joins on ``outer =
+    __key0`` (the conditions returned), the subquery becoming its ``__value``. An outer row whose key
+    has no rows there compares with NULL and is dropped, as the join drops it. None when the
+    subquery is not of this shape: COUNT (0, not NULL, for no rows), conditions other than
+    the equalities that read the outer query, or a comparison not ANDed in the WHERE."""
+    from sqlglot import exp
+
+    select = sub.this
+    compare = sub.parent
+    if not isinstance(select, exp.Select) or not isinstance(
+        compare, (exp.EQ, exp.NEQ, exp.GT, exp.GTE, exp.LT, exp.LTE)
+    ):
+        return None
+    if not _conjunct(compare, where) or select.args.get("where") is None:
+        return None
+    if any(select.args.get(a) for a in ("limit", "offset", "group", "having", "qualify", "joins")):
+        return None
+    if len(select.expressions) != 1 or select.find(exp.Count) or select.find(exp.Subquery):
+        return None
+    value = select.expressions[0]
+    value = value.this if isinstance(value, exp.Alias) else value
+    if not value.find(exp.AggFunc):
+        return None
+    conds = select.args["where"].this
+    parts = list(conds.flatten()) if isinstance(conds, exp.And) else [conds]
+    base = select.copy()
+    base.set("where", None)
+    keys: list[tuple[Any, Any]] = []  # (inner, outer)
+    rest = []
+    for c in parts:
+        pair = None
+        if isinstance(c, exp.EQ) and all(isinstance(x, exp.Column) for x in (c.this, c.expression)):
+            for inner, outer in ((c.this, c.expression), (c.expression, c.this)):
+                probe = base.copy()
+                probe.set("expressions", [inner.copy()])
+                probe.set("limit", exp.Limit(expression=exp.Literal.number(0)))
+                alone = base.copy()
+                alone.set("expressions", [outer.copy()])
+                alone.set("limit", exp.Limit(expression=exp.Literal.number(0)))
+                if runs(probe.sql()) and not runs(alone.sql()):
+                    pair = (inner, outer)
+                    break
+        if pair is None:
+            rest.append(c)
+        else:
+            keys.append(pair)
+    if not keys:
+        return None
+    per_key = base.copy()
+    per_key.set(
+        "expressions",
+        [exp.alias_(k.copy(), f"__key{i}") for i, (k, _) in enumerate(keys)]
+        + [exp.alias_(value.copy(), "__value")],
+    )
+    if rest:
+        per_key.set("where", exp.Where(this=exp.and_(*[r.copy() for r in rest])))
+    per_key.set("group", exp.Group(expressions=[k.copy() for k, _ in keys]))
+    if not runs(per_key.sql() + " LIMIT 0"):
+        return None  # another condition reads the outer query
+    table = run(per_key.sql())
+    name = keep(table)
+    ties = [
+        exp.EQ(this=outer.copy(), expression=exp.column(f"__key{i}", name))
+        for i, (_, outer) in enumerate(keys)
+    ]
+    return name, ties
+
+
 def resolve_subqueries(
     tree: Any, run: Callable[[str], pa.Table], keep: Callable[[pa.Table], str] | None = None
 ) -> Any:
@@ -232,9 +370,12 @@ def resolve_subqueries(
     subquery with more than :data:`MAX_IN_VALUES` values, one of the ANDed conditions of the
     WHERE, becomes a join with a table of its distinct values that ``keep`` stores and names.
     ``EXISTS`` tied to the outer query by one equality and ANDed in the WHERE is that IN
-    (TPC-H Q4). Anything else that reads the outer query's columns does not run on its own:
-    refused, as are ``NOT EXISTS`` and a large ``NOT IN``. TPC-H Q4, Q11 and Q18 stream this
-    way."""
+    (TPC-H Q4); ``NOT EXISTS`` tied the same way stays for DataFusion to plan as an anti join
+    (:func:`anti_join`; TPC-H Q22). A scalar subquery tied by equalities and compared in an
+    ANDed condition of the WHERE runs once for every key into a table the query joins
+    (:func:`_per_key`; TPC-H Q17). Anything else that reads the outer query's columns does
+    not run on its own: refused, as is a large ``NOT IN``. TPC-H Q4, Q11, Q18 and Q22 stream
+    this way."""
     import pyarrow.compute as pc
     from sqlglot import exp
 
@@ -272,12 +413,14 @@ def resolve_subqueries(
     for clause in clauses:
         node = out.args[clause]
         for exists in own(node.find_all(exp.Exists)):
+            if anti_join(exists, out):
+                continue  # planned by DataFusion as an anti join in the fact's stage
             member = _as_in(exists, runs) if clause == "where" and _conjunct(exists, node) else None
             if member is None:
                 raise ValueError(
                     "EXISTS / NOT EXISTS (a semi or anti join) is supported by online "
                     "aggregation only as an ANDed condition of the WHERE tied to the outer "
-                    "query by one equality (EXISTS (SELECT ... WHERE inner = outer AND ...))"
+                    "query by an equality (EXISTS (SELECT ... WHERE inner = outer AND ...))"
                 )
             exists.replace(member)
         for member in own(node.find_all(exp.In)):
@@ -295,8 +438,9 @@ def resolve_subqueries(
                         "(more only for an IN ANDed in the WHERE: a join with its values)"
                     )
                 keys = pc.unique(table.column(0).drop_null())
-                name = keep(pa.table({"k": keys}))
-                member.replace(exp.EQ(this=member.this.copy(), expression=exp.column("k", name)))
+                name = keep(pa.table({"__key": keys}))
+                key = exp.column("__key", name)
+                member.replace(exp.EQ(this=member.this.copy(), expression=key))
                 out.append("joins", exp.Join(this=exp.to_table(name)))
                 continue
             t = table.schema.field(0).type
@@ -309,6 +453,15 @@ def resolve_subqueries(
         for sub in own(node.find_all(exp.Subquery)):
             if sub.find_ancestor(exp.Select) is not out:
                 continue
+            alone = f"SELECT * FROM ({sub.this.sql()}) AS __alone LIMIT 0"
+            if keep is not None and clause == "where" and not runs(alone):
+                joined = _per_key(sub, node, runs, run, keep)
+                if joined is not None:
+                    name, ties = joined
+                    sub.replace(exp.column("__value", name))
+                    out.append("joins", exp.Join(this=exp.to_table(name)))
+                    node.set("this", exp.and_(node.this, *ties))
+                    continue
             table = exactly(sub)
             if table.num_rows > 1:
                 raise ValueError(
@@ -340,6 +493,6 @@ def resolve(
     (:func:`resolve_subqueries`); unchanged without any."""
     tree = inline_derived(parse(query, engine))
     out = resolve_subqueries(tree, run, keep)
-    if out is tree:
+    if out is tree or out == parse(query, engine):
         return query
     return out.sql(dialect="duckdb" if engine == "duckdb" else None)

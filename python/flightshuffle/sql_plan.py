@@ -16,7 +16,14 @@ from typing import Any
 import pyarrow as pa
 
 from flightshuffle.estimates import NEEDS, PRODUCTS, UNITS, AggRef
-from flightshuffle.rewrite import inline_derived, parse, ratio
+from flightshuffle.rewrite import (
+    anti_join,
+    inline_derived,
+    parse,
+    ratio,
+    scaled_aggregate,
+    within,
+)
 
 
 @dataclass
@@ -25,6 +32,8 @@ class SqlPlan:
     """The first table of FROM (the only one for the DuckDB map side)."""
     tables: list[str]
     """Every table the query reads, once per time it is read."""
+    samplable: list[str]
+    """The tables each result row holds one row of: not those an anti join reads whole."""
     keys: list[str]
     aggs: list[AggRef]
     stats: str
@@ -154,7 +163,11 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
     for arg in ("qualify", "windows", "distinct", "with_"):
         if tree.args.get(arg):
             raise unsupported(f"{arg.rstrip('_').upper()} is not supported")
-    if any(s is not tree for s in tree.find_all(exp.Select)):
+    # NOT EXISTS tied by an equality stays for DataFusion: an anti join (rewrite.anti_join).
+    antis = [e for e in tree.find_all(exp.Exists) if anti_join(e, tree)]
+    if any(
+        s is not tree and not any(within(s, a) for a in antis) for s in tree.find_all(exp.Select)
+    ):
         raise unsupported("subqueries are not supported")
     for j in tree.args.get("joins") or []:
         kind = (j.args.get("kind") or "").upper()
@@ -163,12 +176,17 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
                 f"{sql(j).split(' ON ')[0].strip()}: only inner joins keep every result row "
                 "tied to one row of the fact table, which the estimates scale"
             )
+    if engine == "duckdb" and antis:
+        raise unsupported("NOT EXISTS needs engine='datafusion' (DuckDB reads one table per split)")
     if engine == "duckdb" and tree.args.get("joins"):
         raise unsupported("joins need engine='datafusion' (DuckDB reads one table per split)")
     source = tree.args.get("from_") or tree.args.get("from")
     if source is None:
         raise unsupported("there is no FROM clause")
     tables = [t.name for t in tree.find_all(exp.Table)]
+    # The tables a result row holds one row of (those of an anti join's subquery are read
+    # whole, as its build side).
+    samplable = [t.name for t in tree.find_all(exp.Table) if not any(within(t, a) for a in antis)]
     if not isinstance(source.this, exp.Table) or any(
         not isinstance(j.this, exp.Table) for j in tree.args.get("joins") or []
     ):
@@ -256,10 +274,15 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
             add_ratio(*parts, name)
             outputs[sql(inner)] = name
             continue
+        one = scaled_aggregate(inner)
+        if one is not None:
+            outputs[sql(inner)] = name
+            inner = one
         if not isinstance(inner, exp.AggFunc):
             raise unsupported(
                 f"{sql(inner)} computes over aggregates: of those only a ratio of two sums, "
-                "SUM(a) / SUM(b), either times a number, has an interval here; select the "
+                "SUM(a) / SUM(b), either times a number, and a SUM or AVG times or over a "
+                "number have an interval here; select the "
                 "aggregates and compute it from the estimates"
             )
         add_agg(inner, name)
@@ -318,6 +341,7 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
     return SqlPlan(
         table,
         tables,
+        samplable,
         keys,
         aggs,
         stats,

@@ -13,7 +13,9 @@
 //! or rows times an estimated row width); without estimates it leaves the join alone.
 //!
 //! A session whose `hash_join_single_partition_threshold` is 0 asks for no broadcasts: the rule
-//! then does nothing either. Only join types that never emit build-side rows at their end qualify (the planner would
+//! then does nothing either. One whose threshold is `usize::MAX` asks for every join as a
+//! broadcast (online aggregation's): there a left semi or anti join (`[NOT] EXISTS`) is also
+//! turned around, so that the subquery's side is built and the outer query's rows stream. Only join types that never emit build-side rows at their end qualify (the planner would
 //! re-plan those `Partitioned` anyway, see [`crate::planner`]). Running before DataFusion's
 //! distribution enforcement means the exchanges the new plan needs are planned as usual.
 
@@ -88,6 +90,14 @@ fn probe_only_output(t: &JoinType) -> bool {
     )
 }
 
+/// A semi or anti join that emits its left side (the outer query of `[NOT] EXISTS`), which a
+/// broadcast would have to build on: DataFusion keeps it so when the left side looks smaller.
+fn outer_on_the_left(j: &HashJoinExec) -> bool {
+    matches!(j.join_type(), JoinType::LeftSemi | JoinType::LeftAnti)
+        && !j.null_aware
+        && j.join_type().supports_swap()
+}
+
 impl PhysicalOptimizerRule for BroadcastJoins {
     fn optimize(
         &self,
@@ -98,10 +108,17 @@ impl PhysicalOptimizerRule for BroadcastJoins {
         if config.optimizer.hash_join_single_partition_threshold == 0 {
             return Ok(plan);
         }
+        // Every join a broadcast (online aggregation's session, see `context`).
+        let every = config.optimizer.hash_join_single_partition_threshold == usize::MAX;
         plan.transform_up(|p| {
             let Some(j) = p.downcast_ref::<HashJoinExec>() else {
                 return Ok(Transformed::no(p));
             };
+            if every && outer_on_the_left(j) {
+                // The subquery's side becomes the build side: the outer query's rows (the
+                // fact table's, online) stream through, each kept or dropped.
+                return Ok(Transformed::yes(j.swap_inputs(PartitionMode::CollectLeft)?));
+            }
             if *j.partition_mode() != PartitionMode::Partitioned
                 || !probe_only_output(j.join_type())
             {
