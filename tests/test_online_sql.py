@@ -66,6 +66,29 @@ def test_tpch_shape_final_equals_duckdb_and_intervals_shrink(tpch_cluster, tpch_
         assert f"fold partitions: {1 if n in NO_KEYS else 2};" in plan, plan
 
 
+def test_the_tables_a_query_keeps_for_its_subqueries_go_with_it(tpch_cluster, tpch_duckdb):
+    """Q17's per-part averages are a table the query joins: registered while it streams,
+    unregistered and its file removed once it ends (or is closed early)."""
+    import glob
+    import os
+
+    def kept() -> list[str]:
+        return [n for n in tpch_cluster._tables if n.startswith("__in_")]
+
+    files = os.path.join(tpch_cluster.spill_root, "datasets", "__in_*")
+    query, ordered = tpch.query(17, SF)
+    stream = tpch_cluster.online(query, rounds=3, seed=1, progress=False)
+    first = next(stream)
+    assert len(kept()) == 1 and len(glob.glob(files)) == 1
+    assert not first.final
+    stream.close()
+    assert kept() == [] and glob.glob(files) == []
+    results = list(tpch_cluster.online(query, rounds=3, seed=2, progress=False))
+    assert kept() == [] and glob.glob(files) == []
+    want = tpch_duckdb.sql(query).to_arrow_table()
+    assert tpch.compare(want, output(results[-1].estimates), ordered) is None
+
+
 def width(est: pl.DataFrame, names: list[str]) -> float:
     return sum(float(((est[f"{n}_high"] - est[f"{n}_low"]) / est[n].abs()).mean()) for n in names)
 

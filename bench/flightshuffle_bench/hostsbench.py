@@ -62,12 +62,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if not args.no_shuffles:
         # (rate, compression, tls, strategies, M = R values); the last rate also without
         # compression and without TLS, and the machine's own limit uncapped.
-        configs += [(rate, "auto", True, STRATEGIES, args.mr) for rate in args.rate]
-        configs += [
-            (args.rate[-1], "none", True, ("pull", "push", "auto"), args.mr[-1:]),
-            (args.rate[-1], "auto", False, ("pull", "push", "auto"), args.mr[-1:]),
-            (None, "auto", True, STRATEGIES, args.mr[-1:]),
-        ]
+        chosen = tuple(args.strategies.split(","))
+        configs += [(rate, "auto", True, chosen, args.mr) for rate in args.rate]
+        if not args.no_variants:
+            configs += [
+                (args.rate[-1], "none", True, ("pull", "push", "auto"), args.mr[-1:]),
+                (args.rate[-1], "auto", False, ("pull", "push", "auto"), args.mr[-1:]),
+                (None, "auto", True, chosen, args.mr[-1:]),
+            ]
     for rate, compression, tls, strategies, mrs in configs:
         with (
             simhosts.SimHosts(args.hosts, rate=rate) as hosts,
@@ -240,5 +242,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--tpch-sf", type=float, default=0.0, help="also TPC-H at this SF (0: no)")
     p.add_argument("--tpch-data", default="data/tpch-sf1", help="where the TPC-H Parquet files are")
     p.add_argument("--no-shuffles", action="store_true", help="only the TPC-H part")
+    p.add_argument(
+        "--strategies", default=",".join(STRATEGIES), help="comma-separated, for the main points"
+    )
+    p.add_argument(
+        "--no-variants",
+        action="store_true",
+        help="skip the runs without compression, without TLS and uncapped",
+    )
     p.add_argument("-o", "--output", help="also write the JSON here")
     p.set_defaults(run=lambda a: emit(measure(a), a.output))

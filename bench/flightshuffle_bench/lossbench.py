@@ -5,7 +5,8 @@ worker's slot goes at once to a stand-in that a surviving host starts beside its
 and lineage recomputes what was lost there.
 
 Per TPC-H query, on fresh workers each time: the query clean (after one warm-up run), then
-again with host 2's worker killed (SIGKILL) at ``--kill-at`` of the clean time. Reported: both
+again with host 2's worker killed (SIGKILL) at ``--kill-at`` of the clean time (with
+``--trials`` above 1, the further trials kill at random points). Reported: both
 times, whether the answer equals DuckDB's, and the cluster's recovery counters, which show
 that the kill landed while the query ran (a kill after the end would change none). Prints
 JSON."""
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
 import sys
 import tempfile
@@ -26,7 +28,9 @@ from flightshuffle_bench.emit import emit
 from flightshuffle_bench.hostsbench import _certs
 
 
-def _one_query(args: argparse.Namespace, root: str, q: int, duck: Any) -> dict[str, Any]:
+def _one_query(
+    args: argparse.Namespace, root: str, q: int, duck: Any, kill_at: float
+) -> dict[str, Any]:
     from flightshuffle import Cluster
 
     sql, ordered = tpch.query(q, args.sf)
@@ -49,7 +53,7 @@ def _one_query(args: argparse.Namespace, root: str, q: int, duck: Any) -> dict[s
             clean = time.monotonic() - t
             before = c.recovery()
             victim = hosts.worker_pid(2)
-            kill = threading.Timer(clean * args.kill_at, os.kill, (victim, signal.SIGKILL))
+            kill = threading.Timer(clean * kill_at, os.kill, (victim, signal.SIGKILL))
             t = time.monotonic()
             kill.start()
             try:
@@ -63,7 +67,8 @@ def _one_query(args: argparse.Namespace, root: str, q: int, duck: Any) -> dict[s
     counters = ("replacements", "recomputed_maps", "rerun_jobs", "rerun_stages")
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in counters if k in after}
     return {
-        "query": q, "clean_s": clean, "with_loss_s": lost, "ratio": lost / clean,
+        "query": q, "kill_at": kill_at, "clean_s": clean, "with_loss_s": lost,
+        "ratio": lost / clean,
         "right": diff is None, "kill_landed": delta.get("replacements", 0) > 0,
         "stand_ins": stand_ins, "recovery": delta,
     }  # fmt: skip
@@ -76,16 +81,20 @@ def run(args: argparse.Namespace) -> int:
     root = tpch.ensure_data(args.sf, args.data, progress=False)
     duck = tpch.duckdb_connect(root)
     rows = []
-    for q in args.queries:
-        rows.append(_one_query(args, root, q, duck))
-        print(rows[-1], file=sys.stderr, flush=True)
+    rng = random.Random(args.seed)
+    for trial in range(args.trials):
+        for q in args.queries:
+            # One trial at --kill-at; more at random points of the clean time.
+            at = args.kill_at if trial == 0 else rng.uniform(0.05, 0.9)
+            rows.append(_one_query(args, root, q, duck, at))
+            print(rows[-1], file=sys.stderr, flush=True)
     emit(
         {
             "bench": "hosts-loss",
             "sf": args.sf,
             "rate": args.rate,
             "hosts": 3,
-            "kill_at": args.kill_at,
+            "trials": args.trials,
             "queries": rows,
             "all_right": all(r["right"] for r in rows),
             "all_landed": all(r["kill_landed"] for r in rows),
@@ -102,5 +111,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--queries", type=int, nargs="+", default=[3, 9, 18, 21])
     p.add_argument("--rate", default="1gbit", help="each host's link (tc tbf rate)")
     p.add_argument("--kill-at", type=float, default=0.4, help="kill at this share of clean time")
+    p.add_argument("--trials", type=int, default=1, help="trials per query (then random kills)")
+    p.add_argument("--seed", type=int, default=1)
     p.add_argument("-o", "--output", help="also write the JSON here")
     p.set_defaults(run=run)
