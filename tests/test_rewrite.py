@@ -243,3 +243,54 @@ def test_review_cases_keep_the_original_answer():
     out = rewrite.resolve(sql, "datafusion", lambda q: con.sql(q).to_arrow_table())
     assert "* 2" in out, out
     same_rows(con, sql, out)
+
+
+def test_second_review_cases_keep_the_original_answer_or_are_refused():
+    """Cases a second review found: a correlated value that is not NULL over no rows
+    (COALESCE), keys of different types (VARCHAR '01' equals INTEGER 1), two subqueries in one
+    WHERE (the second was left in), NOT EXISTS over an aggregate (always a row) or tied only
+    by its own columns, and an integer divisor (``SUM(int) / 7`` divides once)."""
+    con = connect([(1, 1), (2, 2), (3, 0), (None, 5)], [(1, 5), (1, 6), (2, -7)])
+    run = lambda q: con.sql(q).to_arrow_table()
+    refused = {
+        "SELECT count(*) AS n FROM f WHERE v > (SELECT coalesce(max(w), -100) FROM k WHERE b = a)": (
+            "correlated"
+        ),
+        "SELECT count(*) AS n FROM f WHERE v > (SELECT max(w) + 0 FROM k WHERE b = a) "
+        "AND v < (SELECT count(*) FROM k WHERE b = a)": "correlated",
+        "SELECT a, sum(v) FROM f WHERE NOT EXISTS (SELECT max(w) FROM k WHERE b = a) GROUP BY a": (
+            "EXISTS"
+        ),
+        "SELECT sum(v) FROM f WHERE NOT EXISTS (SELECT 1 FROM k WHERE b = w AND w < a)": "EXISTS",
+    }
+    for sql, words in refused.items():
+        with pytest.raises(ValueError, match=words):
+            rewrite.resolve(sql, "duckdb", run, lambda t: "unused")
+    # Two subqueries, the correlated one first: both replaced, the rows kept.
+    two = (
+        "SELECT count(*) AS n, sum(v) AS s FROM f WHERE v > (SELECT min(w) - 100 FROM k "
+        "WHERE b = a) AND v < (SELECT max(w) + 100 FROM k)"
+    )
+    out = resolved(con, two)
+    assert out.upper().count("SELECT") == 1, out
+    same_rows(con, two, out)
+    # Key columns of different types: an implicit cast matches '1' and '01' to 1.
+    con.execute("CREATE TABLE t (b VARCHAR, w INTEGER)")
+    con.execute("INSERT INTO t VALUES ('1', 5), ('01', 6)")
+    with pytest.raises(ValueError, match="correlated"):
+        resolved(con, "SELECT count(*) FROM f WHERE v < (SELECT max(w) FROM t WHERE b = a)")
+
+
+def test_a_sum_over_a_number_is_one_sum_only_for_a_decimal_divisor():
+    from flightshuffle.sql_plan import plan_sql
+
+    assert plan_sql("SELECT sum(v) / 7.0 AS s FROM f", "datafusion").aggs[0].kind == "sum"
+    assert plan_sql("SELECT 2 * avg(v) AS s FROM f", "datafusion").aggs[0].kind == "mean"
+    for sql in ("SELECT sum(v) / 7 AS s FROM f", "SELECT sum(DISTINCT v) / 7.0 AS s FROM f"):
+        with pytest.raises(ValueError, match="over aggregates|DISTINCT"):
+            plan_sql(sql, "datafusion")
+    # A HAVING whose BETWEEN has an aggregate in one half only.
+    plan = plan_sql(
+        "SELECT a, sum(v) AS s FROM f GROUP BY a HAVING a BETWEEN 0 AND sum(v)", "datafusion"
+    )
+    assert plan.having_certain

@@ -105,9 +105,10 @@ def inline_derived(tree: Any) -> Any:
 
 
 def scaled_aggregate(e: Any) -> Any | None:
-    """``SUM(x) * k``, ``k * SUM(x)`` or ``SUM(x) / k`` (also AVG) for a numeric literal ``k``
-    (TPC-H Q17's ``SUM(l_extendedprice) / 7.0``) as the one aggregate ``SUM(x * k)`` or
-    ``SUM(x / k)``; None for anything else."""
+    """``SUM(x) * k``, ``k * SUM(x)`` (a numeric literal ``k``) or ``SUM(x) / k`` (``k``
+    written with a decimal point, TPC-H Q17's ``SUM(l_extendedprice) / 7.0``), also AVG, as
+    the one aggregate ``SUM(x * k)`` or ``SUM(CAST(x AS DOUBLE) / k)``; None for anything
+    else (an integer divisor: ``SUM(int) / 7`` divides integers once, not each row)."""
     from sqlglot import exp
 
     def strip(x: Any) -> Any:
@@ -123,8 +124,17 @@ def scaled_aggregate(e: Any) -> Any | None:
         a, b = b, a
     if not (isinstance(a, (exp.Sum, exp.Avg)) and isinstance(b, exp.Literal) and b.is_number):
         return None
+    if isinstance(a.this, exp.Distinct):
+        return None
+    if isinstance(e, exp.Div):
+        # SUM(int) / 7 divides integers once, SUM(x / 7) each row: only a divisor written as
+        # a decimal (7.0) is taken, and the rows are divided as doubles (no per-row rounding).
+        if not b.is_number or b.is_int:
+            return None
+        arg = exp.Cast(this=a.this.copy(), to=exp.DataType.build("DOUBLE"))
+        return type(a)(this=exp.Div(this=arg, expression=b.copy()))
     arg = exp.Paren(this=a.this.copy())
-    return type(a)(this=type(e)(this=arg, expression=b.copy()))
+    return type(a)(this=exp.Mul(this=arg, expression=b.copy()))
 
 
 def within(node: Any, ancestor: Any) -> bool:
@@ -259,11 +269,12 @@ def _as_in(exists: Any, runs: Callable[[str], bool]) -> Any | None:
     return None
 
 
-def anti_join(exists: Any, tree: Any) -> bool:
+def anti_join(exists: Any, tree: Any, runs: Callable[[str], bool] | None = None) -> bool:
     """Whether ``exists`` is ``NOT EXISTS (SELECT ... WHERE inner = outer AND ...)``, one of
     the ANDed conditions of ``tree``'s WHERE: an anti join that keeps or drops each row of the
     outer query, which DataFusion plans with the subquery's rows as the build side, so the
-    fact table's rows still stream through it."""
+    fact table's rows still stream through it. With ``runs``, the equality must tie one of its
+    own columns to one of the outer query's (as :func:`_as_in` finds it)."""
     from sqlglot import exp
 
     where = tree.args.get("where")
@@ -275,6 +286,12 @@ def anti_join(exists: Any, tree: Any) -> bool:
         return False
     if any(select.args.get(a) for a in ("limit", "offset", "group", "having", "qualify")):
         return False
+    # An aggregate without GROUP BY always gives a row: NOT EXISTS is then false throughout.
+    if any(e.find(exp.AggFunc) for e in select.expressions):
+        return False
+    if runs is not None:
+        # Tied by an equality of one of its own columns with one of the outer query's.
+        return _as_in(exists, runs) is not None
     conds = select.args["where"].this
     parts = list(conds.flatten()) if isinstance(conds, exp.And) else [conds]
     return any(
@@ -289,6 +306,7 @@ def _per_key(
     runs: Callable[[str], bool],
     run: Callable[[str], pa.Table],
     keep: Callable[[pa.Table], str],
+    outer_from: Any = None,
 ) -> tuple[str, list] | None:
     """A correlated scalar subquery ``(SELECT <aggregates> FROM ... WHERE inner = outer AND
     <rest>)`` compared in one of the ANDed conditions of ``where`` (TPC-H Q17), run once for
@@ -296,8 +314,10 @@ def _per_key(
     inner``, kept as a table (its name returned) that the outer query joins on ``outer =
     __key0`` (the conditions returned), the subquery becoming its ``__value``. An outer row whose key
     has no rows there compares with NULL and is dropped, as the join drops it. None when the
-    subquery is not of this shape: COUNT (0, not NULL, for no rows), conditions other than
-    the equalities that read the outer query, or a comparison not ANDed in the WHERE."""
+    subquery is not of this shape: a value that is not NULL over no rows (COUNT, COALESCE),
+    conditions other than the equalities that read the outer query, a comparison not ANDed
+    in the WHERE, or key columns of different types on the two sides (``outer_from``: the
+    outer query's FROM and joins, to read the outer column's type)."""
     from sqlglot import exp
 
     select = sub.this
@@ -352,6 +372,33 @@ def _per_key(
     per_key.set("group", exp.Group(expressions=[k.copy() for k, _ in keys]))
     if not runs(per_key.sql() + " LIMIT 0"):
         return None  # another condition reads the outer query
+    # A key with no rows compares with the value over no rows; the join drops its rows, which
+    # is the same only when that value is NULL (not so for COUNT, COALESCE(MAX(x), 0), ...).
+    empty = base.copy()
+    empty.set("expressions", [value.copy()])
+    empty.set("where", exp.Where(this=exp.false()))
+    try:
+        nothing = run(empty.sql())
+    except Exception:  # noqa: BLE001 - not runnable alone: not this shape
+        return None
+    if nothing.num_rows != 1 or nothing.column(0)[0].is_valid:
+        return None
+    # The join must match what the equality matched: one per-key row per outer key, so the
+    # two sides must have one type (an implicit cast can map several keys to one: '1', '01').
+    if outer_from is not None:
+        for inner, outer in keys:
+            one = base.copy()
+            one.set("expressions", [inner.copy()])
+            one.set("limit", exp.Limit(expression=exp.Literal.number(0)))
+            other = outer_from.copy()
+            other.set("expressions", [outer.copy()])
+            other.set("limit", exp.Limit(expression=exp.Literal.number(0)))
+            try:
+                same = run(one.sql()).schema.field(0).type == run(other.sql()).schema.field(0).type
+            except Exception:  # noqa: BLE001 - types unknown: not this shape
+                same = False
+            if not same:
+                return None
     table = run(per_key.sql())
     name = keep(table)
     ties = [
@@ -410,10 +457,17 @@ def resolve_subqueries(
         whole) nor cut out of it by an earlier replacement."""
         return [n for n in nodes if n.find_ancestor(exp.Select) is out]
 
+    # The outer query's FROM and joins (to read an outer column's type).
+    outer_from = exp.Select(
+        **{a: out.args[a].copy() for a in ("from_", "from", "joins") if out.args.get(a)}
+    )
+    # Join conditions of per-key tables, ANDed into the WHERE once all are replaced (AND
+    # copies the tree, which would detach the subqueries still to replace).
+    pending_ties: list = []
     for clause in clauses:
         node = out.args[clause]
         for exists in own(node.find_all(exp.Exists)):
-            if anti_join(exists, out):
+            if anti_join(exists, out, runs):
                 continue  # planned by DataFusion as an anti join in the fact's stage
             member = _as_in(exists, runs) if clause == "where" and _conjunct(exists, node) else None
             if member is None:
@@ -455,12 +509,12 @@ def resolve_subqueries(
                 continue
             alone = f"SELECT * FROM ({sub.this.sql()}) AS __alone LIMIT 0"
             if keep is not None and clause == "where" and not runs(alone):
-                joined = _per_key(sub, node, runs, run, keep)
+                joined = _per_key(sub, node, runs, run, keep, outer_from)
                 if joined is not None:
                     name, ties = joined
                     sub.replace(exp.column("__value", name))
                     out.append("joins", exp.Join(this=exp.to_table(name)))
-                    node.set("this", exp.and_(node.this, *ties))
+                    pending_ties += ties
                     continue
             table = exactly(sub)
             if table.num_rows > 1:
@@ -469,6 +523,9 @@ def resolve_subqueries(
                 )
             value = table.column(0)[0].as_py() if table.num_rows else None
             sub.replace(_literal(value, table.schema.field(0).type))
+    if pending_ties:
+        where = out.args["where"]
+        where.set("this", exp.and_(where.this, *pending_ties))
     return out
 
 

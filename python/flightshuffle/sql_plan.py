@@ -528,7 +528,7 @@ def certain_condition(cond: Any, aggregates: set[str]) -> Any:
         if isinstance(e, exp.Between):
             low = exp.GTE(this=e.this.copy(), expression=e.args["low"].copy())
             high = exp.LTE(this=e.this.copy(), expression=e.args["high"].copy())
-            return exp.Paren(this=exp.and_(atom(low), atom(high)))
+            return exp.Paren(this=exp.and_(walk(low), walk(high)))
         return atom(e)
 
     return walk(cond)
