@@ -146,6 +146,11 @@ def test_a_worker_that_does_not_come_back_is_taken_over_by_a_survivor(
         con = tpch.duckdb_connect(tpch_data)
         sql, ordered = tpch.query(3, 0.1)
         assert tpch.compare(con.sql(sql).to_arrow_table(), c.sql(sql), ordered) is None
+    # The driver that asked for the stand-in closed: it is told to exit.
+    deadline = time.monotonic() + 20
+    while len(hosts.worker_pids(0)) > 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(hosts.worker_pids(0)) == 1
 
 
 def test_a_paused_worker_is_fenced_and_its_restart_takes_over(hosts, tmp_path):

@@ -532,6 +532,10 @@ pub struct HostedCluster {
     /// The directory for files every worker must read (shared with the workers' hosts).
     pub scratch: PathBuf,
     _tempdir: Option<tempfile::TempDir>,
+    /// Stand-ins started for this driver (a static cluster's, see [`Self::connect_static`]):
+    /// told to exit when it closes.
+    stand_ins: Arc<Mutex<Vec<String>>>,
+    creds: crate::transport::Credentials,
 }
 
 impl HostedCluster {
@@ -563,6 +567,8 @@ impl HostedCluster {
             driver,
             scratch,
             _tempdir: tempdir,
+            stand_ins: Arc::new(Mutex::new(Vec::new())),
+            creds: creds.clone(),
         })
     }
 }
@@ -600,6 +606,7 @@ impl HostedCluster {
             seen: Arc::new(Mutex::new(seen)),
             wait: restart_wait,
             take_over,
+            stand_ins: cluster.stand_ins.clone(),
             handle: tokio::runtime::Handle::current(),
         };
         driver.set_replacer(Arc::new(move |i| restarts.wait_for(i)));
@@ -617,6 +624,8 @@ struct Restarts {
     wait: Duration,
     /// A survivor takes the slot over when no new process answers within `wait`.
     take_over: bool,
+    /// The stand-ins started (their addresses).
+    stand_ins: Arc<Mutex<Vec<String>>>,
     handle: tokio::runtime::Handle,
 }
 
@@ -721,11 +730,18 @@ impl Restarts {
             // Its instance, so that should it be lost later and answer again, it is fenced
             // like any lost process rather than taken back.
             let answered = WorkerClient::new(i, &stand_in, &self.creds, probe)
-                .map(|c| self.handle.block_on(c.health(probe)));
+                .map(|c| (self.handle.block_on(c.health(probe)), c));
             match answered {
-                Ok(Ok(h)) => lock(&self.seen).insert(stand_in.clone(), h.instance),
-                _ => continue,
+                Ok((Ok(h), _)) => lock(&self.seen).insert(stand_in.clone(), h.instance),
+                Ok((Err(_), c)) => {
+                    // Started but not answering: not left running.
+                    let exit = c.action(crate::transport::actions::EXIT, Vec::new(), probe);
+                    let _ = self.handle.block_on(exit);
+                    continue;
+                }
+                Err(_) => continue,
             };
+            lock(&self.stand_ins).push(stand_in.clone());
             tracing::warn!(
                 worker = i,
                 lost,
@@ -752,5 +768,31 @@ impl Drop for HostedCluster {
     fn drop(&mut self) {
         // The replacer may hold the runtime that hosts the workers (it is dropped here).
         self.driver.stop_replacing();
+        // The stand-ins started for this driver: nobody else knows of them.
+        let stand_ins = std::mem::take(&mut *lock(&self.stand_ins));
+        if stand_ins.is_empty() {
+            return;
+        }
+        let creds = self.creds.clone();
+        let stop = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async {
+                let wait = Duration::from_secs(2);
+                for (i, addr) in stand_ins.iter().enumerate() {
+                    if let Ok(c) = crate::transport::client::WorkerClient::new(i, addr, &creds, wait)
+                    {
+                        let told = c.action(crate::transport::actions::EXIT, Vec::new(), wait);
+                        let told = tokio::time::timeout(wait, told).await;
+                        tracing::info!(%addr, told = matches!(told, Ok(Ok(_))), "stand-in told to exit");
+                    }
+                }
+            });
+        });
+        let _ = stop.join();
     }
 }

@@ -7,7 +7,8 @@
 //! The stand-in runs this process's own command line (same program and flags: budget,
 //! compression, TLS files) with its own port, spill directory and id. The token goes on its
 //! standard input, which this process holds open: a stand-in exits with the worker that
-//! started it.
+//! started it, and when the driver that asked for it closes (it tells it to exit). It has
+//! the same memory budget as its parent, so their host commits twice that.
 
 use super::args::WorkerArgs;
 use super::state::READY_LINE;
@@ -164,14 +165,21 @@ pub async fn start() -> Result<String> {
         .await
         .map_err(|e| Error::Cluster(format!("cannot give a stand-in worker its token: {e}")))?;
     child.stdin = Some(stdin); // held open: the stand-in exits when this process does
-    let mut lines = tokio::io::BufReader::new(stdout).lines();
+                               // Read as bytes: a line that is not UTF-8 (a task's print) must not stop the reading.
+    let mut out = tokio::io::BufReader::new(stdout);
     let ready = tokio::time::timeout(START_TIMEOUT, async {
-        while let Ok(Some(line)) = lines.next_line().await {
-            if let Some(addr) = line.strip_prefix(READY_LINE) {
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            match out.read_until(b'\n', &mut line).await {
+                Ok(0) | Err(_) => return None,
+                Ok(_) => {}
+            }
+            let text = String::from_utf8_lossy(&line);
+            if let Some(addr) = text.strip_prefix(READY_LINE) {
                 return Some(addr.trim().to_string());
             }
         }
-        None
     })
     .await;
     let bound = match ready {
@@ -188,7 +196,9 @@ pub async fn start() -> Result<String> {
         }
     };
     // Whatever it prints from here on is read and dropped (a full pipe would stall it).
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    tokio::spawn(async move {
+        let _ = tokio::io::copy(&mut out, &mut tokio::io::sink()).await;
+    });
     let port = bound
         .rsplit_once(':')
         .map(|(_, p)| p.to_string())
@@ -197,7 +207,11 @@ pub async fn start() -> Result<String> {
         Some(host) => format!("{host}:{port}"),
         None => bound,
     };
-    lock(&launch.children).push(child);
+    let mut children = lock(&launch.children);
+    // Those that exited (told to by their driver) are reaped here.
+    children.retain_mut(|c| matches!(c.try_wait(), Ok(None)));
+    children.push(child);
+    drop(children);
     tracing::warn!(%addr, "started a stand-in worker on this host for a lost slot");
     Ok(addr)
 }
