@@ -27,8 +27,9 @@ def output(est: pl.DataFrame) -> pa.Table:
 # The TPC-H queries online aggregation runs from their unmodified text: Q7-Q9 through their
 # derived table, Q7 and Q8 reading nation twice, Q8 and Q14 a ratio of two sums, Q11 and Q18
 # with their subquery run exactly first, Q4's EXISTS as a join with the keys it finds, Q17's
-# correlated subquery run once per part into a table it joins, Q22's NOT EXISTS an anti join.
-ONLINE_TPCH = [1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 14, 17, 18, 19, 22]
+# correlated subquery run once per part into a table it joins, Q22's NOT EXISTS an anti join,
+# Q16's COUNT(DISTINCT) from per-value statistics.
+ONLINE_TPCH = [1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 14, 16, 17, 18, 19, 22]
 # Those whose sampled table is not lineitem (a small one: fewer rounds): part, customer.
 SMALL_SAMPLED = {14, 22}
 # Those without group keys (one fold partition in all).
@@ -569,3 +570,47 @@ def test_splits_of_merged_row_groups_stay_exact(tpch_cluster, tpch_duckdb, tpch_
         tpch_duckdb.sql(query).to_arrow_table(), output(results[-1].estimates), ordered
     )
     assert problem is None, f"q{n}: {problem}"
+
+
+def test_count_distinct_estimates_from_per_value_statistics():
+    """GEE from per-value counts: ``d`` values seen, ``f1`` of them in one row, a fraction q
+    read: estimate d + (1/√q − 1)·f1 within [d, d + (1/q − 1)·f1], flagged until the final,
+    which is d (NULL values not counted; a group of NULLs only counts 0)."""
+    from flightshuffle.estimates import DISTINCT_VALUE, Sample, distinct_estimates
+
+    state = pa.table(
+        {
+            "g": ["a", "a", "a", "b", "c"],
+            DISTINCT_VALUE: [1, 2, None, 7, None],
+            "__c0": [1, 3, 2, 1, 4],
+        }
+    )
+    quarter = Sample(units=1, total_units=4, rows=25, total_rows=100, row_squares=625.0)
+    est = distinct_estimates(state, ["g"], "n", quarter).sort_by("g").to_pydict()
+    assert est["g"] == ["a", "b", "c"]
+    assert est["n"] == [2 + (2 - 1) * 1, 1 + (2 - 1) * 1, 0]
+    assert est["n_low"] == [2, 1, 0] and est["n_high"] == [2 + 3, 1 + 3, 0]
+    assert est["n_reliable"] == [False] * 3
+    whole = Sample(units=4, total_units=4, rows=100, total_rows=100, row_squares=2500.0)
+    final = distinct_estimates(state, ["g"], "n", whole).sort_by("g").to_pydict()
+    assert final["n"] == final["n_low"] == final["n_high"] == [2, 1, 0]
+    assert final["n_reliable"] == [True] * 3
+    no_keys = distinct_estimates(state.drop_columns(["g"]), [], "n", whole).to_pydict()
+    assert no_keys["n"] == [3]
+
+
+def test_count_distinct_is_the_only_aggregate():
+    from flightshuffle.sql_plan import plan_sql
+
+    for sql in (
+        (
+            "SELECT l_returnflag, count(DISTINCT l_partkey), sum(l_tax) FROM lineitem "
+            "GROUP BY l_returnflag"
+        ),
+        (
+            "SELECT l_returnflag, count(DISTINCT l_partkey) FROM lineitem GROUP BY l_returnflag "
+            "HAVING count(DISTINCT l_partkey) > 3"
+        ),
+    ):
+        with pytest.raises(ValueError, match="only aggregate"):
+            plan_sql(sql, "datafusion")

@@ -70,6 +70,9 @@ PRODUCTS = {
 # Per group: the units it appears in.
 UNITS = "__units"
 
+# The value column of a COUNT(DISTINCT x)'s statistics (one row per group and value).
+DISTINCT_VALUE = "__dv"
+
 # An estimate is reliable from this many units holding its group on (see the module doc), and
 # when the total it rests on is spread over at least this many units' worth (``_spread``).
 MIN_UNITS = 5
@@ -300,6 +303,59 @@ class Shape:
     having_certain: str | None = None
     """With ``having``: the ``having_certain`` column's expression (see
     :func:`flightshuffle.sql_plan.certain_condition`)."""
+    distinct: str | None = None
+    """The name of the query's one aggregate when it is a COUNT(DISTINCT): the statistics
+    are per group and value (:func:`distinct_estimates`)."""
+
+
+def distinct_estimates(state: pa.Table, keys: list[str], name: str, sample: Sample) -> pa.Table:
+    """COUNT(DISTINCT x) per group from statistics per group and value of ``x`` (the
+    :data:`DISTINCT_VALUE` column; ``__c0`` the value's rows over the units read). With ``d``
+    the values seen and ``f1`` those seen in one row only, after a fraction ``q`` of the rows:
+    the GEE estimate ``d + (1/√q − 1)·f1`` (Charikar, Chaudhuri, Motwani, Narasayya, PODS
+    2000), between ``d`` (values seen) and ``d + (1/q − 1)·f1`` (each value seen once standing
+    for as many as the unread rows could hold). GEE assumes the rows read are drawn at random;
+    units are row ranges, and a group's rows may lie together, so every estimate is flagged
+    unreliable until the final round, which is exact (``d``: NULL values not counted)."""
+    # Arrow's group-by and join take no view types (DataFusion's strings are views).
+    views = {pa.string_view(): pa.string(), pa.binary_view(): pa.binary()}
+    state = pa.table(
+        {c: state.column(c).cast(views.get(state.column(c).type, state.column(c).type))
+         for c in state.column_names}
+    )  # fmt: skip
+    seen = state.filter(pc.is_valid(state.column(DISTINCT_VALUE)))
+    ones = pc.cast(pc.equal(seen.column("__c0"), 1), pa.int64())
+    seen = seen.append_column("__once", ones)
+    if keys:
+        per = seen.group_by(keys).aggregate([(DISTINCT_VALUE, "count"), ("__once", "sum")])
+        # Groups whose every value is NULL count 0.
+        groups = state.select(keys).group_by(keys).aggregate([])
+        per = groups.join(per, keys, join_type="left outer")
+        d = _column(per, f"{DISTINCT_VALUE}_count")
+        f1 = _column(per, "__once_sum")
+    else:
+        per = pa.table({})
+        d = np.array([float(seen.num_rows)])
+        f1 = np.array([float(pc.sum(ones).as_py() or 0)])
+    height = len(d)
+    if sample.complete:
+        est, low, high = d, d, d
+        reliable = np.full(height, True)
+    else:
+        q = sample.rows / sample.total_rows if sample.total_rows else 1.0
+        with np.errstate(all="ignore"):
+            est = d + (1 / np.sqrt(q) - 1) * f1
+            high = d + (1 / q - 1) * f1
+        low = d
+        reliable = np.full(height, False)
+    cols = {k: per.column(k) for k in keys}
+    cols |= {
+        name: pa.array(est, pa.float64()),
+        f"{name}_low": pa.array(low, pa.float64()),
+        f"{name}_high": pa.array(high, pa.float64()),
+        f"{name}_reliable": pa.array(reliable, pa.bool_()),
+    }
+    return pa.table(cols)
 
 
 def value_columns(columns: list[str]) -> list[str]:
@@ -315,13 +371,15 @@ def shaped(
     query asks. Polars statistics (the Python map side) keep their Polars types; Arrow
     statistics (the native SQL fold) are estimated in Arrow and made a Polars frame once."""
     keys, aggs = shape.keys, shape.aggs
-    if not keys and len(state) != 1:
+    if not keys and len(state) != 1 and not shape.distinct:
         # With group keys every partition folds its own groups (the exchange is hashed on
         # the keys) and the state is their concatenation, one row per group; without, it is
         # one row per partition.
         frame = ops.to_polars(state) if isinstance(state, pa.Table) else state
         state = combine(frame, keys, aggs)
-    if isinstance(state, pa.Table):
+    if shape.distinct and isinstance(state, pa.Table):
+        est = ops.to_polars(distinct_estimates(state, keys, shape.distinct, sample))
+    elif isinstance(state, pa.Table):
         est = ops.to_polars(estimate_arrow(state, keys, aggs, sample, confidence))
     else:
         est = estimate(state, keys, aggs, sample, confidence)

@@ -30,6 +30,7 @@ import pyarrow as pa
 from flightshuffle import footers, ops
 from flightshuffle._exec import MapTask, Split, apply_ops
 from flightshuffle.estimates import (
+    DISTINCT_VALUE,
     NEEDS,
     AggRef,
     Sample,
@@ -236,9 +237,10 @@ def run_sql(
             "repeat)"
         )
     candidates = [t for t in candidates if plan.tables.count(t) == 1][:2]
+    keys = [k for k in plan.keys if k != DISTINCT_VALUE]
     shape = Shape(
-        plan.keys, plan.aggs, plan.order, plan.limit, plan.having, plan.hidden, plan.selected,
-        having_certain=plan.having_certain,
+        keys, plan.aggs, plan.order, plan.limit, plan.having, plan.hidden, plan.selected,
+        having_certain=plan.having_certain, distinct=plan.distinct,
     )  # fmt: skip
     expand = lambda t: expand_stats(t, plan)
     log = JobLog(cluster.native, plan.query, cluster.workers)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from flightshuffle.estimates import NEEDS, PRODUCTS, UNITS, AggRef
+from flightshuffle.estimates import DISTINCT_VALUE, NEEDS, PRODUCTS, UNITS, AggRef
 from flightshuffle.rewrite import (
     anti_join,
     inline_derived,
@@ -49,6 +49,10 @@ class SqlPlan:
     having_certain: str | None = None
     """TRUE where ``having`` holds for every value in the estimates' intervals, FALSE where
     it holds for none, NULL where the intervals straddle it (see :func:`certain_condition`)."""
+    distinct: str | None = None
+    """The name of a COUNT(DISTINCT x), the query's one aggregate: the statistics are then
+    per group and value of ``x`` (the last key, ``__dv``), see
+    :func:`flightshuffle.estimates.distinct_estimates`."""
     hidden: list[str] | None = None
     """Aggregates only HAVING uses: estimated, then dropped from the output."""
     selected: list[str] | None = None
@@ -257,6 +261,7 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
 
     outputs: dict[str, str] = {}
     selected: list[str] = []
+    distinct: list[tuple[str, str]] = []  # (name, the value's expression)
     for item in tree.expressions:
         inner = item.this if isinstance(item, exp.Alias) else item
         # Unnamed: the text, function names in lower case (as DuckDB names `sum(x)`).
@@ -274,6 +279,15 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
             add_ratio(*parts, name)
             outputs[sql(inner)] = name
             continue
+        if isinstance(inner, exp.Count) and isinstance(inner.this, exp.Distinct):
+            values = inner.this.expressions
+            if len(values) != 1 or list(values[0].find_all(exp.AggFunc)):
+                raise unsupported(f"{sql(inner)}: COUNT(DISTINCT) of one expression")
+            distinct.append((name, sql(values[0])))
+            aggs.append(AggRef(name, "len"))
+            stat_of["__c0"] = stat_items.setdefault("COUNT(*)", f"__u{len(stat_items)}")
+            outputs[sql(inner)] = name
+            continue
         one = scaled_aggregate(inner)
         if one is not None:
             outputs[sql(inner)] = name
@@ -289,6 +303,13 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
         outputs[sql(inner)] = name
     if not aggs:
         raise unsupported("there is no aggregate")
+    if distinct and engine == "duckdb":
+        raise unsupported("COUNT(DISTINCT) needs engine='datafusion'")
+    if distinct and (len(aggs) > 1 or tree.args.get("having") is not None):
+        raise unsupported(
+            "COUNT(DISTINCT) must be the query's only aggregate, without HAVING (its "
+            "statistics are per value, not per group)"
+        )
     for g in group_sql:
         if g not in key_exprs:
             raise unsupported(f"GROUP BY key {g} must be selected")
@@ -311,6 +332,12 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
         selected.append(HAVING_CERTAIN)
     projected = [f'{e} AS "{k}"' for e, k in zip(key_exprs, keys, strict=True)]
     projected += [f'{text} AS "{c}"' for text, c in evaluated.items()]
+    shown_keys = list(keys)
+    if distinct:
+        # Per group and value: a value's count over the units read says whether it was
+        # seen once (see estimates.distinct_estimates).
+        projected.append(f'{distinct[0][1]} AS "{DISTINCT_VALUE}"')
+        keys = keys + [DISTINCT_VALUE]
     inner_tree = tree.copy()
     for arg in ("group", "order", "limit", "having", "offset"):
         inner_tree.set(arg, None)
@@ -323,6 +350,7 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
     stats = f"SELECT {', '.join(outer_keys + items)} FROM ({inner_sql}) AS __split"
     if keys:
         stats += f" GROUP BY {', '.join(outer_keys)}"
+    keys, stats_keys = shown_keys, keys
     order: list[tuple[str, bool]] = []
     if tree.args.get("order"):
         names = keys + [a.name for a in aggs]
@@ -342,7 +370,7 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
         table,
         tables,
         samplable,
-        keys,
+        stats_keys,
         aggs,
         stats,
         list(stat_items.values()),
@@ -350,13 +378,14 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
         columns,
         order,
         limit,
-        having,
-        having_certain,
-        hidden,
-        selected,
-        query,
-        terms,
-        term_of,
+        having=having,
+        having_certain=having_certain,
+        distinct=distinct[0][0] if distinct else None,
+        hidden=hidden,
+        selected=selected,
+        query=query,
+        terms=terms,
+        term_of=term_of,
     )
 
 
@@ -414,7 +443,7 @@ def emit_top(plan: SqlPlan) -> tuple[int, int | None, bool, bool, int] | None:
     estimates by ``x`` (column, divisor for an AVG, a null SUM counted as 0), descending, and
     k; the workers then send only the groups that can be among the first k of every round.
     None when every group is needed (no LIMIT, a HAVING filter over the estimates)."""
-    if plan.limit is None or plan.having or not plan.order:
+    if plan.limit is None or plan.having or not plan.order or plan.distinct:
         return None
     name, desc = plan.order[0]
     width = len(plan.keys)
