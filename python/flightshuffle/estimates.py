@@ -317,26 +317,17 @@ def distinct_estimates(state: pa.Table, keys: list[str], name: str, sample: Samp
     for as many as the unread rows could hold). GEE assumes the rows read are drawn at random;
     units are row ranges, and a group's rows may lie together, so every estimate is flagged
     unreliable until the final round, which is exact (``d``: NULL values not counted)."""
-    # Arrow's group-by and join take no view types (DataFusion's strings are views).
-    views = {pa.string_view(): pa.string(), pa.binary_view(): pa.binary()}
-    state = pa.table(
-        {c: state.column(c).cast(views.get(state.column(c).type, state.column(c).type))
-         for c in state.column_names}
-    )  # fmt: skip
-    seen = state.filter(pc.is_valid(state.column(DISTINCT_VALUE)))
-    ones = pc.cast(pc.equal(seen.column("__c0"), 1), pa.int64())
-    seen = seen.append_column("__once", ones)
-    if keys:
-        per = seen.group_by(keys).aggregate([(DISTINCT_VALUE, "count"), ("__once", "sum")])
-        # Groups whose every value is NULL count 0.
-        groups = state.select(keys).group_by(keys).aggregate([])
-        per = groups.join(per, keys, join_type="left outer")
-        d = _column(per, f"{DISTINCT_VALUE}_count")
-        f1 = _column(per, "__once_sum")
-    else:
-        per = pa.table({})
-        d = np.array([float(seen.num_rows)])
-        f1 = np.array([float(pc.sum(ones).as_py() or 0)])
+    # One Polars group-by (it takes DataFusion's string views; Arrow's group-by does not).
+    frame = pl.from_arrow(state)
+    assert isinstance(frame, pl.DataFrame)
+    value = pl.col(DISTINCT_VALUE)
+    counts = [
+        value.count().cast(pl.Float64).alias("__d"),  # NULL values not counted
+        ((pl.col("__c0") == 1) & value.is_not_null()).sum().cast(pl.Float64).alias("__f1"),
+    ]
+    per = frame.group_by(keys).agg(counts) if keys else frame.select(counts)
+    d = per.get_column("__d").to_numpy()
+    f1 = per.get_column("__f1").to_numpy()
     height = len(d)
     if sample.complete:
         est, low, high = d, d, d
@@ -348,7 +339,7 @@ def distinct_estimates(state: pa.Table, keys: list[str], name: str, sample: Samp
             high = d + (1 / q - 1) * f1
         low = d
         reliable = np.full(height, False)
-    cols = {k: per.column(k) for k in keys}
+    cols: dict[str, pa.Array | pa.ChunkedArray] = {k: per.get_column(k).to_arrow() for k in keys}
     cols |= {
         name: pa.array(est, pa.float64()),
         f"{name}_low": pa.array(low, pa.float64()),
