@@ -597,6 +597,25 @@ def test_count_distinct_estimates_from_per_value_statistics():
     assert final["n_reliable"] == [True] * 3
     no_keys = distinct_estimates(state.drop_columns(["g"]), [], "n", whole).to_pydict()
     assert no_keys["n"] == [3]
+    # A value of a type Polars does not take (decimal256): only its validity is used.
+    wide = state.set_column(
+        1, DISTINCT_VALUE, pa.array([1, 2, None, 7, None], pa.int64()).cast(pa.decimal256(40, 2))
+    )
+    assert distinct_estimates(wide, ["g"], "n", whole).sort_by("g").column("n").to_pylist() == [
+        2,
+        1,
+        0,
+    ]
+
+
+def test_a_group_key_named_like_the_distinct_value_column(tpch_cluster, tpch_duckdb):
+    """A review case: a key named ``__dv`` was taken for COUNT(DISTINCT)'s value column."""
+    query = "SELECT l_returnflag AS __dv, sum(l_quantity) AS s FROM lineitem GROUP BY l_returnflag"
+    results = list(tpch_cluster.online(query, rounds=2, seed=1, progress=False))
+    assert (
+        tpch.compare(tpch_duckdb.sql(query).to_arrow_table(), output(results[-1].estimates), False)
+        is None
+    )
 
 
 def test_count_distinct_is_the_only_aggregate():

@@ -317,13 +317,16 @@ def distinct_estimates(state: pa.Table, keys: list[str], name: str, sample: Samp
     for as many as the unread rows could hold). GEE assumes the rows read are drawn at random;
     units are row ranges, and a group's rows may lie together, so every estimate is flagged
     unreliable until the final round, which is exact (``d``: NULL values not counted)."""
-    # One Polars group-by (it takes DataFusion's string views; Arrow's group-by does not).
-    frame = pl.from_arrow(state)
+    # Only whether a value is NULL matters here: the value itself (of any type, some of which
+    # Polars does not take) is left in Arrow. One Polars group-by over the keys.
+    valid = pc.is_valid(state.column(DISTINCT_VALUE))
+    state = state.set_column(state.schema.get_field_index(DISTINCT_VALUE), DISTINCT_VALUE, valid)
+    frame = pl.from_arrow(state.select([*keys, DISTINCT_VALUE, "__c0"]))
     assert isinstance(frame, pl.DataFrame)
     value = pl.col(DISTINCT_VALUE)
     counts = [
-        value.count().cast(pl.Float64).alias("__d"),  # NULL values not counted
-        ((pl.col("__c0") == 1) & value.is_not_null()).sum().cast(pl.Float64).alias("__f1"),
+        value.sum().cast(pl.Float64).alias("__d"),  # NULL values not counted
+        ((pl.col("__c0") == 1) & value).sum().cast(pl.Float64).alias("__f1"),
     ]
     per = frame.group_by(keys).agg(counts) if keys else frame.select(counts)
     d = per.get_column("__d").to_numpy()
@@ -333,7 +336,7 @@ def distinct_estimates(state: pa.Table, keys: list[str], name: str, sample: Samp
         est, low, high = d, d, d
         reliable = np.full(height, True)
     else:
-        q = sample.rows / sample.total_rows if sample.total_rows else 1.0
+        q = np.float64(sample.rows / sample.total_rows if sample.total_rows else 1.0)
         with np.errstate(all="ignore"):
             est = d + (1 / np.sqrt(q) - 1) * f1
             high = d + (1 / q - 1) * f1

@@ -30,7 +30,6 @@ import pyarrow as pa
 from flightshuffle import footers, ops
 from flightshuffle._exec import MapTask, Split, apply_ops
 from flightshuffle.estimates import (
-    DISTINCT_VALUE,
     NEEDS,
     AggRef,
     Sample,
@@ -237,7 +236,7 @@ def run_sql(
             "repeat)"
         )
     candidates = [t for t in candidates if plan.tables.count(t) == 1][:2]
-    keys = [k for k in plan.keys if k != DISTINCT_VALUE]
+    keys = plan.keys[:-1] if plan.distinct else plan.keys  # without COUNT(DISTINCT)'s value
     shape = Shape(
         keys, plan.aggs, plan.order, plan.limit, plan.having, plan.hidden, plan.selected,
         having_certain=plan.having_certain, distinct=plan.distinct,

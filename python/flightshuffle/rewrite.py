@@ -290,8 +290,25 @@ def anti_join(exists: Any, tree: Any, runs: Callable[[str], bool] | None = None)
     if any(e.find(exp.AggFunc) for e in select.expressions):
         return False
     if runs is not None:
-        # Tied by an equality of one of its own columns with one of the outer query's.
-        return _as_in(exists, runs) is not None
+        # Tied by an equality of one of its own columns with one of the outer query's (other
+        # conditions may read the outer query too: a join filter of the anti join).
+        bare = select.copy()
+        bare.set("where", None)
+
+        def own_column(c: Any) -> bool:
+            probe = bare.copy()
+            probe.set("expressions", [c.copy()])
+            probe.set("limit", exp.Limit(expression=exp.Literal.number(0)))
+            return runs(probe.sql())
+
+        conds = select.args["where"].this
+        parts = list(conds.flatten()) if isinstance(conds, exp.And) else [conds]
+        return any(
+            isinstance(c, exp.EQ)
+            and all(isinstance(x, exp.Column) for x in (c.this, c.expression))
+            and own_column(c.this) != own_column(c.expression)
+            for c in parts
+        )
     conds = select.args["where"].this
     parts = list(conds.flatten()) if isinstance(conds, exp.And) else [conds]
     return any(

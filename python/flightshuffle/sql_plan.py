@@ -303,6 +303,8 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
         outputs[sql(inner)] = name
     if not aggs:
         raise unsupported("there is no aggregate")
+    if distinct and any(k.startswith("__") for k in keys):
+        raise unsupported("with COUNT(DISTINCT), group keys may not be named __...")
     if distinct and engine == "duckdb":
         raise unsupported("COUNT(DISTINCT) needs engine='datafusion'")
     if distinct and (len(aggs) > 1 or tree.args.get("having") is not None):
