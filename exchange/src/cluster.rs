@@ -774,25 +774,36 @@ impl Drop for HostedCluster {
             return;
         }
         let creds = self.creds.clone();
-        let stop = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
-                return;
-            };
-            rt.block_on(async {
-                let wait = Duration::from_secs(2);
-                for (i, addr) in stand_ins.iter().enumerate() {
-                    if let Ok(c) = crate::transport::client::WorkerClient::new(i, addr, &creds, wait)
-                    {
-                        let told = c.action(crate::transport::actions::EXIT, Vec::new(), wait);
-                        let told = tokio::time::timeout(wait, told).await;
-                        tracing::info!(%addr, told = matches!(told, Ok(Ok(_))), "stand-in told to exit");
+        // On a thread of its own (a runtime may be running here), all at once, 2 s at most.
+        let stop = std::thread::Builder::new()
+            .name("flightshuffle-stand-ins".into())
+            .spawn(move || {
+                let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                else {
+                    return;
+                };
+                rt.block_on(async {
+                    let wait = Duration::from_secs(2);
+                    let told = stand_ins.iter().enumerate().map(|(i, addr)| {
+                        let creds = creds.clone();
+                        async move {
+                            let c =
+                                crate::transport::client::WorkerClient::new(i, addr, &creds, wait)?;
+                            let exit = c.action(crate::transport::actions::EXIT, Vec::new(), wait);
+                            tokio::time::timeout(wait, exit)
+                                .await
+                                .map_err(|_| Error::Cluster("timed out".into()))?
+                        }
+                    });
+                    for (addr, r) in stand_ins.iter().zip(futures::future::join_all(told).await) {
+                        tracing::info!(%addr, told = r.is_ok(), "stand-in told to exit");
                     }
-                }
+                });
             });
-        });
-        let _ = stop.join();
+        if let Ok(stop) = stop {
+            let _ = stop.join();
+        }
     }
 }

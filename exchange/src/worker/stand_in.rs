@@ -13,12 +13,11 @@
 use super::args::WorkerArgs;
 use super::state::READY_LINE;
 use crate::error::{Error, Result};
-use crate::sync::lock;
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 
@@ -53,8 +52,6 @@ struct Launch {
     spill_dir: PathBuf,
     token: String,
     started: AtomicU64,
-    /// Stand-ins started, holding their standard input open.
-    children: Mutex<Vec<tokio::process::Child>>,
 }
 
 impl std::fmt::Debug for Launch {
@@ -97,7 +94,6 @@ pub fn remember(argv: &[String], args: &WorkerArgs, token: &str) {
         spill_dir: args.spill_dir.clone(),
         token: token.to_string(),
         started: AtomicU64::new(0),
-        children: Mutex::new(Vec::new()),
     });
 }
 
@@ -207,11 +203,13 @@ pub async fn start() -> Result<String> {
         Some(host) => format!("{host}:{port}"),
         None => bound,
     };
-    let mut children = lock(&launch.children);
-    // Those that exited (told to by their driver) are reaped here.
-    children.retain_mut(|c| matches!(c.try_wait(), Ok(None)));
-    children.push(child);
-    drop(children);
+    // Held open for as long as the stand-in runs (closing it stops the stand-in), and the
+    // stand-in reaped as soon as it exits (told to by its driver).
+    let stdin = child.stdin.take();
+    tokio::spawn(async move {
+        let _open = stdin;
+        let _ = child.wait().await;
+    });
     tracing::warn!(%addr, "started a stand-in worker on this host for a lost slot");
     Ok(addr)
 }
