@@ -731,8 +731,11 @@ impl Restarts {
             // like any lost process rather than taken back.
             let answered = WorkerClient::new(i, &stand_in, &self.creds, probe)
                 .map(|c| (self.handle.block_on(c.health(probe)), c));
-            match answered {
-                Ok((Ok(h), _)) => lock(&self.seen).insert(stand_in.clone(), h.instance),
+            let client = match answered {
+                Ok((Ok(h), c)) => {
+                    lock(&self.seen).insert(stand_in.clone(), h.instance);
+                    c
+                }
                 Ok((Err(_), c)) => {
                     // Started but not answering: not left running.
                     let exit = c.action(crate::transport::actions::EXIT, Vec::new(), probe);
@@ -741,7 +744,14 @@ impl Restarts {
                 }
                 Err(_) => continue,
             };
+            // Listed before the check: a cluster closing now either finds it in the list or
+            // is seen stopping here (it stops replacing before it takes the list).
             lock(&self.stand_ins).push(stand_in.clone());
+            if self.driver.upgrade().is_none_or(|d| d.is_stopping()) {
+                let exit = client.action(crate::transport::actions::EXIT, Vec::new(), probe);
+                let _ = self.handle.block_on(exit);
+                return None;
+            }
             tracing::warn!(
                 worker = i,
                 lost,

@@ -64,6 +64,11 @@ impl Driver {
         *lock(&self.replacer) = None;
     }
 
+    /// Whether the cluster is stopping ([`Self::stop_replacing`] was called).
+    pub fn is_stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+    }
+
     /// Put worker `addr` in slot `i` (a lost worker's replacement): it must answer a health
     /// check; readers on the driver connect to it on first use.
     pub async fn replace_worker(&self, i: usize, addr: &str) -> Result<()> {
