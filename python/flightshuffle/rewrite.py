@@ -223,6 +223,32 @@ def _conjunct(node: Any, where: Any) -> bool:
     return True
 
 
+def _selecting(select: Any, column: Any) -> str:
+    """``select`` reading only ``column``, no rows (``LIMIT 0``): a probe that runs when the
+    column is one ``select``'s tables have."""
+    from sqlglot import exp
+
+    probe = select.copy()
+    probe.set("expressions", [column.copy()])
+    probe.set("limit", exp.Limit(expression=exp.Literal.number(0)))
+    return probe.sql()
+
+
+def _conditions(select: Any) -> list:
+    """The ANDed conditions of ``select``'s WHERE."""
+    from sqlglot import exp
+
+    conds = select.args["where"].this
+    return list(conds.flatten()) if isinstance(conds, exp.And) else [conds]
+
+
+def _column_equality(c: Any) -> bool:
+    """Whether ``c`` is ``column = column``."""
+    from sqlglot import exp
+
+    return isinstance(c, exp.EQ) and all(isinstance(x, exp.Column) for x in (c.this, c.expression))
+
+
 def _as_in(exists: Any, runs: Callable[[str], bool]) -> Any | None:
     """``EXISTS (SELECT ... FROM ... WHERE inner = outer AND <rest>)`` as ``outer IN (SELECT
     inner FROM ... WHERE <rest>)`` (the same rows where it is one of the ANDed conditions of a
@@ -238,30 +264,19 @@ def _as_in(exists: Any, runs: Callable[[str], bool]) -> Any | None:
         return None
     if any(e.find(exp.AggFunc) for e in select.expressions):
         return None
-    conds = (
-        list(select.args["where"].this.flatten())
-        if isinstance(select.args["where"].this, exp.And)
-        else [select.args["where"].this]
-    )
+    conds = _conditions(select)
+    bare = select.copy()
+    bare.set("where", None)
     for i, c in enumerate(conds):
-        if not (
-            isinstance(c, exp.EQ) and all(isinstance(x, exp.Column) for x in (c.this, c.expression))
-        ):
+        if not _column_equality(c):
             continue
         base = select.copy()
         rest = conds[:i] + conds[i + 1 :]
         base.set("where", exp.Where(this=exp.and_(*[r.copy() for r in rest])) if rest else None)
         for inner, outer in ((c.this, c.expression), (c.expression, c.this)):
-            probe = base.copy()
-            probe.set("expressions", [inner.copy()])
-            probe.set("limit", exp.Limit(expression=exp.Literal.number(0)))
-            if not runs(probe.sql()):
+            if not runs(_selecting(base, inner)):
                 continue
-            alone = base.copy()
-            alone.set("expressions", [outer.copy()])
-            alone.set("where", None)
-            alone.set("limit", exp.Limit(expression=exp.Literal.number(0)))
-            if runs(alone.sql()):
+            if runs(_selecting(bare, outer)):
                 continue  # both sides are the subquery's own columns
             query = base.copy()
             query.set("expressions", [inner.copy()])
@@ -294,27 +309,12 @@ def anti_join(exists: Any, tree: Any, runs: Callable[[str], bool] | None = None)
         # conditions may read the outer query too: a join filter of the anti join).
         bare = select.copy()
         bare.set("where", None)
-
-        def own_column(c: Any) -> bool:
-            probe = bare.copy()
-            probe.set("expressions", [c.copy()])
-            probe.set("limit", exp.Limit(expression=exp.Literal.number(0)))
-            return runs(probe.sql())
-
-        conds = select.args["where"].this
-        parts = list(conds.flatten()) if isinstance(conds, exp.And) else [conds]
         return any(
-            isinstance(c, exp.EQ)
-            and all(isinstance(x, exp.Column) for x in (c.this, c.expression))
-            and own_column(c.this) != own_column(c.expression)
-            for c in parts
+            _column_equality(c)
+            and runs(_selecting(bare, c.this)) != runs(_selecting(bare, c.expression))
+            for c in _conditions(select)
         )
-    conds = select.args["where"].this
-    parts = list(conds.flatten()) if isinstance(conds, exp.And) else [conds]
-    return any(
-        isinstance(c, exp.EQ) and all(isinstance(x, exp.Column) for x in (c.this, c.expression))
-        for c in parts
-    )
+    return any(_column_equality(c) for c in _conditions(select))
 
 
 def _per_key(
@@ -353,23 +353,15 @@ def _per_key(
     value = value.this if isinstance(value, exp.Alias) else value
     if not value.find(exp.AggFunc):
         return None
-    conds = select.args["where"].this
-    parts = list(conds.flatten()) if isinstance(conds, exp.And) else [conds]
     base = select.copy()
     base.set("where", None)
     keys: list[tuple[Any, Any]] = []  # (inner, outer)
     rest = []
-    for c in parts:
+    for c in _conditions(select):
         pair = None
-        if isinstance(c, exp.EQ) and all(isinstance(x, exp.Column) for x in (c.this, c.expression)):
+        if _column_equality(c):
             for inner, outer in ((c.this, c.expression), (c.expression, c.this)):
-                probe = base.copy()
-                probe.set("expressions", [inner.copy()])
-                probe.set("limit", exp.Limit(expression=exp.Literal.number(0)))
-                alone = base.copy()
-                alone.set("expressions", [outer.copy()])
-                alone.set("limit", exp.Limit(expression=exp.Literal.number(0)))
-                if runs(probe.sql()) and not runs(alone.sql()):
+                if runs(_selecting(base, inner)) and not runs(_selecting(base, outer)):
                     pair = (inner, outer)
                     break
         if pair is None:
@@ -404,14 +396,9 @@ def _per_key(
     # two sides must have one type (an implicit cast can map several keys to one: '1', '01').
     if outer_from is not None:
         for inner, outer in keys:
-            one = base.copy()
-            one.set("expressions", [inner.copy()])
-            one.set("limit", exp.Limit(expression=exp.Literal.number(0)))
-            other = outer_from.copy()
-            other.set("expressions", [outer.copy()])
-            other.set("limit", exp.Limit(expression=exp.Literal.number(0)))
             try:
-                same = run(one.sql()).schema.field(0).type == run(other.sql()).schema.field(0).type
+                ours = run(_selecting(base, inner)).schema.field(0).type
+                same = ours == run(_selecting(outer_from, outer)).schema.field(0).type
             except Exception:  # noqa: BLE001 - types unknown: not this shape
                 same = False
             if not same:
