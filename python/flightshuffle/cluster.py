@@ -3,7 +3,6 @@ it: shuffles, distributed SQL, datasets and online aggregation. Re-exported by t
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
@@ -11,7 +10,6 @@ import re
 import shlex
 import sys
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Self
 
@@ -427,21 +425,6 @@ class Cluster:
         except (OSError, ValueError):
             return set()
 
-    def _forget(self, names: list[str]) -> None:
-        """Unregister the tables ``names`` and remove their files (an online query's own)."""
-        for name in names:
-            path = self._tables.pop(name, None)
-            if path:
-                with contextlib.suppress(OSError):
-                    os.remove(path)
-
-    def _forgetting(self, results: Iterator[Any], names: list[str]) -> Iterator[Any]:
-        """``results``, then (when exhausted, closed or dropped) :meth:`_forget` ``names``."""
-        try:
-            yield from results
-        finally:
-            self._forget(names)
-
     def _write_arrow(self, data: Any, stem: str) -> str:
         """Write Arrow data to a new Parquet file in the cluster's scratch directory (streamed,
         row groups of 128Ki rows: the input splits of datasets); returns its path."""
@@ -509,8 +492,6 @@ class Cluster:
         no interval). A tqdm bar shows progress on a terminal."""
         from flightshuffle import online as ol
         from flightshuffle.dataset import Grouped, make_splits, parquet_files, shuffled
-        from flightshuffle.rewrite import resolve
-        from flightshuffle.sql_plan import plan_sql
 
         started = time.perf_counter()
 
@@ -542,39 +523,13 @@ class Cluster:
                 else:
                     self._tables[name] = self._write_arrow(source, name)
 
-            # Uncorrelated subqueries run exactly first, their values written into the query
-            # (many values, or a correlated subquery's value per key: a table, joined; it is
-            # removed once the online query ends).
-            kept: list[str] = []
-
-            def keep(values: Any) -> str:
-                name = f"__in_{uuid.uuid4().hex[:12]}"
-                self._tables[name] = self._write_arrow(values, name)
-                kept.append(name)
-                return name
-
-            # The first subquery registers the tables online queries were given (an EXISTS
-            # runs several probes; each would register them all again).
-            unregistered = dict(self._tables)
-
-            def run(q: str) -> Any:
-                pending = dict(unregistered)
-                unregistered.clear()
-                return self.sql(q, tables=pending, progress=False)
-
-            try:
-                if engine == "datafusion":  # (DuckDB map tasks take one table, no subquery)
-                    query = resolve(query, engine, run, keep)
-                plan = plan_sql(query, engine, self._never_null)
-            except BaseException:
-                self._forget(kept)
-                raise
+            plan, kept = ol.plan_online_sql(self, query, engine)
             if engine == "datafusion":
                 results = ol.run_sql(
                     self, plan, self._tables, rounds, want, seed, confidence, progress, started
                 )
-                return self._forgetting(results, kept) if kept else results
-            self._forget(kept)
+                return ol.forgetting(self, results, kept) if kept else results
+            ol.forget(self, kept)
             if plan.table not in self._tables:
                 raise ValueError(
                     f"unknown table {plan.table!r}: pass it in tables= or register_parquet() it"

@@ -17,6 +17,8 @@ statistics) and ``Dataset.group_by().agg()`` with Polars expressions.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -195,6 +197,60 @@ def run(
         native, ops.to_polars, shape, sum(weights), len(splits), confidence, progress, started
     )
     return log.rounds(out)
+
+
+def plan_online_sql(cluster: Any, query: str, engine: str) -> tuple[SqlPlan, list[str]]:
+    """``query`` planned for online aggregation on ``cluster``: with the DataFusion engine its
+    subqueries run exactly first (:func:`flightshuffle.rewrite.resolve`), their values written
+    into the query. Returns the plan and the tables made for it (many values, or a correlated
+    subquery's value per key, as a table the query joins), which :func:`forget` removes once
+    the online query ends; on an error they are removed at once."""
+    import uuid
+
+    from flightshuffle.rewrite import resolve
+    from flightshuffle.sql_plan import plan_sql
+
+    kept: list[str] = []
+
+    def keep(values: Any) -> str:
+        name = f"__in_{uuid.uuid4().hex[:12]}"
+        cluster._tables[name] = cluster._write_arrow(values, name)
+        kept.append(name)
+        return name
+
+    # The first subquery registers the tables online queries were given (an EXISTS runs
+    # several probes; each would register them all again).
+    unregistered = dict(cluster._tables)
+
+    def run(q: str) -> Any:
+        pending = dict(unregistered)
+        unregistered.clear()
+        return cluster.sql(q, tables=pending, progress=False)
+
+    try:
+        if engine == "datafusion":  # (DuckDB map tasks take one table, no subquery)
+            query = resolve(query, engine, run, keep)
+        return plan_sql(query, engine, cluster._never_null), kept
+    except BaseException:
+        forget(cluster, kept)
+        raise
+
+
+def forget(cluster: Any, names: list[str]) -> None:
+    """Unregister the tables ``names`` from ``cluster`` and remove their files."""
+    for name in names:
+        path = cluster._tables.pop(name, None)
+        if path:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+
+
+def forgetting(cluster: Any, results: Iterator[Any], names: list[str]) -> Iterator[Any]:
+    """``results``, then (when exhausted, closed or dropped) :func:`forget` ``names``."""
+    try:
+        yield from results
+    finally:
+        forget(cluster, names)
 
 
 def run_sql(
