@@ -14,6 +14,10 @@ import polars as pl
 import pytest
 from flightshuffle_bench import tpch
 
+# Test data is small: every SQL query of the tests is distributed (its stages, exchanges and
+# recovery are what they test) unless a test asks for a cluster's default threshold.
+os.environ.setdefault("FLIGHTSHUFFLE_SMALL_QUERY_ROWS", "0")
+
 TPCH_SF = 0.1
 TPCH_DATA = os.environ.get(
     "FLIGHTSHUFFLE_TPCH_DATA",

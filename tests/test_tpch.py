@@ -304,3 +304,37 @@ def test_a_union_of_exchanges_partitioned_alike_runs_distributed(data):
         # Every strategy pairs partition i of both inputs the same way.
         for strategy in ("merged", "push", "two-level"):
             assert tpch.compare(want, c.sql(sql, strategy=strategy), ordered=True) is None
+
+
+def test_a_small_query_runs_whole_on_the_driver_and_a_large_one_is_distributed(
+    data, reference, monkeypatch
+):
+    """``small_query_rows``: q6 reads lineitem once (600,572 rows at SF 0.1) and runs whole on
+    the driver under a 1,000,000-row threshold; q21 reads it three times and is distributed.
+    Both answers equal DuckDB's; ``SET`` changes the threshold per session, 0 distributes
+    every query, and the default comes from the environment when not given."""
+    q6, ordered6 = tpch.query(6, SF)
+    q21, ordered21 = tpch.query(21, SF)
+    with fs.Cluster(workers=2, small_query_rows=1_000_000) as c:
+        for name, path in tpch.table_paths(data).items():
+            c.register_parquet(name, path)
+        plan = c.explain(q6)
+        assert "runs the whole query: it reads 600572 rows" in plan, plan
+        assert "small_query_rows (1000000)" in plan and "Stage 1" not in plan, plan
+        assert tpch.compare(reference[6], c.sql(q6), ordered6) is None
+        assert c.last_metrics.get("stages", []) == [], c.last_metrics
+        assert "Stage 1" in c.explain(q21)
+        assert tpch.compare(reference[21], c.sql(q21), ordered21) is None
+        c.sql("SET flightshuffle.small_query_rows = 0")
+        assert "Stage 1" in c.explain(q6)
+        assert tpch.compare(reference[6], c.sql(q6), ordered6) is None
+        assert c.last_metrics["stages"], c.last_metrics
+    with pytest.raises(ValueError, match="small_query_rows must be a row count"):
+        fs.Cluster(workers=1, small_query_rows=-1)
+    monkeypatch.setenv("FLIGHTSHUFFLE_SMALL_QUERY_ROWS", "lots")
+    with pytest.raises(ValueError, match="FLIGHTSHUFFLE_SMALL_QUERY_ROWS='lots'"):
+        fs.Cluster(workers=1)
+    monkeypatch.setenv("FLIGHTSHUFFLE_SMALL_QUERY_ROWS", "700000")
+    with fs.Cluster(workers=1) as c:
+        c.register_parquet("lineitem", os.path.join(data, "lineitem"))
+        assert "at most flightshuffle.small_query_rows (700000)" in c.explain(q6)

@@ -197,6 +197,12 @@ class Cluster:
     restored or rebuilt, and each stage's figures. ``last_event_log`` is the last query's
     file, ``last_report()`` its timeline as an HTML page (``flightshuffle report`` from the
     shell).
+
+    ``small_query_rows``: a SQL query whose scans read at most this many rows in all runs
+    whole on the driver, as one DataFusion process would, since stages would cost more than
+    they spread (``EXPLAIN`` says so; ``SET flightshuffle.small_query_rows`` changes it per
+    session). None takes ``FLIGHTSHUFFLE_SMALL_QUERY_ROWS`` from the environment if set, else
+    2,000,000; 0 distributes every query.
     """
 
     def __init__(
@@ -222,6 +228,7 @@ class Cluster:
         token: str | None = None,
         restart_wait: float = 60.0,
         take_over: bool = True,
+        small_query_rows: int | None = None,
     ) -> None:
         if addresses is not None:
             if runtime != "local":
@@ -265,6 +272,7 @@ class Cluster:
             "durable": bool(durable),
             "disk_budget": None if disk_budget is None else parse_bytes(disk_budget),
             "event_log": None if event_log is None else os.fspath(event_log),
+            "small_query_rows": _small_query_rows(small_query_rows),
         }
         if addresses is not None:
             from flightshuffle import static_runtime
@@ -757,3 +765,25 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+SMALL_QUERY_ROWS = 2_000_000
+"""The default of ``Cluster(small_query_rows=)``: rows read at most by a query run whole."""
+
+
+def _small_query_rows(rows: int | None) -> int:
+    """``small_query_rows=`` as given, else ``FLIGHTSHUFFLE_SMALL_QUERY_ROWS``, else the
+    default; a clear error for a negative or non-integer value."""
+    where = "small_query_rows"
+    if rows is None:
+        env = os.environ.get("FLIGHTSHUFFLE_SMALL_QUERY_ROWS")
+        if env is None:
+            return SMALL_QUERY_ROWS
+        where = "FLIGHTSHUFFLE_SMALL_QUERY_ROWS"
+        try:
+            rows = int(env)
+        except ValueError:
+            raise ValueError(f"{where}={env!r} is not a row count") from None
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+        raise ValueError(f"{where} must be a row count (0 or more), not {rows!r}")
+    return rows

@@ -28,6 +28,9 @@ pub struct NativeCluster {
     pub(crate) strategy: flightshuffle::strategy::StrategyOptions,
     /// Where each SQL query writes its event log (`Cluster(event_log=...)`).
     pub(crate) event_log: Option<String>,
+    /// Queries reading at most this many rows run whole on the driver
+    /// (`Cluster(small_query_rows=...)`, the default of `flightshuffle.small_query_rows`).
+    pub(crate) small_query_rows: Option<u64>,
     /// The event log of the last shuffle job started from Python.
     pub(crate) last_job_log: Mutex<Option<std::path::PathBuf>>,
     /// The event log of the job Python is running (online aggregation), and the one the
@@ -142,6 +145,8 @@ struct ClusterOptions {
     disk_budget: Option<u64>,
     /// Where each SQL query writes its event log.
     event_log: Option<String>,
+    /// The default of `flightshuffle.small_query_rows` in this cluster's SQL sessions.
+    small_query_rows: u64,
 }
 
 impl ClusterOptions {
@@ -210,6 +215,7 @@ impl NativeCluster {
         .map_err(to_py)?;
         Ok(Self {
             event_log: options.event_log,
+            small_query_rows: Some(options.small_query_rows),
             ..Self::with_workers(rt, Workers::Local(cluster), opts)
         })
     }
@@ -409,6 +415,7 @@ impl NativeCluster {
             strategy,
             flight_sql: Mutex::new(None),
             event_log: None,
+            small_query_rows: None,
             last_job_log: Mutex::new(None),
             py_job_log: Mutex::new(None),
         }
@@ -431,8 +438,13 @@ impl NativeCluster {
         }
         let driver = self.driver()?;
         let _runtime = self.rt.enter();
-        let config =
+        let mut config =
             flightshuffle_datafusion::DistributedContext::default_config(driver.num_workers());
+        if let Some(rows) = self.small_query_rows {
+            let mut options = flightshuffle_datafusion::FlightshuffleOptions::default();
+            options.small_query_rows = rows;
+            config = config.with_option_extension(options);
+        }
         let mut ctx = flightshuffle_datafusion::DistributedContext::new(driver, config)
             .map_err(sql::df_err)?
             // SQL stages recover from lineage (every stage input can be read again);
@@ -503,6 +515,7 @@ impl NativeCluster {
         .map_err(to_py)?;
         Ok(Self {
             event_log: options.event_log,
+            small_query_rows: Some(options.small_query_rows),
             ..Self::with_workers(rt, Workers::Hosted(hosted), opts)
         })
     }

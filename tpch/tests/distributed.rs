@@ -43,6 +43,10 @@ async fn cluster_with_broadcasts(
         opts.hash_join_single_partition_threshold = t;
         opts.hash_join_single_partition_threshold_rows = t;
     }
+    // Every query distributed, however small the test data.
+    let mut options = flightshuffle_datafusion::FlightshuffleOptions::default();
+    options.small_query_rows = 0;
+    let config = config.with_option_extension(options);
     let ctx = DistributedContext::new(cluster.driver.clone(), config)
         .unwrap()
         .with_small_gather_rows(0);

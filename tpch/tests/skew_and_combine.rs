@@ -70,6 +70,10 @@ async fn cluster(data: &Path) -> (LocalCluster, DistributedContext) {
     let opts = &mut config.options_mut().optimizer;
     opts.hash_join_single_partition_threshold = 0;
     opts.hash_join_single_partition_threshold_rows = 0;
+    // Every query distributed, however small the test data.
+    let mut options = flightshuffle_datafusion::FlightshuffleOptions::default();
+    options.small_query_rows = 0;
+    let config = config.with_option_extension(options);
     let ctx = DistributedContext::new(cluster.driver.clone(), config).unwrap();
     register(ctx.session(), data).await;
     ctx.sql("SET flightshuffle.skew_min_bytes = 100000")

@@ -87,6 +87,9 @@ impl DistributedContext {
         // the smaller side, a build side cut into a stage of its own).
         config.with_option_extension(crate::FlightshuffleOptions {
             selective_joins_first: false,
+            // The fact table streams however small it is (a small query runs whole, exactly,
+            // when the planner leaves no stage to stream; see `crate::online`).
+            small_query_rows: 0,
             ..Default::default()
         })
     }
@@ -193,6 +196,17 @@ impl DistributedContext {
 
     /// [`Self::plan`], with every exchange using `strategy` when given.
     pub async fn plan_with(&self, sql: &str, strategy: Option<Strategy>) -> Result<StagedPlan> {
+        self.plan_rewritten(sql, strategy, Ok).await
+    }
+
+    /// [`Self::plan_with`], with DataFusion's physical plan passed through `rewrite` before it
+    /// is cut into stages (online aggregation keeps its fact table on the probe side).
+    pub async fn plan_rewritten(
+        &self,
+        sql: &str,
+        strategy: Option<Strategy>,
+        rewrite: impl FnOnce(Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>>,
+    ) -> Result<StagedPlan> {
         let strategy = match strategy {
             Some(s) => s,
             None => self.session_strategy()?,
@@ -201,10 +215,24 @@ impl DistributedContext {
         if let Ok(Some(params)) = PARAMS.try_with(Clone::clone) {
             df = df.with_param_values(params)?;
         }
-        let plan = df.create_physical_plan().await?;
-        let mut staged = match self.all_on_workers {
-            true => crate::planner::on_workers(plan_stages_with(plan.clone(), 0)?),
-            false => plan_stages_with(plan.clone(), self.small_gather_rows)?,
+        let plan = rewrite(df.create_physical_plan().await?)?;
+        let small = self.options().small_query_rows;
+        let scanned = match self.all_on_workers || small == 0 {
+            true => None,
+            false => crate::planner::scanned_rows(&plan).filter(|rows| *rows <= small),
+        };
+        let mut staged = match (self.all_on_workers, scanned) {
+            (true, _) => crate::planner::on_workers(plan_stages_with(plan.clone(), 0)?),
+            // A small query: stages would cost more than they spread.
+            (false, Some(rows)) => StagedPlan {
+                stages: Vec::new(),
+                root: plan.clone(),
+                root_inputs: Vec::new(),
+                on_driver: Some(format!(
+                    "it reads {rows} rows, at most flightshuffle.small_query_rows ({small})"
+                )),
+            },
+            (false, None) => plan_stages_with(plan.clone(), self.small_gather_rows)?,
         };
         // A stage that would not reach the workers as planned: the query runs whole here.
         let task_ctx = self.task_ctx();

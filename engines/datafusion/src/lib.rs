@@ -110,6 +110,11 @@ datafusion::common::extensions_options! {
         /// do not reduce it ([`crate::join_order`]), so a stage's scan is reduced by them
         /// where no dynamic filter from another stage can reach it.
         pub selective_joins_first: bool, default = true
+        /// A query whose scans together read at most this many rows (DataFusion's
+        /// statistics, from the Parquet footers) runs whole on the driver, as one process:
+        /// below it, the stages, their calls and the hops cost more than spreading the work
+        /// saves (`docs/bench/small-queries.md`). 0 distributes every query.
+        pub small_query_rows: u64, default = 2_000_000
     }
 }
 

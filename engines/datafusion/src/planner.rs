@@ -408,6 +408,25 @@ fn is_small(plan: &Arc<dyn ExecutionPlan>, limit: usize) -> bool {
     true
 }
 
+/// The rows `plan`'s leaves (its scans) read together, by DataFusion's statistics (exact for
+/// Parquet files: their footers); None when a leaf's count is unknown.
+pub fn scanned_rows(plan: &Arc<dyn ExecutionPlan>) -> Option<u64> {
+    use datafusion::physical_plan::statistics::{StatisticsArgs, StatisticsContext};
+    let stats = StatisticsContext::new();
+    let args = StatisticsArgs::new();
+    let mut total = 0u64;
+    let mut todo = vec![plan.clone()];
+    while let Some(p) = todo.pop() {
+        let children = p.children();
+        if children.is_empty() {
+            let rows = stats.compute(p.as_ref(), &args).ok()?;
+            total = total.saturating_add(*rows.num_rows.get_value()? as u64);
+        }
+        todo.extend(children.into_iter().cloned());
+    }
+    Some(total)
+}
+
 /// Join types whose build-side rows are emitted after the whole probe side was seen.
 fn emits_build_rows(t: &JoinType) -> bool {
     matches!(
