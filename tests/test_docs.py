@@ -113,6 +113,9 @@ def test_only_the_listed_blocks_are_skipped() -> None:
 def _env() -> dict[str, str]:
     """This interpreter's environment, its bin directory first (the ``flightshuffle`` command)."""
     env = dict(os.environ)
+    # The examples run as a user runs them: with the default small-query threshold, not the
+    # test suite's (conftest distributes every query).
+    env.pop("FLIGHTSHUFFLE_SMALL_QUERY_ROWS", None)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return env
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import adbc_driver_flightsql.dbapi as flight_sql
 import adbc_driver_manager
+import duckdb
 import flightshuffle as fs
 import polars as pl
 import pyarrow as pa
@@ -108,6 +109,35 @@ def test_results_are_read_from_the_workers_that_hold_them(served, conn):
         conn, "SELECT l_orderkey FROM lineitem ORDER BY l_orderkey DESC LIMIT 5"
     )
     assert len(locations) == 1 and locations[0][0] in workers, locations
+
+
+def test_a_small_query_run_on_the_driver_is_served_from_the_endpoint(tpch_data):
+    """With the default small-query threshold, a query over SF 0.1 runs whole on the driver:
+    the endpoint serves its rows itself (no worker holds them), every row once, and a query
+    over more rows than the threshold is still read from the workers."""
+    with fs.Cluster(workers=2, timeout=60, small_query_rows=1_000_000) as c:
+        for name, path in tpch.table_paths(tpch_data).items():
+            c.register_parquet(name, path)
+        with connect(c.serve_flight_sql()) as conn:
+            sql, ordered = tpch.query(3, TPCH_SF)
+            assert "runs the whole query" in c.explain(sql)
+            _, parts, locations = read_partitions(conn, sql)
+            assert all(loc == [] for loc in locations), locations
+            want = tpch.duckdb_connect(tpch_data).sql(sql).to_arrow_table()
+            got = pa.concat_tables(parts)
+            assert tpch.compare(want, got, ordered) is None
+            sql = (
+                "SELECT l1.l_orderkey FROM lineitem l1, lineitem l2 WHERE l1.l_orderkey = "
+                "l2.l_orderkey AND l1.l_linenumber = l2.l_linenumber AND l1.l_quantity < 5"
+            )
+            _, parts, locations = read_partitions(conn, sql)
+            workers = {f"grpc+tls://{a}" for a in c.worker_addresses}
+            assert all(loc and loc[0] in workers for loc in locations), locations
+            n = duckdb.sql(
+                f"SELECT count(*) FROM '{tpch.table_paths(tpch_data)['lineitem']}/*.parquet' "
+                "WHERE l_quantity < 5"
+            ).fetchall()[0][0]
+            assert sum(p.num_rows for p in parts) == n
 
 
 def test_results_from_the_driver_are_read_once(tpch_data):
