@@ -338,3 +338,68 @@ def test_a_small_query_runs_whole_on_the_driver_and_a_large_one_is_distributed(
     with fs.Cluster(workers=1) as c:
         c.register_parquet("lineitem", os.path.join(data, "lineitem"))
         assert "at most flightshuffle.small_query_rows (700000)" in c.explain(q6)
+
+
+def test_a_broadcast_semi_anti_or_left_join_moves_only_the_probe_rows_that_meet_it(tmp_path):
+    """EXISTS, NOT EXISTS (with a correlated ``<>`` like TPC-H q21's), a left join and NOT IN
+    whose small, filtered side DataFusion builds on: distributed, each probe side is first cut
+    down by a broadcast semi join (``RightSemi`` in the plan) unless it must not be (NOT IN:
+    a NULL anywhere on the probe side matters). Duplicate and NULL keys on both sides; answers
+    equal DuckDB's with the reduction on and off."""
+    import duckdb
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(7)
+    n = 300_000
+    pk = rng.integers(0, 50_000, n).astype(float)
+    pk[::97] = np.nan
+    probe = pa.table(
+        {"k": pa.array(pk, mask=np.isnan(pk)).cast(pa.int64()), "v": rng.integers(0, 5, n)}
+    )
+    m = 4_000
+    bk = rng.integers(0, 100_000, m).astype(float)
+    bk[::53] = np.nan
+    build = pa.table(
+        {
+            "k": pa.array(bk, mask=np.isnan(bk)).cast(pa.int64()),
+            "v": rng.integers(0, 5, m),
+            "x": rng.integers(0, 10, m),
+        }
+    )
+    build = pa.concat_tables([build, build.slice(0, 500)])  # duplicate rows: bag semantics
+    pq.write_table(probe, tmp_path / "p.parquet", row_group_size=20_000)
+    pq.write_table(build, tmp_path / "b.parquet")
+    queries = {
+        "exists": "SELECT b.k, b.v, b.x FROM b WHERE b.x < 3 AND EXISTS "
+        "(SELECT 1 FROM p WHERE p.k = b.k AND p.v <> b.v)",
+        "not_exists": "SELECT b.k, b.v, b.x FROM b WHERE b.x < 3 AND NOT EXISTS "
+        "(SELECT 1 FROM p WHERE p.k = b.k AND p.v <> b.v)",
+        "left_join": "SELECT b.k, b.x, p.v FROM (SELECT * FROM b WHERE b.x < 3) b "
+        "LEFT JOIN p ON p.k = b.k AND p.v > b.v",
+        "not_in": "SELECT b.k, b.x FROM b WHERE b.x < 3 AND b.k NOT IN "
+        "(SELECT k FROM p WHERE v = 0 AND k IS NOT NULL)",
+        # A full join keeps the probe rows that meet nothing: never cut down.
+        "full_join": "SELECT b.k, b.x, p.v FROM (SELECT * FROM b WHERE b.x < 3) b "
+        "FULL JOIN p ON p.k = b.k AND p.v > b.v",
+        # A NULL among the probe side's keys: nothing is NOT IN it.
+        "not_in_null": "SELECT b.k, b.x FROM b WHERE b.x < 3 AND b.k NOT IN (SELECT k FROM p)",
+    }
+    con = duckdb.connect()
+    con.execute(f"CREATE VIEW p AS SELECT * FROM '{tmp_path}/p.parquet'")
+    con.execute(f"CREATE VIEW b AS SELECT * FROM '{tmp_path}/b.parquet'")
+    with fs.Cluster(workers=2, small_query_rows=0) as c:
+        c.register_parquet("p", str(tmp_path / "p.parquet"))
+        c.register_parquet("b", str(tmp_path / "b.parquet"))
+        for reduce in ["true", "false"]:
+            c.sql(f"SET flightshuffle.reduce_probe_sides = {reduce}")
+            for name, sql in queries.items():
+                plan = c.explain(sql)
+                reduced = "join_type=RightSemi" in plan
+                cut = reduce == "true" and name not in ("not_in", "not_in_null", "full_join")
+                assert reduced == cut, (name, plan)
+                want = con.sql(sql).to_arrow_table()
+                diff = tpch.compare(want, c.sql(sql), ordered=False)
+                assert diff is None, f"{name}, reduce={reduce}: {diff}"
+                assert (want.num_rows == 0) == (name == "not_in_null"), name

@@ -232,7 +232,11 @@ impl DistributedContext {
                     "it reads {rows} rows, at most flightshuffle.small_query_rows ({small})"
                 )),
             },
-            (false, None) => plan_stages_with(plan.clone(), self.small_gather_rows)?,
+            (false, None) => crate::planner::plan_stages_reducing(
+                plan.clone(),
+                self.small_gather_rows,
+                self.options().reduce_probe_sides,
+            )?,
         };
         // A stage that would not reach the workers as planned: the query runs whole here.
         let task_ctx = self.task_ctx();

@@ -115,6 +115,11 @@ datafusion::common::extensions_options! {
         /// below it, the stages, their calls and the hops cost more than spreading the work
         /// saves (`docs/bench/small-queries.md`). 0 distributes every query.
         pub small_query_rows: u64, default = 2_000_000
+        /// A broadcast join that emits its build side's rows (`EXISTS`, `NOT EXISTS`, a
+        /// left join with the small side first) is hash-partitioned to run as independent
+        /// tasks; its probe side is first cut down to the rows that meet the build side (a
+        /// broadcast semi join), so only those cross the network (`crate::planner`).
+        pub reduce_probe_sides: bool, default = true
     }
 }
 

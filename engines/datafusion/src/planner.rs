@@ -18,7 +18,9 @@
 //! * A `CollectLeft` join that emits build-side rows at its end (left outer, full, left
 //!   semi/anti/mark) relies on every probe partition of one plan instance reporting to the
 //!   last one; as independent tasks they never would. Such hash joins are re-planned
-//!   `Partitioned` (both sides hash-exchanged on the join keys, same partition count); such
+//!   `Partitioned` (both sides hash-exchanged on the join keys, same partition count), the
+//!   probe side first cut down by a broadcast semi join with the build side to the rows that
+//!   can meet it (unless it is a full or `NOT IN` join, which need the others); such
 //!   nested-loop joins get their probe side gathered and their output dealt back out.
 //!
 //! * A gather of a *small* subtree that reads no exchange (nation, region, a filtered
@@ -39,6 +41,7 @@ use datafusion::error::{DataFusionError, Result};
 use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_expr::{Partitioning, PhysicalExpr};
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
+use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::joins::{HashJoinExec, NestedLoopJoinExec, PartitionMode};
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
@@ -152,12 +155,22 @@ pub fn plan_stages_with(
     plan: Arc<dyn ExecutionPlan>,
     small_gather_rows: usize,
 ) -> Result<StagedPlan> {
+    plan_stages_reducing(plan, small_gather_rows, true)
+}
+
+/// [`plan_stages_with`]; `reduce_probes` cuts the probe side of a re-partitioned join that
+/// emits build rows down to the rows that meet the build side first (see `independent_joins`).
+pub fn plan_stages_reducing(
+    plan: Arc<dyn ExecutionPlan>,
+    small_gather_rows: usize,
+    reduce_probes: bool,
+) -> Result<StagedPlan> {
     let plan = if plan.output_partitioning().partition_count() > 1 {
         Arc::new(CoalescePartitionsExec::new(plan)) as Arc<dyn ExecutionPlan>
     } else {
         plan
     };
-    let plan = independent_joins(plan)?;
+    let plan = independent_joins(plan, reduce_probes)?;
     let mut planner = Planner {
         stages: Vec::new(),
         small_gather_rows,
@@ -427,6 +440,38 @@ pub fn scanned_rows(plan: &Arc<dyn ExecutionPlan>) -> Option<u64> {
     Some(total)
 }
 
+/// Whether the probe side of `j` (a `CollectLeft` join emitting build rows, about to be
+/// partitioned) may be cut down to the probe rows that meet some build row on its keys and
+/// filter: its output never holds an unmatched probe row. Not a full join (it emits those),
+/// nor `NOT IN`'s null-aware anti join (a NULL key anywhere on the probe side empties it), nor
+/// a join whose row count stops it early.
+///
+/// The build side is computed twice then (broadcast, and partitioned), so this is only done
+/// where that is cheap and likely to pay: a build side with no exchange under it (no
+/// repartition, gather or merge: a scan, its filters and projections, joins it builds in
+/// place) that filters its rows (an unfiltered dimension meets every probe row of a foreign
+/// key). TPC-H SF1, 2 workers: q4 moved 32 MB → 4 MB, 2.02× → 1.49×
+/// one process; q21, whose build side joins an exchange, moved half but took longer
+/// (`docs/bench/small-queries.md`).
+fn reducible(j: &HashJoinExec, build: &Arc<dyn ExecutionPlan>) -> bool {
+    matches!(
+        j.join_type(),
+        JoinType::Left | JoinType::LeftSemi | JoinType::LeftAnti | JoinType::LeftMark
+    ) && !j.null_aware
+        && j.fetch().is_none()
+        && !any_node(build, &|p| {
+            p.downcast_ref::<RepartitionExec>().is_some()
+                || p.downcast_ref::<SortPreservingMergeExec>().is_some()
+                || p.downcast_ref::<CoalescePartitionsExec>().is_some()
+        })
+        && any_node(build, &|p| p.downcast_ref::<FilterExec>().is_some())
+}
+
+/// Whether `test` holds for `plan` or a node under it.
+fn any_node(plan: &Arc<dyn ExecutionPlan>, test: &dyn Fn(&Arc<dyn ExecutionPlan>) -> bool) -> bool {
+    test(plan) || plan.children().into_iter().any(|c| any_node(c, test))
+}
+
 /// Join types whose build-side rows are emitted after the whole probe side was seen.
 fn emits_build_rows(t: &JoinType) -> bool {
     matches!(
@@ -440,11 +485,14 @@ fn emits_build_rows(t: &JoinType) -> bool {
 }
 
 /// Rewrite joins whose partitions coordinate inside one plan instance (see module doc).
-fn independent_joins(plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
+fn independent_joins(
+    plan: Arc<dyn ExecutionPlan>,
+    reduce_probes: bool,
+) -> Result<Arc<dyn ExecutionPlan>> {
     let children = plan
         .children()
         .into_iter()
-        .map(|c| independent_joins(c.clone()))
+        .map(|c| independent_joins(c.clone(), reduce_probes))
         .collect::<Result<Vec<_>>>()?;
     let plan = replace_children_if_necessary(plan, children)?;
     if let Some(j) = plan.downcast_ref::<HashJoinExec>() {
@@ -475,11 +523,26 @@ fn independent_joins(plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPl
                 Some(c) => c.input().clone(),
                 None => j.left().clone(),
             };
+            // The probe side is cut down first to the rows that can meet a build row: a
+            // broadcast of the build side (small: DataFusion collected it) keeps them, probe
+            // row by probe row, so only those cross the network.
+            let probe = match reduce_probes && reducible(j, &build) {
+                true => j
+                    .builder()
+                    .with_type(JoinType::RightSemi)
+                    .with_projection(None)
+                    .with_fetch(None)
+                    .with_new_children(vec![
+                        Arc::new(CoalescePartitionsExec::new(build.clone())),
+                        j.right().clone(),
+                    ])?
+                    .with_partition_mode(PartitionMode::CollectLeft)
+                    .reset_state()
+                    .build_exec()?,
+                false => j.right().clone(),
+            };
             let left = Arc::new(RepartitionExec::try_new(build, Partitioning::Hash(lk, n))?);
-            let right = Arc::new(RepartitionExec::try_new(
-                j.right().clone(),
-                Partitioning::Hash(rk, n),
-            )?);
+            let right = Arc::new(RepartitionExec::try_new(probe, Partitioning::Hash(rk, n))?);
             return j
                 .builder()
                 .with_partition_mode(PartitionMode::Partitioned)
