@@ -450,7 +450,7 @@ pub fn scanned_rows(plan: &Arc<dyn ExecutionPlan>) -> Option<u64> {
 /// where that is cheap and likely to pay: a build side with no exchange under it (no
 /// repartition, gather or merge: a scan, its filters and projections, joins it builds in
 /// place) that filters its rows (an unfiltered dimension meets every probe row of a foreign
-/// key). TPC-H SF1, 2 workers: q4 moved 32 MB → 4 MB, 2.02× → 1.49×
+/// key). TPC-H SF1, 2 workers: q4 moved 32 MB → 4 MB, 2.13× → 1.44×
 /// one process; q21, whose build side joins an exchange, moved half but took longer
 /// (`docs/bench/small-queries.md`).
 fn reducible(j: &HashJoinExec, build: &Arc<dyn ExecutionPlan>) -> bool {
