@@ -774,16 +774,22 @@ SMALL_QUERY_ROWS = 2_000_000
 def _small_query_rows(rows: int | None) -> int:
     """``small_query_rows=`` as given, else ``FLIGHTSHUFFLE_SMALL_QUERY_ROWS``, else the
     default; a clear error for a negative or non-integer value."""
+    import operator
+
     where = "small_query_rows"
     if rows is None:
-        env = os.environ.get("FLIGHTSHUFFLE_SMALL_QUERY_ROWS")
-        if env is None:
+        env = os.environ.get("FLIGHTSHUFFLE_SMALL_QUERY_ROWS", "").strip()
+        if not env:
             return SMALL_QUERY_ROWS
         where = "FLIGHTSHUFFLE_SMALL_QUERY_ROWS"
         try:
             rows = int(env)
         except ValueError:
             raise ValueError(f"{where}={env!r} is not a row count") from None
-    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+    try:
+        count = operator.index(rows)  # ints, numpy ints; not floats or bools
+    except TypeError:
+        count = -1
+    if isinstance(rows, bool) or not 0 <= count < 2**64:
         raise ValueError(f"{where} must be a row count (0 or more), not {rows!r}")
-    return rows
+    return count

@@ -46,10 +46,10 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     let mut config = LocalClusterConfig::new(2, vec![exe, "worker".into()]);
     config.memory_budget = 256 << 20;
     let cluster = LocalCluster::start(config).await?;
-
     let session = DistributedContext::default_config(2);
     let ctx = DistributedContext::new(cluster.driver.clone(), session)?;
     ctx.register_parquet("sales", &path).await?;
+    ctx.sql("SET flightshuffle.small_query_rows = 0").await?; // distribute even this
     let result = ctx
         .sql("SELECT region, sum(amount) AS total FROM sales GROUP BY region ORDER BY region")
         .await?;

@@ -6,7 +6,7 @@
 
 use crate::broadcast::BroadcastJoins;
 use crate::join_order::SelectiveJoinsFirst;
-use crate::planner::{plan_stages_with, StagedPlan, SMALL_GATHER_ROWS};
+use crate::planner::{StagedPlan, SMALL_GATHER_ROWS};
 use crate::result::text_result;
 pub use crate::result::{QueryResult, StageMetrics};
 use crate::{Error, ExchangeContext, Result};
@@ -222,7 +222,15 @@ impl DistributedContext {
             false => crate::planner::scanned_rows(&plan).filter(|rows| *rows <= small),
         };
         let mut staged = match (self.all_on_workers, scanned) {
-            (true, _) => crate::planner::on_workers(plan_stages_with(plan.clone(), 0)?),
+            (true, _) => {
+                let options = self.options();
+                crate::planner::on_workers(crate::planner::plan_stages_reducing(
+                    plan.clone(),
+                    0,
+                    options.reduce_probe_sides,
+                    options.push_semi_joins,
+                )?)
+            }
             // A small query: stages would cost more than they spread.
             (false, Some(rows)) => StagedPlan {
                 stages: Vec::new(),
@@ -232,11 +240,15 @@ impl DistributedContext {
                     "it reads {rows} rows, at most flightshuffle.small_query_rows ({small})"
                 )),
             },
-            (false, None) => crate::planner::plan_stages_reducing(
-                plan.clone(),
-                self.small_gather_rows,
-                self.options().reduce_probe_sides,
-            )?,
+            (false, None) => {
+                let options = self.options();
+                crate::planner::plan_stages_reducing(
+                    plan.clone(),
+                    self.small_gather_rows,
+                    options.reduce_probe_sides,
+                    options.push_semi_joins,
+                )?
+            }
         };
         // A stage that would not reach the workers as planned: the query runs whole here.
         let task_ctx = self.task_ctx();

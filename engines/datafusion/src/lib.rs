@@ -25,6 +25,7 @@ pub mod pool;
 pub mod reader;
 pub mod result;
 pub mod running;
+pub mod semi_pushdown;
 pub mod sendable;
 pub mod skew;
 pub mod source;
@@ -120,6 +121,10 @@ datafusion::common::extensions_options! {
         /// tasks; its probe side is first cut down to the rows that meet the build side (a
         /// broadcast semi join), so only those cross the network (`crate::planner`).
         pub reduce_probe_sides: bool, default = true
+        /// A broadcast semi join (`IN (subquery)`) over an inner join is copied below it onto
+        /// both of its inputs, so only rows that can meet the subquery's keys are exchanged
+        /// (`crate::semi_pushdown`).
+        pub push_semi_joins: bool, default = true
     }
 }
 

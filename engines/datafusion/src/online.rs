@@ -288,6 +288,7 @@ fn fact_on_probe_side(
     use datafusion::common::JoinType;
     use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
     use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
+    let plan_before = plan.clone();
     let out = plan.transform_up(|node| {
         let Some(j) = node.downcast_ref::<HashJoinExec>() else {
             return Ok(Transformed::no(node));
@@ -302,6 +303,9 @@ fn fact_on_probe_side(
         }
         let mut fact = j.left().clone();
         while let Some(c) = fact.downcast_ref::<CoalescePartitionsExec>() {
+            if c.fetch().is_some() {
+                return Ok(Transformed::no(node)); // a LIMIT on the fact side: left alone
+            }
             fact = c.input().clone();
         }
         let mut build = j.right().clone();
@@ -320,7 +324,21 @@ fn fact_on_probe_side(
             .swap_inputs(PartitionMode::CollectLeft)?;
         Ok(Transformed::yes(swapped))
     })?;
-    Ok(out.data)
+    if !out.transformed {
+        return Ok(plan_before);
+    }
+    // The turned joins' output is partitioned as the fact side is, no longer as the other
+    // side was: a parent that needed the old partitioning or order keeps the plan as it was.
+    use datafusion::physical_optimizer::sanity_checker::SanityCheckPlan;
+    use datafusion::physical_optimizer::PhysicalOptimizerRule;
+    let options = datafusion::config::ConfigOptions::default();
+    match SanityCheckPlan::new().optimize(out.data.clone(), &options) {
+        Ok(_) => Ok(out.data),
+        Err(e) => {
+            tracing::debug!(error = %e, "online: the fact table stays a build side");
+            Ok(plan_before)
+        }
+    }
 }
 
 /// What building on `side` costs before the first estimate, in scanned-row units by

@@ -142,7 +142,14 @@ struct Planner {
     stages: Vec<Stage>,
     /// Gathers of exchange-free subtrees this small (in rows) are not cut.
     small_gather_rows: usize,
+    /// Nodes cut already, by address (kept alive here), and what they became: a node that
+    /// several consumers share (a semi join's build side, see [`crate::semi_pushdown`]) is
+    /// cut into one stage, which they all read.
+    cut: std::collections::HashMap<usize, Cut>,
 }
+
+/// A node the planner cut: the node itself, what replaced it, and the stages that reads.
+type Cut = (Arc<dyn ExecutionPlan>, Arc<dyn ExecutionPlan>, Vec<u32>);
 
 /// Cut `plan` into stages, with the default small-gather threshold ([`SMALL_GATHER_ROWS`]).
 pub fn plan_stages(plan: Arc<dyn ExecutionPlan>) -> Result<StagedPlan> {
@@ -155,15 +162,18 @@ pub fn plan_stages_with(
     plan: Arc<dyn ExecutionPlan>,
     small_gather_rows: usize,
 ) -> Result<StagedPlan> {
-    plan_stages_reducing(plan, small_gather_rows, true)
+    plan_stages_reducing(plan, small_gather_rows, true, true)
 }
 
 /// [`plan_stages_with`]; `reduce_probes` cuts the probe side of a re-partitioned join that
-/// emits build rows down to the rows that meet the build side first (see `independent_joins`).
+/// emits build rows down to the rows that meet the build side first (see `independent_joins`),
+/// `push_semis` copies broadcast semi joins below the inner joins they filter
+/// ([`crate::semi_pushdown`]).
 pub fn plan_stages_reducing(
     plan: Arc<dyn ExecutionPlan>,
     small_gather_rows: usize,
     reduce_probes: bool,
+    push_semis: bool,
 ) -> Result<StagedPlan> {
     let plan = if plan.output_partitioning().partition_count() > 1 {
         Arc::new(CoalescePartitionsExec::new(plan)) as Arc<dyn ExecutionPlan>
@@ -171,9 +181,14 @@ pub fn plan_stages_reducing(
         plan
     };
     let plan = independent_joins(plan, reduce_probes)?;
+    let plan = match push_semis {
+        true => crate::semi_pushdown::push_semi_joins(plan)?,
+        false => plan,
+    };
     let mut planner = Planner {
         stages: Vec::new(),
         small_gather_rows,
+        cut: Default::default(),
     };
     let (root, root_inputs) = planner.cut(plan)?;
     Ok(StagedPlan {
@@ -194,6 +209,7 @@ pub fn on_workers(staged: StagedPlan) -> StagedPlan {
     let mut planner = Planner {
         stages: Vec::new(),
         small_gather_rows: 0,
+        cut: Default::default(),
     };
     let root = staged.root;
     let schema = root.schema();
@@ -260,6 +276,7 @@ pub fn hold_on_workers(staged: &StagedPlan) -> Option<(StagedPlan, u32)> {
     let mut planner = Planner {
         stages: staged.stages.clone(),
         small_gather_rows: 0,
+        cut: Default::default(),
     };
     let writer = planner.add_stage(
         body,
@@ -311,8 +328,22 @@ impl Planner {
         writer
     }
 
-    /// Rewrite `plan` bottom-up; returns the new plan and the stages it reads.
+    /// Rewrite `plan` bottom-up; returns the new plan and the stages it reads. A node met
+    /// again (shared by several consumers) becomes what it became the first time.
     fn cut(&mut self, plan: Arc<dyn ExecutionPlan>) -> Result<(Arc<dyn ExecutionPlan>, Vec<u32>)> {
+        let key = Arc::as_ptr(&plan) as *const () as usize;
+        if let Some((_, out, deps)) = self.cut.get(&key) {
+            return Ok((out.clone(), deps.clone()));
+        }
+        let (out, deps) = self.cut_once(plan.clone())?;
+        self.cut.insert(key, (plan, out.clone(), deps.clone()));
+        Ok((out, deps))
+    }
+
+    fn cut_once(
+        &mut self,
+        plan: Arc<dyn ExecutionPlan>,
+    ) -> Result<(Arc<dyn ExecutionPlan>, Vec<u32>)> {
         let mut children = Vec::new();
         let mut deps = Vec::new();
         for c in plan.children() {
@@ -367,6 +398,16 @@ impl Planner {
             && self.small_gather_rows > 0
             && is_small(&children[0], self.small_gather_rows)
         {
+            return Ok((replace_children_if_necessary(plan, children)?, deps));
+        }
+        // A gather straight over an exchange (a build side read whole by every task, as the
+        // probe side reduction above makes) reads all its partitions in place: no stage.
+        let over_exchange = gather
+            && children.first().is_some_and(|c| {
+                c.downcast_ref::<ShuffleReaderExec>()
+                    .is_some_and(|r| matches!(r.mode, ReadMode::Partition) && r.layout.is_none())
+            });
+        if gather && over_exchange {
             return Ok((replace_children_if_necessary(plan, children)?, deps));
         }
         if (gather || merge) && children[0].output_partitioning().partition_count() > 1 {
@@ -446,12 +487,10 @@ pub fn scanned_rows(plan: &Arc<dyn ExecutionPlan>) -> Option<u64> {
 /// nor `NOT IN`'s null-aware anti join (a NULL key anywhere on the probe side empties it), nor
 /// a join whose row count stops it early.
 ///
-/// The build side is computed twice then (broadcast, and partitioned), so this is only done
-/// where that is cheap and likely to pay: a build side with no exchange under it (no
-/// repartition, gather or merge: a scan, its filters and projections, joins it builds in
-/// place) that filters its rows (an unfiltered dimension meets every probe row of a foreign
-/// key). TPC-H SF1, 2 workers: q4 moved 32 MB → 4 MB, 2.13× → 1.44×
-/// one process; q21, whose build side joins an exchange, moved half but took longer
+/// Only where it is likely to pay: a build side that filters its rows (an unfiltered
+/// dimension meets every probe row of a foreign key; TPC-H q13 took 1.27× → 1.48× one process
+/// with it). The probe side then waits for the build side's exchange to be whole. TPC-H SF1,
+/// 2 workers: q4 moved 32 MB → 4 MB, 2.13× → 1.44× one process
 /// (`docs/bench/small-queries.md`).
 fn reducible(j: &HashJoinExec, build: &Arc<dyn ExecutionPlan>) -> bool {
     matches!(
@@ -459,12 +498,41 @@ fn reducible(j: &HashJoinExec, build: &Arc<dyn ExecutionPlan>) -> bool {
         JoinType::Left | JoinType::LeftSemi | JoinType::LeftAnti | JoinType::LeftMark
     ) && !j.null_aware
         && j.fetch().is_none()
-        && !any_node(build, &|p| {
-            p.downcast_ref::<RepartitionExec>().is_some()
-                || p.downcast_ref::<SortPreservingMergeExec>().is_some()
-                || p.downcast_ref::<CoalescePartitionsExec>().is_some()
-        })
         && any_node(build, &|p| p.downcast_ref::<FilterExec>().is_some())
+        && !volatile(build)
+}
+
+/// Whether `plan` may give other rows when run again: an expression under it (a filter's, a
+/// projection's) is volatile (`random()`), or a node stops after some rows (a `LIMIT`
+/// without an order over several partitions keeps whichever come first). A subtree computed
+/// twice must give the same rows both times.
+pub(crate) fn volatile(plan: &Arc<dyn ExecutionPlan>) -> bool {
+    use datafusion::physical_expr_common::physical_expr::is_volatile;
+    use datafusion::physical_plan::limit::{GlobalLimitExec, LocalLimitExec};
+    any_node(plan, &|p| {
+        if p.fetch().is_some()
+            || p.downcast_ref::<GlobalLimitExec>().is_some()
+            || p.downcast_ref::<LocalLimitExec>().is_some()
+        {
+            return true;
+        }
+        let in_filter = p
+            .downcast_ref::<FilterExec>()
+            .is_some_and(|f| is_volatile(f.predicate()));
+        let in_projection = p
+            .downcast_ref::<ProjectionExec>()
+            .is_some_and(|pr| pr.expr().iter().any(|e| is_volatile(&e.expr)));
+        in_filter || in_projection
+    })
+}
+
+/// A join's build side without the gather DataFusion put over it; a gather that also limits
+/// the rows (`fetch`, from a `LIMIT` pushed into it) is kept.
+fn without_gather(left: &Arc<dyn ExecutionPlan>) -> Arc<dyn ExecutionPlan> {
+    match left.downcast_ref::<CoalescePartitionsExec>() {
+        Some(c) if c.fetch().is_none() => c.input().clone(),
+        _ => left.clone(),
+    }
 }
 
 /// Whether `test` holds for `plan` or a node under it.
@@ -501,10 +569,7 @@ fn independent_joins(
             // `NOT IN (subquery)`: one NULL anywhere on the probe side empties the result, and
             // the probe partitions learn of it through their one plan instance. Partitions on
             // different workers would not: the join runs as one partition.
-            let build = match j.left().downcast_ref::<CoalescePartitionsExec>() {
-                Some(c) => c.input().clone(),
-                None => j.left().clone(),
-            };
+            let build = without_gather(j.left());
             let left = Arc::new(CoalescePartitionsExec::new(build));
             let right = Arc::new(CoalescePartitionsExec::new(j.right().clone()));
             return j
@@ -519,21 +584,22 @@ fn independent_joins(
             && n > 1
         {
             let (lk, rk): (Vec<_>, Vec<_>) = j.on().iter().cloned().unzip();
-            let build = match j.left().downcast_ref::<CoalescePartitionsExec>() {
-                Some(c) => c.input().clone(),
-                None => j.left().clone(),
-            };
-            // The probe side is cut down first to the rows that can meet a build row: a
-            // broadcast of the build side (small: DataFusion collected it) keeps them, probe
-            // row by probe row, so only those cross the network.
-            let probe = match reduce_probes && reducible(j, &build) {
+            let build = without_gather(j.left());
+            let reduce = reduce_probes && reducible(j, &build);
+            let left: Arc<dyn ExecutionPlan> =
+                Arc::new(RepartitionExec::try_new(build, Partitioning::Hash(lk, n))?);
+            // The probe side is cut down first to the rows that can meet a build row: every
+            // partition of the build side's exchange, read whole (small: DataFusion collected
+            // it), keeps them, probe row by probe row, so only those cross the network. The
+            // exchange is the same node, cut into one stage that both read.
+            let probe = match reduce {
                 true => j
                     .builder()
                     .with_type(JoinType::RightSemi)
                     .with_projection(None)
                     .with_fetch(None)
                     .with_new_children(vec![
-                        Arc::new(CoalescePartitionsExec::new(build.clone())),
+                        Arc::new(CoalescePartitionsExec::new(left.clone())),
                         j.right().clone(),
                     ])?
                     .with_partition_mode(PartitionMode::CollectLeft)
@@ -541,7 +607,6 @@ fn independent_joins(
                     .build_exec()?,
                 false => j.right().clone(),
             };
-            let left = Arc::new(RepartitionExec::try_new(build, Partitioning::Hash(lk, n))?);
             let right = Arc::new(RepartitionExec::try_new(probe, Partitioning::Hash(rk, n))?);
             return j
                 .builder()

@@ -191,11 +191,26 @@ pub fn apply(
     let sliced: Layout = Arc::new(layout.to_vec());
     let whole: Layout = Arc::new(layout.iter().map(|(p, _)| (*p, Slice::WHOLE)).collect());
     let width = writer.tasks();
+    // A reader under a gather or a merge is read whole by every partition (a build side):
+    // laid out, a split partition would be read once per split.
+    let mut gathered = std::collections::HashSet::new();
+    let mut todo = vec![writer.input().clone()];
+    while let Some(p) = todo.pop() {
+        let gathers = p.downcast_ref::<CoalescePartitionsExec>().is_some()
+            || p.downcast_ref::<SortPreservingMergeExec>().is_some();
+        for c in p.children() {
+            if gathers {
+                gathered.insert(Arc::as_ptr(c) as *const () as usize);
+            }
+            todo.push(c.clone());
+        }
+    }
     let input = writer.input().clone().transform_up(|node| {
         let Some(r) = node.downcast_ref::<ShuffleReaderExec>() else {
             return Ok(Transformed::no(node));
         };
-        if r.mode != ReadMode::Partition || r.partitions() != width {
+        let under_gather = gathered.contains(&(Arc::as_ptr(&node) as *const () as usize));
+        if r.mode != ReadMode::Partition || r.partitions() != width || under_gather {
             return Ok(Transformed::no(node));
         }
         let layout = if r.shuffle == probe { &sliced } else { &whole };

@@ -1,0 +1,185 @@
+//! A broadcast semi join's keys pushed below the inner join it filters, into both of that
+//! join's inputs, before they are exchanged.
+//!
+//! `... WHERE o_orderkey IN (SELECT l_orderkey ... HAVING sum(l_quantity) > 300)` (TPC-H q18)
+//! is planned as a `RightSemi` join whose build side is the subquery's few keys and whose probe
+//! side is an inner join of `orders` and `lineitem` on that key, partitioned: both of them
+//! hash-exchanged whole. One process cuts them down through a dynamic filter that the semi
+//! join's build side pushes into their scans; no dynamic filter crosses a stage. Here the semi
+//! join is copied below the inner join, onto each input that holds the key (through the
+//! join's equality, both), under its exchange, so only the rows that can meet a key move. The
+//! copies build on the same node as the original, which the stage planner cuts into one stage
+//! however many read it. The original stays (it then drops nothing).
+//!
+//! Only where it is exact: a semi join on plain columns without a filter of its own, not
+//! null-aware, over an inner equi-join; a row whose key is not among the build side's keys
+//! meets no row above either (NULL keys meet nothing, as in the join).
+
+use datafusion::common::{JoinType, NullEquality};
+use datafusion::error::Result;
+use datafusion::physical_expr::expressions::Column;
+use datafusion::physical_expr::{Partitioning, PhysicalExprRef};
+use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
+use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
+use datafusion::physical_plan::repartition::RepartitionExec;
+use datafusion::physical_plan::{replace_children_if_necessary, ExecutionPlan};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// `plan` with every qualifying semi join's keys pushed below its inner join (module doc).
+/// Bottom-up, by node: a node several parents share (a build side read twice, see
+/// [`crate::planner`]) stays one node, which the stage planner cuts once.
+pub fn push_semi_joins(plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
+    rewrite(plan, &mut HashMap::new())
+}
+
+type Rewritten = HashMap<usize, (Arc<dyn ExecutionPlan>, Arc<dyn ExecutionPlan>)>;
+
+fn rewrite(plan: Arc<dyn ExecutionPlan>, done: &mut Rewritten) -> Result<Arc<dyn ExecutionPlan>> {
+    let key = Arc::as_ptr(&plan) as *const () as usize;
+    if let Some((_, out)) = done.get(&key) {
+        return Ok(out.clone());
+    }
+    let children = plan
+        .children()
+        .into_iter()
+        .map(|c| rewrite(c.clone(), done))
+        .collect::<Result<Vec<_>>>()?;
+    let node = replace_children_if_necessary(plan.clone(), children)?;
+    let out = match node.downcast_ref::<HashJoinExec>() {
+        Some(semi) => pushed(semi)?.unwrap_or(node),
+        None => node,
+    };
+    done.insert(key, (plan, out.clone()));
+    Ok(out)
+}
+
+/// `semi` with its probe side's inner join filtered below, or None where that does not apply.
+fn pushed(semi: &HashJoinExec) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+    let applies = *semi.join_type() == JoinType::RightSemi
+        && *semi.partition_mode() == PartitionMode::CollectLeft
+        && semi.filter().is_none()
+        && !semi.null_aware
+        && semi.null_equality() == NullEquality::NullEqualsNothing
+        && semi.fetch().is_none();
+    // The build side is one stage every copy reads, but a volatile one computed in place
+    // (small enough not to be cut) would differ between them.
+    if !applies || crate::planner::volatile(semi.left()) {
+        return Ok(None);
+    }
+    let Some(inner) = semi.right().downcast_ref::<HashJoinExec>() else {
+        return Ok(None);
+    };
+    let inner_applies = *inner.join_type() == JoinType::Inner
+        && inner.filter().is_none()
+        && inner.null_equality() == NullEquality::NullEqualsNothing
+        && inner.fetch().is_none();
+    if !inner_applies {
+        return Ok(None);
+    }
+    let left_len = inner.left().schema().fields().len();
+    // Per semi key: the build key, and the column it is in each input of the inner join.
+    let mut left_keys = Vec::new();
+    let mut right_keys = Vec::new();
+    for (build_key, probe_key) in semi.on() {
+        let Some(c) = probe_key.downcast_ref::<Column>() else {
+            return Ok(None);
+        };
+        let joined = match inner.projection.as_deref() {
+            Some(p) => match p.get(c.index()) {
+                Some(i) => *i,
+                None => return Ok(None),
+            },
+            None => c.index(),
+        };
+        let (own, partner) = match joined < left_len {
+            true => (
+                Column::new(inner.left().schema().field(joined).name(), joined),
+                0,
+            ),
+            false => {
+                let i = joined - left_len;
+                (Column::new(inner.right().schema().field(i).name(), i), 1)
+            }
+        };
+        // The equality of the inner join that ties the key to the other input.
+        let other = inner.on().iter().find_map(|(l, r)| {
+            let (mine, theirs) = if partner == 0 { (l, r) } else { (r, l) };
+            mine.downcast_ref::<Column>()
+                .filter(|m| m.index() == own.index())
+                .map(|_| theirs.clone())
+        });
+        let own: PhysicalExprRef = Arc::new(own);
+        if partner == 0 {
+            left_keys.push((build_key.clone(), own));
+            right_keys.extend(other.map(|o| (build_key.clone(), o)));
+        } else {
+            right_keys.push((build_key.clone(), own));
+            left_keys.extend(other.map(|o| (build_key.clone(), o)));
+        }
+    }
+    let n = semi.on().len();
+    let left = match left_keys.len() == n {
+        true => filtered(semi, inner.left(), left_keys)?,
+        false => inner.left().clone(),
+    };
+    let right = match right_keys.len() == n {
+        true => filtered(semi, inner.right(), right_keys)?,
+        false => inner.right().clone(),
+    };
+    if Arc::ptr_eq(&left, inner.left()) && Arc::ptr_eq(&right, inner.right()) {
+        return Ok(None);
+    }
+    let inner = inner
+        .builder()
+        .with_new_children(vec![left, right])?
+        .reset_state()
+        .build_exec()?;
+    let semi = semi
+        .builder()
+        .with_new_children(vec![semi.left().clone(), inner])?
+        .reset_state()
+        .build_exec()?;
+    Ok(Some(semi))
+}
+
+/// `input` keeping only the rows whose `on` keys meet `semi`'s build side, filtered under its
+/// exchange or gather when it is one (so fewer rows cross it). The build side is `semi`'s own
+/// node.
+fn filtered(
+    semi: &HashJoinExec,
+    input: &Arc<dyn ExecutionPlan>,
+    on: Vec<(PhysicalExprRef, PhysicalExprRef)>,
+) -> Result<Arc<dyn ExecutionPlan>> {
+    enum Above {
+        Nothing,
+        Exchange(Partitioning),
+        Gather,
+    }
+    let (below, above) = if let Some(r) = input.downcast_ref::<RepartitionExec>() {
+        match r.preserve_order() {
+            false => (r.input().clone(), Above::Exchange(r.partitioning().clone())),
+            true => (input.clone(), Above::Nothing),
+        }
+    } else if let Some(c) = input.downcast_ref::<CoalescePartitionsExec>() {
+        match c.fetch() {
+            None => (c.input().clone(), Above::Gather),
+            // A LIMIT in the gather: its rows are chosen before any filter.
+            Some(_) => (input.clone(), Above::Nothing),
+        }
+    } else {
+        (input.clone(), Above::Nothing)
+    };
+    let kept = semi
+        .builder()
+        .with_on(on)
+        .with_projection(None)
+        .with_new_children(vec![semi.left().clone(), below])?
+        .reset_state()
+        .build_exec()?;
+    Ok(match above {
+        Above::Exchange(p) => Arc::new(RepartitionExec::try_new(kept, p)?),
+        Above::Gather => Arc::new(CoalescePartitionsExec::new(kept)),
+        Above::Nothing => kept,
+    })
+}
