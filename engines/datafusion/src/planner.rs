@@ -29,6 +29,10 @@
 //!   calls and a network hop (a worker decodes a stage plan once, so a `CollectLeft` build side
 //!   built this way is built once per worker). A query over small tables only runs whole on
 //!   the driver.
+//! * A gather straight over an exchange reads all of its partitions in place (no stage of its
+//!   own), and a node that several consumers share (a build side that a reduced probe side
+//!   and a join both read; a semi join's keys copied below a join, [`crate::semi_pushdown`])
+//!   is cut into one stage, which they all read.
 //!
 //! Parquet scans need no boundary: their file groups are the stage's partitions, so map tasks
 //! split the scan across workers. A plan whose root has several partitions gets a final gather
