@@ -31,6 +31,7 @@ pub mod skew;
 pub mod source;
 pub mod split;
 pub mod split_totals;
+pub mod subtree;
 pub mod writer;
 
 use datafusion::prelude::SessionConfig;

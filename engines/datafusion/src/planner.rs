@@ -39,6 +39,7 @@
 //! so that only the last, single-partition step runs on the driver.
 
 use crate::reader::{ReadMode, ShuffleReaderExec};
+use crate::subtree::{any_node, volatile};
 use crate::writer::{ShuffleWriterExec, WriterKind, KEY_PREFIX};
 use datafusion::common::JoinType;
 use datafusion::error::{DataFusionError, Result};
@@ -506,30 +507,6 @@ fn reducible(j: &HashJoinExec, build: &Arc<dyn ExecutionPlan>) -> bool {
         && !volatile(build)
 }
 
-/// Whether `plan` may give other rows when run again: an expression under it (a filter's, a
-/// projection's) is volatile (`random()`), or a node stops after some rows (a `LIMIT`
-/// without an order over several partitions keeps whichever come first). A subtree computed
-/// twice must give the same rows both times.
-pub(crate) fn volatile(plan: &Arc<dyn ExecutionPlan>) -> bool {
-    use datafusion::physical_expr_common::physical_expr::is_volatile;
-    use datafusion::physical_plan::limit::{GlobalLimitExec, LocalLimitExec};
-    any_node(plan, &|p| {
-        if p.fetch().is_some()
-            || p.downcast_ref::<GlobalLimitExec>().is_some()
-            || p.downcast_ref::<LocalLimitExec>().is_some()
-        {
-            return true;
-        }
-        let in_filter = p
-            .downcast_ref::<FilterExec>()
-            .is_some_and(|f| is_volatile(f.predicate()));
-        let in_projection = p
-            .downcast_ref::<ProjectionExec>()
-            .is_some_and(|pr| pr.expr().iter().any(|e| is_volatile(&e.expr)));
-        in_filter || in_projection
-    })
-}
-
 /// A join's build side without the gather DataFusion put over it; a gather that also limits
 /// the rows (`fetch`, from a `LIMIT` pushed into it) is kept.
 fn without_gather(left: &Arc<dyn ExecutionPlan>) -> Arc<dyn ExecutionPlan> {
@@ -537,11 +514,6 @@ fn without_gather(left: &Arc<dyn ExecutionPlan>) -> Arc<dyn ExecutionPlan> {
         Some(c) if c.fetch().is_none() => c.input().clone(),
         _ => left.clone(),
     }
-}
-
-/// Whether `test` holds for `plan` or a node under it.
-fn any_node(plan: &Arc<dyn ExecutionPlan>, test: &dyn Fn(&Arc<dyn ExecutionPlan>) -> bool) -> bool {
-    test(plan) || plan.children().into_iter().any(|c| any_node(c, test))
 }
 
 /// Join types whose build-side rows are emitted after the whole probe side was seen.

@@ -64,7 +64,7 @@ fn pushed(semi: &HashJoinExec) -> Result<Option<Arc<dyn ExecutionPlan>>> {
         && semi.fetch().is_none();
     // The build side is one stage every copy reads, but a volatile one computed in place
     // (small enough not to be cut) would differ between them.
-    if !applies || crate::planner::volatile(semi.left()) {
+    if !applies || crate::subtree::volatile(semi.left()) {
         return Ok(None);
     }
     let Some(inner) = semi.right().downcast_ref::<HashJoinExec>() else {
