@@ -11,9 +11,13 @@
 //! copies build on the same node as the original, which the stage planner cuts into one stage
 //! however many read it. The original stays (it then drops nothing).
 //!
-//! Only where it is exact: a semi join on plain columns without a filter of its own, not
-//! null-aware, over an inner equi-join; a row whose key is not among the build side's keys
-//! meets no row above either (NULL keys meet nothing, as in the join).
+//! The same below an aggregate on the semi join's keys (TPC-H q20's sums per part and
+//! supplier): the keys are copied below the partial aggregate, before its exchange.
+//!
+//! Only where it is exact: a semi join on plain columns, not null-aware, over an inner
+//! equi-join or an aggregate grouped by its keys; a row whose key is not among the build
+//! side's keys meets no row above either (NULL keys meet nothing, as in the join). The
+//! copies filter by the keys alone; the semi join's own filter stays with it.
 
 use datafusion::common::{JoinType, NullEquality};
 use datafusion::error::Result;
@@ -21,6 +25,8 @@ use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_expr::{Partitioning, PhysicalExprRef};
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
+use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
+use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::{replace_children_if_necessary, ExecutionPlan};
 use std::collections::HashMap;
@@ -58,7 +64,6 @@ fn rewrite(plan: Arc<dyn ExecutionPlan>, done: &mut Rewritten) -> Result<Arc<dyn
 fn pushed(semi: &HashJoinExec) -> Result<Option<Arc<dyn ExecutionPlan>>> {
     let applies = *semi.join_type() == JoinType::RightSemi
         && *semi.partition_mode() == PartitionMode::CollectLeft
-        && semi.filter().is_none()
         && !semi.null_aware
         && semi.null_equality() == NullEquality::NullEqualsNothing
         && semi.fetch().is_none();
@@ -68,7 +73,7 @@ fn pushed(semi: &HashJoinExec) -> Result<Option<Arc<dyn ExecutionPlan>>> {
         return Ok(None);
     }
     let Some(inner) = semi.right().downcast_ref::<HashJoinExec>() else {
-        return Ok(None);
+        return through_aggregate(semi);
     };
     let inner_applies = *inner.join_type() == JoinType::Inner
         && inner.filter().is_none()
@@ -143,6 +148,84 @@ fn pushed(semi: &HashJoinExec) -> Result<Option<Arc<dyn ExecutionPlan>>> {
     Ok(Some(semi))
 }
 
+/// `semi` over an aggregate on its keys (`... FROM (SELECT k, sum(x) ... GROUP BY k) WHERE k
+/// IN (...)`, TPC-H q20's per-part-and-supplier sums): the keys are copied below the partial
+/// aggregate, before its exchange, so only the groups that can meet them are summed and
+/// moved. Through a projection of plain columns, a final aggregate, its exchange or gather,
+/// down to the partial aggregate; every semi key must be a group key there.
+fn through_aggregate(semi: &HashJoinExec) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+    // The path from the semi join's probe side down to the partial aggregate.
+    let mut path: Vec<Arc<dyn ExecutionPlan>> = Vec::new();
+    let mut node = semi.right().clone();
+    // Each semi key's column index in `node`'s output.
+    let mut cols = Vec::new();
+    for (_, probe_key) in semi.on() {
+        match probe_key.downcast_ref::<Column>() {
+            Some(c) => cols.push(c.index()),
+            None => return Ok(None),
+        }
+    }
+    let partial = loop {
+        if let Some(p) = node.downcast_ref::<ProjectionExec>() {
+            for c in cols.iter_mut() {
+                match p.expr().get(*c).and_then(|e| e.expr.downcast_ref::<Column>()) {
+                    Some(col) => *c = col.index(),
+                    None => return Ok(None),
+                }
+            }
+        } else if let Some(a) = node.downcast_ref::<AggregateExec>() {
+            let groups = a.group_expr();
+            if !groups.is_single() || cols.iter().any(|c| *c >= groups.expr().len()) {
+                return Ok(None);
+            }
+            match a.mode() {
+                AggregateMode::Partial => break node.clone(),
+                AggregateMode::Final | AggregateMode::FinalPartitioned => {}
+                _ => return Ok(None),
+            }
+            // A final aggregate's group columns are its input's first columns, in order.
+        } else if let Some(r) = node.downcast_ref::<RepartitionExec>() {
+            if r.preserve_order() {
+                return Ok(None);
+            }
+        } else if let Some(c) = node.downcast_ref::<CoalescePartitionsExec>() {
+            if c.fetch().is_some() {
+                return Ok(None);
+            }
+        } else {
+            return Ok(None);
+        }
+        path.push(node.clone());
+        let children = node.children();
+        let [child] = children.as_slice() else {
+            return Ok(None);
+        };
+        node = (*child).clone();
+    };
+    let agg = partial
+        .downcast_ref::<AggregateExec>()
+        .ok_or_else(|| datafusion::error::DataFusionError::Internal("a partial aggregate".into()))?;
+    let mut on = Vec::new();
+    for ((build_key, _), c) in semi.on().iter().zip(&cols) {
+        let (expr, _) = &agg.group_expr().expr()[*c];
+        if expr.downcast_ref::<Column>().is_none() {
+            return Ok(None);
+        }
+        on.push((build_key.clone(), expr.clone()));
+    }
+    let below = filtered(semi, agg.input(), on)?;
+    let mut rebuilt = partial.clone().with_new_children(vec![below])?;
+    for above in path.iter().rev() {
+        rebuilt = above.clone().with_new_children(vec![rebuilt])?;
+    }
+    let semi = semi
+        .builder()
+        .with_new_children(vec![semi.left().clone(), rebuilt])?
+        .reset_state()
+        .build_exec()?;
+    Ok(Some(semi))
+}
+
 /// `input` keeping only the rows whose `on` keys meet `semi`'s build side, filtered under its
 /// exchange or gather when it is one (so fewer rows cross it). The build side is `semi`'s own
 /// node.
@@ -170,9 +253,12 @@ fn filtered(
     } else {
         (input.clone(), Above::Nothing)
     };
+    // The copy filters by the keys alone: the rows meeting the semi join's own filter are
+    // among them, and the semi join above applies it.
     let kept = semi
         .builder()
         .with_on(on)
+        .with_filter(None)
         .with_projection(None)
         .with_new_children(vec![semi.left().clone(), below])?
         .reset_state()
