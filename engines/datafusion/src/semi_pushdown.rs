@@ -23,9 +23,9 @@ use datafusion::common::{JoinType, NullEquality};
 use datafusion::error::Result;
 use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_expr::{Partitioning, PhysicalExprRef};
+use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
-use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::{replace_children_if_necessary, ExecutionPlan};
@@ -168,7 +168,11 @@ fn through_aggregate(semi: &HashJoinExec) -> Result<Option<Arc<dyn ExecutionPlan
     let partial = loop {
         if let Some(p) = node.downcast_ref::<ProjectionExec>() {
             for c in cols.iter_mut() {
-                match p.expr().get(*c).and_then(|e| e.expr.downcast_ref::<Column>()) {
+                match p
+                    .expr()
+                    .get(*c)
+                    .and_then(|e| e.expr.downcast_ref::<Column>())
+                {
                     Some(col) => *c = col.index(),
                     None => return Ok(None),
                 }
@@ -202,9 +206,9 @@ fn through_aggregate(semi: &HashJoinExec) -> Result<Option<Arc<dyn ExecutionPlan
         };
         node = (*child).clone();
     };
-    let agg = partial
-        .downcast_ref::<AggregateExec>()
-        .ok_or_else(|| datafusion::error::DataFusionError::Internal("a partial aggregate".into()))?;
+    let agg = partial.downcast_ref::<AggregateExec>().ok_or_else(|| {
+        datafusion::error::DataFusionError::Internal("a partial aggregate".into())
+    })?;
     let mut on = Vec::new();
     for ((build_key, _), c) in semi.on().iter().zip(&cols) {
         let (expr, _) = &agg.group_expr().expr()[*c];
@@ -214,9 +218,9 @@ fn through_aggregate(semi: &HashJoinExec) -> Result<Option<Arc<dyn ExecutionPlan
         on.push((build_key.clone(), expr.clone()));
     }
     let below = filtered(semi, agg.input(), on)?;
-    let mut rebuilt = partial.clone().with_new_children(vec![below])?;
+    let mut rebuilt = replace_children_if_necessary(partial.clone(), vec![below])?;
     for above in path.iter().rev() {
-        rebuilt = above.clone().with_new_children(vec![rebuilt])?;
+        rebuilt = replace_children_if_necessary(above.clone(), vec![rebuilt])?;
     }
     let semi = semi
         .builder()
