@@ -179,7 +179,11 @@ fn through_aggregate(semi: &HashJoinExec) -> Result<Option<Arc<dyn ExecutionPlan
             }
         } else if let Some(a) = node.downcast_ref::<AggregateExec>() {
             let groups = a.group_expr();
-            if !groups.is_single() || cols.iter().any(|c| *c >= groups.expr().len()) {
+            // A limited aggregate (TopK) picks its groups before any filter below it could.
+            if !groups.is_single()
+                || a.limit_options().is_some()
+                || cols.iter().any(|c| *c >= groups.expr().len())
+            {
                 return Ok(None);
             }
             match a.mode() {
@@ -187,7 +191,14 @@ fn through_aggregate(semi: &HashJoinExec) -> Result<Option<Arc<dyn ExecutionPlan
                 AggregateMode::Final | AggregateMode::FinalPartitioned => {}
                 _ => return Ok(None),
             }
-            // A final aggregate's group columns are its input's first columns, in order.
+            // A final aggregate's output group column c is its group expression c, a column
+            // of its input (the partial aggregate's output).
+            for c in cols.iter_mut() {
+                match groups.expr()[*c].0.downcast_ref::<Column>() {
+                    Some(col) => *c = col.index(),
+                    None => return Ok(None),
+                }
+            }
         } else if let Some(r) = node.downcast_ref::<RepartitionExec>() {
             if r.preserve_order() {
                 return Ok(None);
