@@ -227,8 +227,7 @@ impl DistributedContext {
                 crate::planner::on_workers(crate::planner::plan_stages_reducing(
                     plan.clone(),
                     0,
-                    options.reduce_probe_sides,
-                    options.push_semi_joins,
+                    join_rewrites(&options),
                 )?)
             }
             // A small query: stages would cost more than they spread.
@@ -245,8 +244,7 @@ impl DistributedContext {
                 crate::planner::plan_stages_reducing(
                     plan.clone(),
                     self.small_gather_rows,
-                    options.reduce_probe_sides,
-                    options.push_semi_joins,
+                    join_rewrites(&options),
                 )?
             }
         };
@@ -581,4 +579,13 @@ pub async fn replace_parquet(ctx: &SessionContext, name: &str, path: &str) -> Re
     ctx.deregister_table(name)?;
     ctx.register_table(name, table)?;
     Ok(())
+}
+
+/// The join rewrites the session's settings ask for.
+fn join_rewrites(options: &crate::FlightshuffleOptions) -> crate::planner::JoinRewrites {
+    crate::planner::JoinRewrites {
+        reduce_probe_sides: options.reduce_probe_sides,
+        reduce_large_sides: options.reduce_large_sides,
+        push_semi_joins: options.push_semi_joins,
+    }
 }

@@ -27,6 +27,7 @@ pub mod result;
 pub mod running;
 pub mod semi_pushdown;
 pub mod sendable;
+pub mod side_reduction;
 pub mod skew;
 pub mod source;
 pub mod split;
@@ -122,6 +123,11 @@ datafusion::common::extensions_options! {
         /// tasks; its probe side is first cut down to the rows that meet the build side (a
         /// broadcast semi join), so only those cross the network (`crate::planner`).
         pub reduce_probe_sides: bool, default = true
+        /// A partitioned join whose one side is much larger than the other (by DataFusion's
+        /// estimates) and never emits its unmatched rows (`NOT EXISTS`'s subquery side, a
+        /// semi join's) has that side cut down to the rows meeting the other's keys before
+        /// its exchange (`crate::side_reduction`).
+        pub reduce_large_sides: bool, default = true
         /// A broadcast semi join (`IN (subquery)`) over an inner join is copied below it onto
         /// both of its inputs, so only rows that can meet the subquery's keys are exchanged
         /// (`crate::semi_pushdown`).

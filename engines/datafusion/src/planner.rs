@@ -167,26 +167,50 @@ pub fn plan_stages_with(
     plan: Arc<dyn ExecutionPlan>,
     small_gather_rows: usize,
 ) -> Result<StagedPlan> {
-    plan_stages_reducing(plan, small_gather_rows, true, true)
+    plan_stages_reducing(plan, small_gather_rows, JoinRewrites::default())
 }
 
-/// [`plan_stages_with`]; `reduce_probes` cuts the probe side of a re-partitioned join that
-/// emits build rows down to the rows that meet the build side first (see `independent_joins`),
-/// `push_semis` copies broadcast semi joins below the inner joins they filter
-/// ([`crate::semi_pushdown`]).
+/// Which rewrites cut a join's inputs down before their exchanges (all on by default).
+#[derive(Clone, Copy, Debug)]
+pub struct JoinRewrites {
+    /// Cut the probe side of a re-partitioned join that emits build rows down to the rows
+    /// that meet the build side first (see `independent_joins`).
+    pub reduce_probe_sides: bool,
+    /// Cut a partitioned join's large side down to the rows meeting its small side
+    /// ([`crate::side_reduction`]).
+    pub reduce_large_sides: bool,
+    /// Copy broadcast semi joins below the inner joins they filter
+    /// ([`crate::semi_pushdown`]).
+    pub push_semi_joins: bool,
+}
+
+impl Default for JoinRewrites {
+    fn default() -> Self {
+        JoinRewrites {
+            reduce_probe_sides: true,
+            reduce_large_sides: true,
+            push_semi_joins: true,
+        }
+    }
+}
+
+/// [`plan_stages_with`], with the join rewrites `rewrites` asks for.
 pub fn plan_stages_reducing(
     plan: Arc<dyn ExecutionPlan>,
     small_gather_rows: usize,
-    reduce_probes: bool,
-    push_semis: bool,
+    rewrites: JoinRewrites,
 ) -> Result<StagedPlan> {
     let plan = if plan.output_partitioning().partition_count() > 1 {
         Arc::new(CoalescePartitionsExec::new(plan)) as Arc<dyn ExecutionPlan>
     } else {
         plan
     };
-    let plan = independent_joins(plan, reduce_probes)?;
-    let plan = match push_semis {
+    let plan = independent_joins(plan, rewrites.reduce_probe_sides)?;
+    let plan = match rewrites.reduce_large_sides {
+        true => crate::side_reduction::reduce_large_sides(plan)?,
+        false => plan,
+    };
+    let plan = match rewrites.push_semi_joins {
         true => crate::semi_pushdown::push_semi_joins(plan)?,
         false => plan,
     };

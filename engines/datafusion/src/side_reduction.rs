@@ -1,0 +1,193 @@
+//! A partitioned join's large input cut down, before its exchange, to the rows whose keys the
+//! small input holds.
+//!
+//! `NOT EXISTS (SELECT * FROM lineitem l3 WHERE l3.l_orderkey = l1.l_orderkey AND ...)`
+//! (TPC-H q21) is planned as a partitioned anti join: its one side is the few outer rows left
+//! after the query's other joins (73 K at SF1), its other the subquery's 3.8 M late lineitems,
+//! both hash-exchanged whole. A late lineitem whose order is not among the outer rows' can
+//! change no output row, so here it is dropped before the exchange: every task of the large
+//! side reads the small side's exchange whole (the same node the join reads, cut into one
+//! stage, [`crate::planner`]) and keeps the rows that meet it on the join keys (a broadcast
+//! semi join). One process gets the same from the dynamic filter the join's build side
+//! pushes into the scan; no dynamic filter crosses a stage.
+//!
+//! Only where it is exact: a side is cut down only where the join never emits its unmatched
+//! rows (not a join's outer side, not a full join, not `NOT IN`'s null-aware anti join), and
+//! not under a `LIMIT` that stops the join early. The copy matches on the join keys with the
+//! join's NULL equality, and on the join's filter when the cut side is the join's right
+//! (the filter's sides then stay as they are).
+//!
+//! Only where it is likely to pay, by DataFusion's estimates: the small side at most
+//! [`MAX_SMALL_ROWS`] rows, the large side at least [`MIN_RATIO`] times its rows per
+//! partition of the exchange (every task reads the small side whole). The large side then
+//! waits for the small side's exchange to be whole.
+
+use crate::subtree::volatile;
+use datafusion::common::JoinType;
+use datafusion::error::Result;
+use datafusion::physical_expr::Partitioning;
+use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
+use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
+use datafusion::physical_plan::repartition::RepartitionExec;
+use datafusion::physical_plan::{replace_children_if_necessary, ExecutionPlan};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// The most rows (estimated) the small side may have: every task of the large side builds a
+/// hash table of all of them.
+pub const MAX_SMALL_ROWS: usize = 4_000_000;
+
+/// The large side must have at least this many times the small side's rows per partition of
+/// its exchange (estimated): each of its tasks reads the small side whole.
+pub const MIN_RATIO: usize = 4;
+
+/// `plan` with each qualifying partitioned join's large side cut down (module doc). Bottom-up,
+/// by node: a node several parents share stays one node, which the stage planner cuts once.
+pub fn reduce_large_sides(plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
+    rewrite(plan, &mut HashMap::new())
+}
+
+type Rewritten = HashMap<usize, (Arc<dyn ExecutionPlan>, Arc<dyn ExecutionPlan>)>;
+
+fn rewrite(plan: Arc<dyn ExecutionPlan>, done: &mut Rewritten) -> Result<Arc<dyn ExecutionPlan>> {
+    let key = Arc::as_ptr(&plan) as *const () as usize;
+    if let Some((_, out)) = done.get(&key) {
+        return Ok(out.clone());
+    }
+    let children = plan
+        .children()
+        .into_iter()
+        .map(|c| rewrite(c.clone(), done))
+        .collect::<Result<Vec<_>>>()?;
+    let node = replace_children_if_necessary(plan.clone(), children)?;
+    let out = match node.downcast_ref::<HashJoinExec>() {
+        Some(j) => reduced(j)?.unwrap_or(node),
+        None => node,
+    };
+    // Keep `plan` alive so its address is not reused by another node while we rewrite.
+    done.insert(key, (plan, out.clone()));
+    Ok(out)
+}
+
+/// Whether the join never emits a row of its left (`left == true`) or right side that meets
+/// no row of the other side on the keys.
+fn drops_unmatched(t: &JoinType, left: bool) -> bool {
+    use JoinType::*;
+    match left {
+        true => matches!(
+            t,
+            Inner | Right | RightSemi | RightAnti | RightMark | LeftSemi
+        ),
+        false => matches!(t, Inner | Left | LeftSemi | LeftAnti | LeftMark | RightSemi),
+    }
+}
+
+/// DataFusion's estimate of the rows `plan` produces.
+fn estimated_rows(plan: &Arc<dyn ExecutionPlan>) -> Option<usize> {
+    use datafusion::physical_plan::statistics::{StatisticsArgs, StatisticsContext};
+    StatisticsContext::new()
+        .compute(plan.as_ref(), &StatisticsArgs::new())
+        .ok()
+        .and_then(|s| s.num_rows.get_value().copied())
+}
+
+/// A hash exchange's input and partition count.
+fn hash_exchange(plan: &Arc<dyn ExecutionPlan>) -> Option<(&Arc<dyn ExecutionPlan>, usize)> {
+    let r = plan.downcast_ref::<RepartitionExec>()?;
+    match r.partitioning() {
+        Partitioning::Hash(_, n) if !r.preserve_order() => Some((r.input(), *n)),
+        _ => None,
+    }
+}
+
+/// `j` with its large side cut down, or None where that does not apply or pay.
+fn reduced(j: &HashJoinExec) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+    if *j.partition_mode() != PartitionMode::Partitioned || j.null_aware || j.fetch().is_some() {
+        return Ok(None);
+    }
+    let (Some((left_in, n)), Some((right_in, _))) =
+        (hash_exchange(j.left()), hash_exchange(j.right()))
+    else {
+        return Ok(None);
+    };
+    let (Some(left_rows), Some(right_rows)) = (estimated_rows(j.left()), estimated_rows(j.right()))
+    else {
+        return Ok(None);
+    };
+    let pays = |small: usize, large: usize| {
+        small <= MAX_SMALL_ROWS && small.saturating_mul(MIN_RATIO).saturating_mul(n) <= large
+    };
+    // The side cut down: the left when the right is small, and the other way round.
+    let cut_left = if drops_unmatched(j.join_type(), true) && pays(right_rows, left_rows) {
+        true
+    } else if drops_unmatched(j.join_type(), false) && pays(left_rows, right_rows) {
+        false
+    } else {
+        return Ok(None);
+    };
+    let (small, large_in, large) = match cut_left {
+        true => (j.right(), left_in, j.left()),
+        false => (j.left(), right_in, j.right()),
+    };
+    // A join `independent_joins` re-partitioned has its probe side cut down already (and
+    // its build side, read whole by that cut, must stay one node).
+    if reduced_by(left_in, j.right()) || reduced_by(right_in, j.left()) {
+        return Ok(None);
+    }
+    // The small side computed twice would have to give the same rows both times; it is one
+    // stage here, but stay on the safe side of a LIMIT or random() under it.
+    if volatile(small) {
+        return Ok(None);
+    }
+    let Some(exchange) = large.downcast_ref::<RepartitionExec>() else {
+        return Ok(None);
+    };
+    // The semi join builds on the small side's exchange read whole and keeps the large side's
+    // rows that meet it: `RightSemi` with the small side on the left. Cutting the join's
+    // right side keeps its keys and filter as they are; cutting its left swaps the keys, and
+    // the filter (whose sides would swap too) is left to the join.
+    let builder = j
+        .builder()
+        .with_type(JoinType::RightSemi)
+        .with_projection(None)
+        .with_fetch(None);
+    let builder = match cut_left {
+        true => builder
+            .with_on(j.on().iter().map(|(l, r)| (r.clone(), l.clone())).collect())
+            .with_filter(None),
+        false => builder,
+    };
+    let semi = builder
+        .with_new_children(vec![
+            Arc::new(CoalescePartitionsExec::new(small.clone())),
+            large_in.clone(),
+        ])?
+        .with_partition_mode(PartitionMode::CollectLeft)
+        .reset_state()
+        .build_exec()?;
+    let cut: Arc<dyn ExecutionPlan> = Arc::new(RepartitionExec::try_new(
+        semi,
+        exchange.partitioning().clone(),
+    )?);
+    let children = match cut_left {
+        true => vec![cut, j.right().clone()],
+        false => vec![j.left().clone(), cut],
+    };
+    Ok(Some(
+        j.builder()
+            .with_new_children(children)?
+            .reset_state()
+            .build_exec()?,
+    ))
+}
+
+/// Whether `input` is already a broadcast semi join that builds on `small` read whole.
+fn reduced_by(input: &Arc<dyn ExecutionPlan>, small: &Arc<dyn ExecutionPlan>) -> bool {
+    input.downcast_ref::<HashJoinExec>().is_some_and(|semi| {
+        *semi.join_type() == JoinType::RightSemi
+            && semi
+                .left()
+                .downcast_ref::<CoalescePartitionsExec>()
+                .is_some_and(|c| Arc::ptr_eq(c.input(), small))
+    })
+}
