@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import random
 import signal
@@ -135,8 +136,20 @@ def test_bad_sql_is_a_clear_error(data):
             c.register_parquet("t", "/does/not/exist")
 
 
-@pytest.mark.parametrize(("q", "seed"), [(9, 1), (18, 2), (21, 3)])
-def test_a_query_whose_worker_is_killed_recovers_exactly(data, reference, q, seed):
+# No broadcasts: every join partitioned, so q21's NOT EXISTS side is cut down to the outer
+# rows' keys by a task that reads their exchange whole (as at SF1 with the defaults).
+NO_BROADCASTS = [
+    "datafusion.optimizer.hash_join_single_partition_threshold = 0",
+    "datafusion.optimizer.hash_join_single_partition_threshold_rows = 0",
+]
+
+
+@pytest.mark.parametrize(
+    ("q", "seed", "settings"),
+    [(9, 1, []), (18, 2, []), (21, 3, []), (21, 4, NO_BROADCASTS)],
+    ids=["q9", "q18", "q21", "q21-large-side-cut"],
+)
+def test_a_query_whose_worker_is_killed_recovers_exactly(data, reference, q, seed, settings):
     """SIGKILL a random worker at a random moment of a query (seeded): the lost worker is
     replaced by a new process, the query's stages are finished without starting it over
     and it equals DuckDB's answer, and the cluster keeps working; no process is left after
@@ -149,6 +162,13 @@ def test_a_query_whose_worker_is_killed_recovers_exactly(data, reference, q, see
         for name, path in tpch.table_paths(data).items():
             c.register_parquet(name, path)
         sql, ordered = tpch.query(q, SF)
+        for setting in settings:
+            c.sql(f"SET {setting}")
+        if settings:
+            c.sql("SET flightshuffle.reduce_large_sides = false")
+            uncut = c.explain(sql).count("join_type=RightSemi")
+            c.sql("SET flightshuffle.reduce_large_sides = true")
+            assert c.explain(sql).count("join_type=RightSemi") > uncut
         started = time.monotonic()
         assert tpch.compare(reference[q], c.sql(sql), ordered) is None
         took = time.monotonic() - started
@@ -506,7 +526,7 @@ def test_a_partitioned_join_cuts_its_large_side_down_to_the_small_sides_keys(
 ):
     """TPC-H q21: the NOT EXISTS subquery's late lineitems (the large side of a partitioned
     anti join) are cut down to the orders the outer rows hold before their exchange, so far
-    fewer bytes move. Then such joins (DataFusion's broadcast thresholds at 0: every join
+    fewer bytes move; q12's orders likewise, by a key filter decided when its task runs. Then such joins (DataFusion's broadcast thresholds at 0: every join
     partitioned) over NULL and duplicate keys: each side a join never emits unmatched is cut down (a
     ``RightSemi`` in the plan), the others are not; answers equal DuckDB's on and off."""
     import duckdb
@@ -530,6 +550,16 @@ def test_a_partitioned_join_cuts_its_large_side_down_to_the_small_sides_keys(
             moved[on] = sum(s["bytes"] for s in c.last_metrics["stages"])
         assert semis["true"] > semis["false"], semis
         assert moved["true"] < moved["false"] / 2, moved
+        # TPC-H q12: DataFusion estimates lineitem's filter at a fifth of the rows (it keeps
+        # under 1%), too close to orders' to tell: orders are cut down by a key filter that
+        # reads the filtered lineitems' keys when its task runs.
+        q12, ordered12 = tpch.query(12, SF)
+        for on in ["false", "true"]:
+            c.sql(f"SET flightshuffle.reduce_large_sides = {on}")
+            assert ("KeyFilterExec" in c.explain(q12)) == (on == "true"), on
+            assert tpch.compare(reference[12], c.sql(q12), ordered12) is None, on
+            moved[on] = sum(s["bytes"] for s in c.last_metrics["stages"])
+        assert moved["true"] < moved["false"] / 2, moved
 
         rng = np.random.default_rng(11)
 
@@ -545,44 +575,56 @@ def test_a_partitioned_join_cuts_its_large_side_down_to_the_small_sides_keys(
         )
         small = pa.concat_tables([small, small.slice(0, 5_000)])  # duplicate rows
         pq.write_table(large, tmp_path / "l.parquet", row_group_size=100_000)
+        pq.write_table(large.slice(0, 100_000), tmp_path / "m.parquet")
         pq.write_table(small, tmp_path / "s.parquet", row_group_size=25_000)
         con = duckdb.connect()
-        for t in ["l", "s"]:
+        for t in ["l", "m", "s"]:
             c.register_parquet(t, str(tmp_path / f"{t}.parquet"))
             con.execute(f"CREATE VIEW {t} AS SELECT * FROM '{tmp_path}/{t}.parquet'")
         s0 = "(SELECT * FROM s WHERE x = 0) s"
         e = "SELECT s.k, s.v FROM s WHERE s.x = 0 AND "
-        queries = {
-            "not_exists": e + "NOT EXISTS (SELECT 1 FROM l WHERE l.k = s.k AND l.v <> s.v)",
-            "exists": e + "EXISTS (SELECT 1 FROM l WHERE l.k = s.k AND l.v > s.v)",
-            "left": f"SELECT s.k, s.v, l.v AS lv FROM {s0} LEFT JOIN l ON l.k = s.k AND l.v > s.v",
-            "inner": f"SELECT s.k, l.v FROM {s0} JOIN l ON l.k = s.k",
-            "null_equal": e + "NOT EXISTS (SELECT 1 FROM l WHERE l.k IS NOT DISTINCT FROM s.k)",
-            # The large side's unmatched rows are in the output: never cut down.
-            "right": f"SELECT s.k, l.k AS lk, l.v FROM {s0} RIGHT JOIN l ON l.k = s.k",
-            "full": f"SELECT s.k, l.k AS lk, l.v FROM {s0} FULL JOIN l ON l.k = s.k",
-            # A NULL among the subquery's keys: nothing is NOT IN it.
-            "not_in": e + "s.k NOT IN (SELECT k FROM l)",
-            # EXISTS under an OR: a mark join.
-            "mark": "SELECT s.k, s.v FROM s WHERE s.x = 0 AND (s.v = 0 OR EXISTS "
-            "(SELECT 1 FROM l WHERE l.k = s.k AND l.v > s.v))",
-            # The large side first (join order as written, below): its left side is cut, on
-            # the swapped keys.
-            "large_first_exists": "SELECT l.k, l.v FROM l WHERE EXISTS "
-            "(SELECT 1 FROM s WHERE s.x = 0 AND s.k = l.k AND s.v < l.v)",
-            "large_first_inner": f"SELECT l.k, l.v, s.v AS sv FROM l JOIN {s0} "
-            "ON l.k = s.k AND l.v > s.v",
-            "large_first_right": f"SELECT l.k, l.v, s.k AS sk FROM l RIGHT JOIN {s0} ON l.k = s.k",
-            "large_first_left": f"SELECT l.k, l.v, s.k AS sk FROM l LEFT JOIN {s0} ON l.k = s.k",
-        }
+
+        def queries_over(L: str) -> dict[str, str]:
+            return {
+                "not_exists": e
+                + f"NOT EXISTS (SELECT 1 FROM {L} l WHERE l.k = s.k AND l.v <> s.v)",
+                "exists": e + f"EXISTS (SELECT 1 FROM {L} l WHERE l.k = s.k AND l.v > s.v)",
+                "left": f"SELECT s.k, s.v, l.v AS lv FROM {s0} LEFT JOIN {L} l ON l.k = s.k AND l.v > s.v",
+                "inner": f"SELECT s.k, l.v FROM {s0} JOIN {L} l ON l.k = s.k",
+                "null_equal": e
+                + f"NOT EXISTS (SELECT 1 FROM {L} l WHERE l.k IS NOT DISTINCT FROM s.k)",
+                # The large side's unmatched rows are in the output: never cut down.
+                "right": f"SELECT s.k, l.k AS lk, l.v FROM {s0} RIGHT JOIN {L} l ON l.k = s.k",
+                "full": f"SELECT s.k, l.k AS lk, l.v FROM {s0} FULL JOIN {L} l ON l.k = s.k",
+                # A NULL among the subquery's keys: nothing is NOT IN it.
+                "not_in": e + f"s.k NOT IN (SELECT k FROM {L})",
+                # EXISTS under an OR: a mark join.
+                "mark": "SELECT s.k, s.v FROM s WHERE s.x = 0 AND (s.v = 0 OR EXISTS "
+                f"(SELECT 1 FROM {L} l WHERE l.k = s.k AND l.v > s.v))",
+                # The large side first (join order as written, below): its left side is cut, on
+                # the swapped keys.
+                "large_first_exists": f"SELECT l.k, l.v FROM {L} l WHERE EXISTS "
+                "(SELECT 1 FROM s WHERE s.x = 0 AND s.k = l.k AND s.v < l.v)",
+                "large_first_inner": f"SELECT l.k, l.v, s.v AS sv FROM {L} l JOIN {s0} "
+                "ON l.k = s.k AND l.v > s.v",
+                "large_first_right": f"SELECT l.k, l.v, s.k AS sk FROM {L} l RIGHT JOIN {s0} ON l.k = s.k",
+                "large_first_left": f"SELECT l.k, l.v, s.k AS sk FROM {L} l LEFT JOIN {s0} ON l.k = s.k",
+            }
+
         uncut = {"right", "full", "not_in", "large_first_left"}
         c.sql("SET datafusion.optimizer.join_reordering = false")
-        for on in ["true", "false"]:
+        # Over l the estimates tell (a semi join below the exchange); over m (l's first 100 K
+        # rows) they are too close, and the filtered side's keys are read when the task runs
+        # (a key filter).
+        for on, (table, marker) in itertools.product(
+            ["true", "false"], [("l", "join_type=RightSemi"), ("m", "KeyFilterExec")]
+        ):
             c.sql(f"SET flightshuffle.reduce_large_sides = {on}")
-            for name, sql in queries.items():
+            for name, sql in queries_over(table).items():
                 plan = c.explain(sql)
                 cut = on == "true" and name not in uncut
-                assert ("join_type=RightSemi" in plan) == cut, (name, plan)
+                assert (marker in plan) == cut, (name, table, plan)
+                assert "join_type=RightSemi" not in plan or marker in plan, (name, table, plan)
                 want = con.sql(sql).to_arrow_table()
                 assert (want.num_rows == 0) == (name == "not_in"), name
                 diff = tpch.compare(want, c.sql(sql), ordered=False)

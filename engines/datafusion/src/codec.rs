@@ -1,6 +1,7 @@
 //! `datafusion-proto` extension codec for the exchange's plan nodes, so stage plans containing
 //! shuffle writers and readers can be sent to workers.
 
+use crate::key_filter::KeyFilterExec;
 use crate::reader::{ReadMode, ShuffleReaderExec};
 use crate::split::{FactSplit, SplitScanExec};
 use crate::split_totals::{SplitTotalsExec, Term};
@@ -76,6 +77,19 @@ struct SplitTotalsNode {
     split_rows: Vec<u64>,
 }
 
+/// A key filter (its two inputs, keys side first, travel as the node's inputs).
+#[derive(Clone, PartialEq, prost::Message)]
+struct KeyFilterNode {
+    #[prost(uint32, repeated, tag = "1")]
+    key_columns: Vec<u32>,
+    #[prost(uint32, repeated, tag = "2")]
+    input_columns: Vec<u32>,
+    #[prost(bool, tag = "3")]
+    nulls_equal: bool,
+    #[prost(uint64, tag = "4")]
+    max_keys: u64,
+}
+
 #[derive(Clone, PartialEq, prost::Message)]
 struct ExtensionNode {
     #[prost(message, optional, tag = "1")]
@@ -86,6 +100,8 @@ struct ExtensionNode {
     split_scan: Option<SplitScanNode>,
     #[prost(message, optional, tag = "4")]
     split_totals: Option<SplitTotalsNode>,
+    #[prost(message, optional, tag = "5")]
+    key_filter: Option<KeyFilterNode>,
 }
 
 /// The `datafusion-proto` extension codec for shuffle writers, shuffle readers, split scans
@@ -113,6 +129,23 @@ impl PhysicalExtensionCodec for ExchangeCodec {
                 .ok_or_else(|| bad("a split scan wraps no data source"))?;
             let split = SplitScanExec::try_new(scan, s.splits).map_err(|e| bad(&e.to_string()))?;
             return Ok(Arc::new(split));
+        }
+        if let Some(k) = node.key_filter {
+            let [keys, input] = inputs else {
+                return Err(bad("a key filter without its two inputs"));
+            };
+            let cols = |v: Vec<u32>| v.into_iter().map(|c| c as usize).collect::<Vec<_>>();
+            let max_keys = usize::try_from(k.max_keys).unwrap_or(usize::MAX);
+            let filter = KeyFilterExec::try_new(
+                keys.clone(),
+                input.clone(),
+                cols(k.key_columns),
+                cols(k.input_columns),
+                k.nulls_equal,
+                max_keys,
+            )
+            .map_err(|e| bad(&e.to_string()))?;
+            return Ok(Arc::new(filter));
         }
         if let Some(t) = node.split_totals {
             let input = inputs
@@ -241,6 +274,17 @@ impl PhysicalExtensionCodec for ExchangeCodec {
                 split_scan: Some(SplitScanNode {
                     scan: physical_plan_to_bytes_with_extension_codec(s.scan(), self)?.to_vec(),
                     splits: s.splits.as_ref().clone(),
+                }),
+                ..Default::default()
+            }
+        } else if let Some(k) = node.downcast_ref::<KeyFilterExec>() {
+            let cols = |v: &[usize]| v.iter().map(|c| *c as u32).collect::<Vec<_>>();
+            ExtensionNode {
+                key_filter: Some(KeyFilterNode {
+                    key_columns: cols(k.key_columns()),
+                    input_columns: cols(k.input_columns()),
+                    nulls_equal: k.nulls_equal(),
+                    max_keys: k.max_keys() as u64,
                 }),
                 ..Default::default()
             }

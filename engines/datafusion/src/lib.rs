@@ -19,6 +19,7 @@ pub mod flight_sql;
 pub mod fold;
 pub mod held;
 pub mod join_order;
+pub mod key_filter;
 pub mod online;
 pub mod planner;
 pub mod pool;
@@ -126,7 +127,9 @@ datafusion::common::extensions_options! {
         /// A partitioned join whose one side is much larger than the other (by DataFusion's
         /// estimates) and never emits its unmatched rows (`NOT EXISTS`'s subquery side, a
         /// semi join's) has that side cut down to the rows meeting the other's keys before
-        /// its exchange (`crate::side_reduction`).
+        /// its exchange (`crate::side_reduction`); where the estimates are too close to tell
+        /// and the smaller side filters rows, by a key filter decided when the task runs
+        /// (`crate::key_filter`).
         pub reduce_large_sides: bool, default = true
         /// A broadcast semi join (`IN (subquery)`) over an inner join is copied below it onto
         /// both of its inputs, so only rows that can meet the subquery's keys are exchanged
