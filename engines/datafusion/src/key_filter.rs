@@ -15,9 +15,12 @@ use arrow::array::{Array, ArrayRef, BooleanArray, RecordBatch};
 use arrow::compute::filter_record_batch;
 use arrow::row::{RowConverter, SortField};
 use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::common::Statistics;
 use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::PhysicalExpr;
+use datafusion::physical_plan::statistics::{ChildStats, StatisticsArgs};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PlanProperties,
@@ -28,8 +31,16 @@ use std::fmt;
 use std::sync::Arc;
 use tokio::sync::OnceCell;
 
-/// The keys side's values, or None: too many of them, every row passes.
-type KeySet = Option<Arc<HashSet<Box<[u8]>>>>;
+/// The keys side's values and the memory they hold, or None: too many of them (by rows, or
+/// by the bytes the worker's memory pool grants), every row passes.
+type KeySet = Option<Arc<Keys>>;
+
+/// The set of key encodings, its bytes reserved from the worker's memory pool while it lives.
+#[derive(Debug)]
+struct Keys {
+    set: HashSet<Box<[u8]>>,
+    _reservation: MemoryReservation,
+}
 
 /// See the module doc.
 #[derive(Debug)]
@@ -139,7 +150,8 @@ fn converter_for(batch_schema: &arrow::datatypes::Schema, cols: &[usize]) -> Res
     Ok(RowConverter::new(fields)?)
 }
 
-/// Reads the keys side whole into a set; None once it holds more than `max_keys` rows.
+/// Reads the keys side whole into a set; None once it holds more than `max_keys` rows or the
+/// worker's memory pool refuses the set's bytes.
 async fn collect_keys(
     keys: Arc<dyn ExecutionPlan>,
     ctx: Arc<TaskContext>,
@@ -148,6 +160,7 @@ async fn collect_keys(
     max_keys: usize,
 ) -> Result<KeySet> {
     let converter = converter_for(&keys.schema(), &cols)?;
+    let reservation = MemoryConsumer::new("KeyFilterExec").register(ctx.memory_pool());
     let mut stream = keys.execute(0, ctx)?;
     let mut set = HashSet::new();
     let mut seen = 0usize;
@@ -158,13 +171,21 @@ async fn collect_keys(
             return Ok(None);
         }
         let (rows, nulls) = encode(&converter, &batch, &cols)?;
+        // Each key's bytes, its box and the set's slot for it.
+        let bytes = rows.size() + batch.num_rows() * 3 * std::mem::size_of::<usize>();
+        if reservation.try_grow(bytes).is_err() {
+            return Ok(None);
+        }
         for (r, null) in rows.iter().zip(nulls) {
             if nulls_equal || !null {
                 set.insert(r.as_ref().to_vec().into_boxed_slice());
             }
         }
     }
-    Ok(Some(Arc::new(set)))
+    Ok(Some(Arc::new(Keys {
+        set,
+        _reservation: reservation,
+    })))
 }
 
 impl DisplayAs for KeyFilterExec {
@@ -209,6 +230,26 @@ impl ExecutionPlan for KeyFilterExec {
         Ok(TreeNodeRecursion::Continue)
     }
 
+    fn maintains_input_order(&self) -> Vec<bool> {
+        vec![false, true]
+    }
+
+    fn child_stats_requests(&self, partition: Option<usize>) -> Vec<ChildStats> {
+        vec![ChildStats::Skip, ChildStats::At(partition)]
+    }
+
+    /// The input's, inexact: a join above still sees the rows it would without the filter.
+    fn statistics_from_inputs(
+        &self,
+        input_stats: &[Arc<Statistics>],
+        _args: &StatisticsArgs,
+    ) -> Result<Arc<Statistics>> {
+        match input_stats.get(1) {
+            Some(s) => Ok(Arc::new(s.as_ref().clone().to_inexact())),
+            None => Ok(Arc::new(Statistics::new_unknown(&self.schema()))),
+        }
+    }
+
     fn with_new_children(
         self: Arc<Self>,
         children: Vec<Arc<dyn ExecutionPlan>>,
@@ -244,9 +285,10 @@ impl ExecutionPlan for KeyFilterExec {
                 .clone();
             Ok::<_, DataFusionError>(input.map(move |batch| {
                 let batch = batch?;
-                let Some(set) = &set else {
+                let Some(keys) = &set else {
                     return Ok(batch);
                 };
+                let set = &keys.set;
                 let (rows, nulls) = encode(&converter, &batch, &cols)?;
                 let keep: BooleanArray = rows
                     .iter()
@@ -281,7 +323,10 @@ mod tests {
     }
 
     async fn run(filter: KeyFilterExec) -> Vec<Option<i64>> {
-        let ctx = Arc::new(TaskContext::default());
+        run_in(filter, Arc::new(TaskContext::default())).await
+    }
+
+    async fn run_in(filter: KeyFilterExec, ctx: Arc<TaskContext>) -> Vec<Option<i64>> {
         let mut out = Vec::new();
         for p in 0..filter.properties().output_partitioning().partition_count() {
             let batches: Vec<RecordBatch> = filter
@@ -324,6 +369,18 @@ mod tests {
         assert_eq!(run(filter(false, 4)).await.len(), 3);
         let all = vec![None, None, Some(1), Some(2), Some(3), Some(3), Some(4)];
         assert_eq!(run(filter(false, 3)).await, all);
+    }
+
+    #[tokio::test]
+    async fn a_memory_pool_that_refuses_the_keys_lets_every_row_through() {
+        use datafusion::execution::memory_pool::GreedyMemoryPool;
+        use datafusion::execution::runtime_env::RuntimeEnvBuilder;
+        let runtime = RuntimeEnvBuilder::new()
+            .with_memory_pool(Arc::new(GreedyMemoryPool::new(8)))
+            .build_arc()
+            .unwrap();
+        let ctx = Arc::new(TaskContext::default().with_runtime(runtime));
+        assert_eq!(run_in(filter(false, 10), ctx).await.len(), 7);
     }
 
     #[test]
