@@ -25,7 +25,9 @@
 //! Where the estimates are too close to tell but the smaller side filters its rows, the cut
 //! is decided when the task runs ([`crate::key_filter`]): the small side is read whole and,
 //! if it holds at most [`MAX_KEYS_AT_RUN`] rows, the large side keeps the rows whose keys it
-//! holds; otherwise every row passes.
+//! holds; otherwise every row passes. The same filter goes below the partial aggregate of a
+//! larger side that is an aggregate grouped by the join keys (TPC-H q17's average quantity
+//! per part over every lineitem, met by the few parts the query keeps).
 
 use crate::key_filter::KeyFilterExec;
 use crate::subtree::{any_node, volatile};
@@ -34,9 +36,11 @@ use datafusion::common::NullEquality;
 use datafusion::error::Result;
 use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_expr::Partitioning;
+use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
+use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::{replace_children_if_necessary, ExecutionPlan};
 use std::collections::HashMap;
@@ -121,7 +125,7 @@ fn reduced(j: &HashJoinExec) -> Result<Option<Arc<dyn ExecutionPlan>>> {
     let (Some((left_in, n)), Some((right_in, _))) =
         (hash_exchange(j.left()), hash_exchange(j.right()))
     else {
-        return Ok(None);
+        return below_aggregate(j);
     };
     let (Some(left_rows), Some(right_rows)) = (estimated_rows(j.left()), estimated_rows(j.right()))
     else {
@@ -269,6 +273,144 @@ fn at_run(
     let children = match cut_left {
         true => vec![cut, j.right().clone()],
         false => vec![j.left().clone(), cut],
+    };
+    Ok(Some(
+        j.builder()
+            .with_new_children(children)?
+            .reset_state()
+            .build_exec()?,
+    ))
+}
+
+/// `j` with its larger side (by estimate), an aggregate grouped by the join keys over an
+/// exchange (TPC-H q17's average quantity per part, over every lineitem), cut down below its
+/// partial aggregate by a [`KeyFilterExec`] on the smaller side's keys, so only the groups
+/// that can meet them are aggregated and exchanged. The smaller side must be a hash exchange
+/// and filter its rows; the path down from the join: projections of plain columns, row
+/// filters, final aggregates, exchanges, then the partial aggregate, every join key a group
+/// key throughout.
+fn below_aggregate(j: &HashJoinExec) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+    let (Some(left_rows), Some(right_rows)) = (estimated_rows(j.left()), estimated_rows(j.right()))
+    else {
+        return Ok(None);
+    };
+    let cut_left = left_rows >= right_rows;
+    if !drops_unmatched(j.join_type(), cut_left) {
+        return Ok(None);
+    }
+    let (small, large) = match cut_left {
+        true => (j.right(), j.left()),
+        false => (j.left(), j.right()),
+    };
+    let filters = any_node(small, &|p| p.downcast_ref::<FilterExec>().is_some());
+    if hash_exchange(small).is_none() || !filters || volatile(small) {
+        return Ok(None);
+    }
+    // Per join key: its column in the small side, and in `node`'s output on the way down.
+    let mut small_cols = Vec::new();
+    let mut cols = Vec::new();
+    for (l, r) in j.on() {
+        let (s, g) = match cut_left {
+            true => (r, l),
+            false => (l, r),
+        };
+        match (s.downcast_ref::<Column>(), g.downcast_ref::<Column>()) {
+            (Some(s), Some(g)) => {
+                small_cols.push(s.index());
+                cols.push(g.index());
+            }
+            _ => return Ok(None),
+        }
+    }
+    let mut path: Vec<Arc<dyn ExecutionPlan>> = Vec::new();
+    let mut node = large.clone();
+    let partial = loop {
+        if let Some(p) = node.downcast_ref::<ProjectionExec>() {
+            for c in cols.iter_mut() {
+                match p
+                    .expr()
+                    .get(*c)
+                    .and_then(|e| e.expr.downcast_ref::<Column>())
+                {
+                    Some(col) => *c = col.index(),
+                    None => return Ok(None),
+                }
+            }
+        } else if let Some(a) = node.downcast_ref::<AggregateExec>() {
+            let groups = a.group_expr();
+            // A limited aggregate (TopK) picks its groups before any filter below it could.
+            if !groups.is_single()
+                || a.limit_options().is_some()
+                || cols.iter().any(|c| *c >= groups.expr().len())
+            {
+                return Ok(None);
+            }
+            // An output group column c is group expression c, a column of the input.
+            for c in cols.iter_mut() {
+                match groups.expr()[*c].0.downcast_ref::<Column>() {
+                    Some(col) => *c = col.index(),
+                    None => return Ok(None),
+                }
+            }
+            match a.mode() {
+                AggregateMode::Partial => break node.clone(),
+                AggregateMode::Final | AggregateMode::FinalPartitioned => {}
+                _ => return Ok(None),
+            }
+        } else if let Some(f) = node.downcast_ref::<FilterExec>() {
+            // A row filter (a HAVING): a group it keeps still needs its key to meet a row.
+            if volatile(&node) {
+                return Ok(None);
+            }
+            if let Some(p) = f.projection() {
+                for c in cols.iter_mut() {
+                    match p.get(*c) {
+                        Some(i) => *c = *i,
+                        None => return Ok(None),
+                    }
+                }
+            }
+        } else if let Some(r) = node.downcast_ref::<RepartitionExec>() {
+            if r.preserve_order() {
+                return Ok(None);
+            }
+        } else {
+            return Ok(None);
+        }
+        path.push(node.clone());
+        let children = node.children();
+        let [child] = children.as_slice() else {
+            return Ok(None);
+        };
+        node = (*child).clone();
+    };
+    let exchanged = path
+        .iter()
+        .any(|p| p.downcast_ref::<RepartitionExec>().is_some());
+    let Some(agg) = partial.downcast_ref::<AggregateExec>() else {
+        return Ok(None);
+    };
+    if !exchanged || agg.input().downcast_ref::<KeyFilterExec>().is_some() {
+        return Ok(None);
+    }
+    let filter = match KeyFilterExec::try_new(
+        Arc::new(CoalescePartitionsExec::new(small.clone())),
+        agg.input().clone(),
+        small_cols,
+        cols,
+        j.null_equality() == NullEquality::NullEqualsNull,
+        MAX_KEYS_AT_RUN,
+    ) {
+        Ok(f) => f,
+        Err(_) => return Ok(None),
+    };
+    let mut rebuilt = replace_children_if_necessary(partial.clone(), vec![Arc::new(filter)])?;
+    for above in path.iter().rev() {
+        rebuilt = replace_children_if_necessary(above.clone(), vec![rebuilt])?;
+    }
+    let children = match cut_left {
+        true => vec![rebuilt, j.right().clone()],
+        false => vec![j.left().clone(), rebuilt],
     };
     Ok(Some(
         j.builder()
