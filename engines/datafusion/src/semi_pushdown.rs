@@ -29,35 +29,16 @@ use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::{replace_children_if_necessary, ExecutionPlan};
-use std::collections::HashMap;
 use std::sync::Arc;
 
 /// `plan` with every qualifying semi join's keys pushed below its inner join (module doc).
 /// Bottom-up, by node: a node several parents share (a build side read twice, see
 /// [`crate::planner`]) stays one node, which the stage planner cuts once.
 pub fn push_semi_joins(plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
-    rewrite(plan, &mut HashMap::new())
-}
-
-type Rewritten = HashMap<usize, (Arc<dyn ExecutionPlan>, Arc<dyn ExecutionPlan>)>;
-
-fn rewrite(plan: Arc<dyn ExecutionPlan>, done: &mut Rewritten) -> Result<Arc<dyn ExecutionPlan>> {
-    let key = Arc::as_ptr(&plan) as *const () as usize;
-    if let Some((_, out)) = done.get(&key) {
-        return Ok(out.clone());
-    }
-    let children = plan
-        .children()
-        .into_iter()
-        .map(|c| rewrite(c.clone(), done))
-        .collect::<Result<Vec<_>>>()?;
-    let node = replace_children_if_necessary(plan.clone(), children)?;
-    let out = match node.downcast_ref::<HashJoinExec>() {
-        Some(semi) => pushed(semi)?.unwrap_or(node),
-        None => node,
-    };
-    done.insert(key, (plan, out.clone()));
-    Ok(out)
+    crate::subtree::rewrite_shared(plan, &|node| match node.downcast_ref::<HashJoinExec>() {
+        Some(semi) => pushed(semi),
+        None => Ok(None),
+    })
 }
 
 /// `semi` with its probe side's inner join filtered below, or None where that does not apply.

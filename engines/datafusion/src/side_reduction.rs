@@ -43,7 +43,6 @@ use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::{replace_children_if_necessary, ExecutionPlan};
-use std::collections::HashMap;
 use std::sync::Arc;
 
 /// The most rows (estimated) the small side may have: every task of the large side builds a
@@ -61,29 +60,10 @@ pub const MAX_KEYS_AT_RUN: usize = 2_000_000;
 /// `plan` with each qualifying partitioned join's large side cut down (module doc). Bottom-up,
 /// by node: a node several parents share stays one node, which the stage planner cuts once.
 pub fn reduce_large_sides(plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
-    rewrite(plan, &mut HashMap::new())
-}
-
-type Rewritten = HashMap<usize, (Arc<dyn ExecutionPlan>, Arc<dyn ExecutionPlan>)>;
-
-fn rewrite(plan: Arc<dyn ExecutionPlan>, done: &mut Rewritten) -> Result<Arc<dyn ExecutionPlan>> {
-    let key = Arc::as_ptr(&plan) as *const () as usize;
-    if let Some((_, out)) = done.get(&key) {
-        return Ok(out.clone());
-    }
-    let children = plan
-        .children()
-        .into_iter()
-        .map(|c| rewrite(c.clone(), done))
-        .collect::<Result<Vec<_>>>()?;
-    let node = replace_children_if_necessary(plan.clone(), children)?;
-    let out = match node.downcast_ref::<HashJoinExec>() {
-        Some(j) => reduced(j)?.unwrap_or(node),
-        None => node,
-    };
-    // Keep `plan` alive so its address is not reused by another node while we rewrite.
-    done.insert(key, (plan, out.clone()));
-    Ok(out)
+    crate::subtree::rewrite_shared(plan, &|node| match node.downcast_ref::<HashJoinExec>() {
+        Some(j) => reduced(j),
+        None => Ok(None),
+    })
 }
 
 /// Whether the join never emits a row of its left (`left == true`) or right side that meets
@@ -186,16 +166,7 @@ fn reduced(j: &HashJoinExec) -> Result<Option<Arc<dyn ExecutionPlan>>> {
         semi,
         exchange.partitioning().clone(),
     )?);
-    let children = match cut_left {
-        true => vec![cut, j.right().clone()],
-        false => vec![j.left().clone(), cut],
-    };
-    Ok(Some(
-        j.builder()
-            .with_new_children(children)?
-            .reset_state()
-            .build_exec()?,
-    ))
+    with_side(j, cut_left, cut).map(Some)
 }
 
 /// Whether `input` is already a broadcast semi join that builds on `small` read whole.
@@ -236,21 +207,9 @@ fn at_run(
     if !filters || volatile(small) || reduced_by(large_in, small) || reduced_by(small_in, large) {
         return Ok(None);
     }
-    let mut small_cols = Vec::new();
-    let mut large_cols = Vec::new();
-    for (l, r) in j.on() {
-        let (s, g) = match cut_left {
-            true => (r, l),
-            false => (l, r),
-        };
-        match (s.downcast_ref::<Column>(), g.downcast_ref::<Column>()) {
-            (Some(s), Some(g)) => {
-                small_cols.push(s.index());
-                large_cols.push(g.index());
-            }
-            _ => return Ok(None),
-        }
-    }
+    let Some((small_cols, large_cols)) = key_columns(j, cut_left) else {
+        return Ok(None);
+    };
     let Some(exchange) = large.downcast_ref::<RepartitionExec>() else {
         return Ok(None);
     };
@@ -270,16 +229,7 @@ fn at_run(
         Arc::new(filter),
         exchange.partitioning().clone(),
     )?);
-    let children = match cut_left {
-        true => vec![cut, j.right().clone()],
-        false => vec![j.left().clone(), cut],
-    };
-    Ok(Some(
-        j.builder()
-            .with_new_children(children)?
-            .reset_state()
-            .build_exec()?,
-    ))
+    with_side(j, cut_left, cut).map(Some)
 }
 
 /// `j` with its larger side (by estimate), an aggregate grouped by the join keys over an
@@ -307,21 +257,9 @@ fn below_aggregate(j: &HashJoinExec) -> Result<Option<Arc<dyn ExecutionPlan>>> {
         return Ok(None);
     }
     // Per join key: its column in the small side, and in `node`'s output on the way down.
-    let mut small_cols = Vec::new();
-    let mut cols = Vec::new();
-    for (l, r) in j.on() {
-        let (s, g) = match cut_left {
-            true => (r, l),
-            false => (l, r),
-        };
-        match (s.downcast_ref::<Column>(), g.downcast_ref::<Column>()) {
-            (Some(s), Some(g)) => {
-                small_cols.push(s.index());
-                cols.push(g.index());
-            }
-            _ => return Ok(None),
-        }
-    }
+    let Some((small_cols, mut cols)) = key_columns(j, cut_left) else {
+        return Ok(None);
+    };
     let mut path: Vec<Arc<dyn ExecutionPlan>> = Vec::new();
     let mut node = large.clone();
     let partial = loop {
@@ -408,14 +346,37 @@ fn below_aggregate(j: &HashJoinExec) -> Result<Option<Arc<dyn ExecutionPlan>>> {
     for above in path.iter().rev() {
         rebuilt = replace_children_if_necessary(above.clone(), vec![rebuilt])?;
     }
+    with_side(j, cut_left, rebuilt).map(Some)
+}
+
+/// The join keys' column indices in the small side and in the side cut down (the left when
+/// `cut_left`), or None when a key is not a plain column.
+fn key_columns(j: &HashJoinExec, cut_left: bool) -> Option<(Vec<usize>, Vec<usize>)> {
+    j.on()
+        .iter()
+        .map(|(l, r)| {
+            let (small, large) = if cut_left { (r, l) } else { (l, r) };
+            Some((
+                small.downcast_ref::<Column>()?.index(),
+                large.downcast_ref::<Column>()?.index(),
+            ))
+        })
+        .collect::<Option<Vec<_>>>()
+        .map(|pairs| pairs.into_iter().unzip())
+}
+
+/// `j` with its left (`cut_left`) or right input replaced by `cut`.
+fn with_side(
+    j: &HashJoinExec,
+    cut_left: bool,
+    cut: Arc<dyn ExecutionPlan>,
+) -> Result<Arc<dyn ExecutionPlan>> {
     let children = match cut_left {
-        true => vec![rebuilt, j.right().clone()],
-        false => vec![j.left().clone(), rebuilt],
+        true => vec![cut, j.right().clone()],
+        false => vec![j.left().clone(), cut],
     };
-    Ok(Some(
-        j.builder()
-            .with_new_children(children)?
-            .reset_state()
-            .build_exec()?,
-    ))
+    j.builder()
+        .with_new_children(children)?
+        .reset_state()
+        .build_exec()
 }
