@@ -171,6 +171,7 @@ impl DistributedContext {
             workers: self.driver.addresses(),
             timeout_secs: self.driver.config().rpc_timeout.as_secs(),
             batch_size: self.ctx.copied_config().batch_size() as u32,
+            build_bounds: self.options().build_bounds,
         };
         // A sorted-run exchange's readers read each map output as one run: merging runs would
         // break them, so such an exchange moves its blocks with pull whatever it asks for.
@@ -248,6 +249,7 @@ struct TaskBuilder {
     workers: Vec<String>,
     timeout_secs: u64,
     batch_size: u32,
+    build_bounds: bool,
 }
 
 impl TaskBuilder {
@@ -267,6 +269,7 @@ impl TaskBuilder {
                     workers: self.workers.clone(),
                     timeout_secs: self.timeout_secs,
                     batch_size: self.batch_size,
+                    no_build_bounds: !self.build_bounds,
                 };
                 MapInput::Source(proto::TaskSource {
                     kind: STAGE_SOURCE.into(),

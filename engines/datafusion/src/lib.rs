@@ -10,6 +10,7 @@
 //! entry point: `sql()` runs distributed, `explain()` shows the stages.
 
 pub mod broadcast;
+pub mod build_bounds;
 pub mod codec;
 pub mod combine;
 pub mod context;
@@ -135,6 +136,10 @@ datafusion::common::extensions_options! {
         /// both of its inputs, so only rows that can meet the subquery's keys are exchanged
         /// (`crate::semi_pushdown`).
         pub push_semi_joins: bool, default = true
+        /// A broadcast join's build-side key bounds go to the scans below its probe side in
+        /// the same stage, placed by each worker, so they skip the row groups no key can meet
+        /// (`crate::build_bounds`; one process does this with DataFusion's dynamic filters).
+        pub build_bounds: bool, default = true
     }
 }
 

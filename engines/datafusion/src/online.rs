@@ -571,6 +571,7 @@ fn split_tasks(
     let workers = ctx.driver().addresses();
     let timeout_secs = ctx.driver().config().rpc_timeout.as_secs();
     let batch_size = ctx.session().copied_config().batch_size() as u32;
+    let no_build_bounds = !ctx.options().build_bounds;
     Ok(tasks
         .iter()
         .map(|r| {
@@ -580,6 +581,7 @@ fn split_tasks(
                 workers: workers.clone(),
                 timeout_secs,
                 batch_size,
+                no_build_bounds,
             };
             MapInput::Source(proto::TaskSource {
                 kind: STAGE_SOURCE.into(),

@@ -46,6 +46,9 @@ pub struct StageTask {
     /// Rows per batch in the stage's session (0: DataFusion's default).
     #[prost(uint32, tag = "5")]
     pub batch_size: u32,
+    /// The session turned `flightshuffle.build_bounds` off.
+    #[prost(bool, tag = "6")]
+    pub no_build_bounds: bool,
 }
 
 /// Runs stage partitions; caches sessions and decoded plans (see the module doc).
@@ -119,6 +122,11 @@ impl StageSource {
             &ExchangeCodec,
         )
         .map_err(|e| Error::invalid(format!("cannot decode stage plan: {e}")))?;
+        let plan = match task.no_build_bounds {
+            true => plan,
+            false => crate::build_bounds::attach(plan, session.state().config_options())
+                .map_err(|e| Error::invalid(format!("cannot place build-side bounds: {e}")))?,
+        };
         plans.insert(
             ctx.shuffle,
             (task.workers.clone(), (plan.clone(), session.clone())),
