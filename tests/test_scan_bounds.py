@@ -1,6 +1,7 @@
-"""A broadcast join's build-side key bounds reach the scans of its probe side in the same
-stage, distributed (``BuildBoundsExec``, placed by each worker): the scans skip the row groups
-no key can meet.
+"""Broadcast joins' scans, distributed. The build side's key bounds reach the scans of its
+probe side in the same stage (``BuildBoundsExec``, placed by each worker): the scans skip the
+row groups no key can meet. And a build side that only reads a table's columns is read by each
+worker from the files, not cut into a stage.
 
 The proof is a file whose row groups outside the keys' range are corrupted after DuckDB has
 answered over the intact copy: a worker that read one of them would fail. The joins whose
@@ -10,6 +11,7 @@ intact file."""
 from __future__ import annotations
 
 import datetime
+import re
 
 import duckdb
 import flightshuffle as fs
@@ -132,3 +134,36 @@ def test_a_broadcast_joins_probe_scan_skips_the_row_groups_its_keys_cannot_meet(
             diff = tpch.compare(want[name], c.sql(sql), ordered=False)
             assert diff is None, f"{name}: {diff}"
         assert c.sql(unmatched).to_pylist() == [{"n": 1, "m": 0}]
+
+
+def test_a_broadcast_build_side_that_is_a_plain_scan_is_read_by_each_worker(tmp_path):
+    """A build side that only reads columns of a table (here 200,000 rows, over the 128 Ki rows
+    of a small gather) is read by each worker from the files rather than cut into a stage
+    (``plain_build_rows``); with the setting at 0 it is a stage. Answers equal DuckDB's."""
+    n, m = 2_000_000, 200_000
+    pq.write_table(
+        pa.table({"k": pa.array([i % 300_000 for i in range(n)], pa.int64()), "v": range(n)}),
+        tmp_path / "f.parquet",
+    )
+    pq.write_table(
+        pa.table({"k": pa.array(range(0, 2 * m, 2), pa.int64()), "x": range(m)}),
+        tmp_path / "d.parquet",
+    )
+    sql = "SELECT count(*) AS n, sum(f.v) AS v, sum(d.x) AS x FROM f JOIN d ON f.k = d.k"
+    con = duckdb.connect()
+    want = con.sql(
+        sql.replace("FROM f", f"FROM '{tmp_path}/f.parquet' f").replace(
+            "JOIN d", f"JOIN '{tmp_path}/d.parquet' d"
+        )
+    ).to_arrow_table()
+    with fs.Cluster(workers=2, small_query_rows=0) as c:
+        c.register_parquet("f", str(tmp_path / "f.parquet"))
+        c.register_parquet("d", str(tmp_path / "d.parquet"))
+        for rows, stage in [("0", True), ("8388608", False)]:
+            c.sql(f"SET flightshuffle.plain_build_rows = {rows}")
+            plan = c.explain(sql)
+            assert "mode=CollectLeft" in plan, plan
+            blocks = re.split(r"\n(?=Stage |Driver)", plan)
+            alone = [b for b in blocks if "d.parquet" in b and "f.parquet" not in b]
+            assert bool(alone) == stage, plan
+            assert tpch.compare(want, c.sql(sql), ordered=False) is None, rows

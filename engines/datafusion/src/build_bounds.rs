@@ -2,12 +2,12 @@
 //! probe side when the build side has been read, so those scans skip the row groups (and
 //! pages) no key can meet.
 //!
-//! One process gets this from the dynamic filter a hash join fills once its build side is
-//! read: TPC-DS q37 reads about 4% of `inventory`, whose rows are stored by date, because the
-//! query keeps 60 days. DataFusion's join fills that filter only once *every* partition of its
-//! plan instance has reported, and a stage task runs only some partitions of its instance, so
-//! the filters are turned off in distributed sessions ([`crate::distributed_options`]) and the
-//! stage read all 11.7 M rows.
+//! One process gets this from the dynamic filter a hash join fills once its build side is read:
+//! TPC-DS q37 reads 5 of the 96 row groups of `inventory`, whose rows are stored by date, since
+//! the query keeps 60 days. DataFusion's join fills that filter only once *every* partition of
+//! its plan instance has reported, and a stage task runs only some partitions of its instance,
+//! so the filters are turned off in distributed sessions ([`crate::distributed_options`]) and
+//! the stage read all 11.7 M rows.
 //!
 //! [`attach`] runs on a worker once it has decoded a stage plan: DataFusion's own
 //! `FilterPushdown` rule places each join's filter in the scans below its probe side (through

@@ -587,5 +587,6 @@ fn join_rewrites(options: &crate::FlightshuffleOptions) -> crate::planner::JoinR
         reduce_probe_sides: options.reduce_probe_sides,
         reduce_large_sides: options.reduce_large_sides,
         push_semi_joins: options.push_semi_joins,
+        plain_build_rows: options.plain_build_rows,
     }
 }
