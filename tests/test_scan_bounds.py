@@ -139,7 +139,8 @@ def test_a_broadcast_joins_probe_scan_skips_the_row_groups_its_keys_cannot_meet(
 def test_a_broadcast_build_side_that_is_a_plain_scan_is_read_by_each_worker(tmp_path):
     """A build side that only reads columns of a table (here 200,000 rows, over the 128 Ki rows
     of a small gather) is read by each worker from the files rather than cut into a stage
-    (``plain_build_rows``); with the setting at 0 it is a stage. Answers equal DuckDB's."""
+    (``plain_build_rows``); with the setting at 0, or a build side that computes or filters,
+    it is a stage. Answers equal DuckDB's."""
     n, m = 2_000_000, 200_000
     pq.write_table(
         pa.table({"k": pa.array([i % 300_000 for i in range(n)], pa.int64()), "v": range(n)}),
@@ -167,3 +168,12 @@ def test_a_broadcast_build_side_that_is_a_plain_scan_is_read_by_each_worker(tmp_
             alone = [b for b in blocks if "d.parquet" in b and "f.parquet" not in b]
             assert bool(alone) == stage, plan
             assert tpch.compare(want, c.sql(sql), ordered=False) is None, rows
+        # A build side that computes a value (one random() per row must be one for every
+        # worker) or filters rows stays a stage of its own.
+        for query in [
+            "SELECT count(*), sum(d.r) FROM f JOIN (SELECT k, random() AS r FROM d) d ON f.k = d.k",
+            sql.replace("JOIN d", "JOIN (SELECT k, x FROM d WHERE x % 3 > 0) d"),
+        ]:
+            plan = c.explain(query)
+            blocks = re.split(r"\n(?=Stage |Driver)", plan)
+            assert [b for b in blocks if "d.parquet" in b and "f.parquet" not in b], plan

@@ -140,9 +140,10 @@ datafusion::common::extensions_options! {
         /// the same stage, placed by each worker, so they skip the row groups no key can meet
         /// (`crate::build_bounds`; one process does this with DataFusion's dynamic filters).
         pub build_bounds: bool, default = true
-        /// A broadcast join's build side that only reads columns of a table (no filter, join
-        /// or aggregate), at most this many rows, is read by each worker from the files
-        /// instead of being cut into a stage of its own (0: always a stage).
+        /// A broadcast join's build side that only reads columns of a table, every row (no
+        /// filter, limit, computed expression, join or aggregate), at most this many rows, is
+        /// read by each of its consumers (each worker) from the files instead of being cut into
+        /// a stage of its own (0: only build sides of at most 128 Ki rows are).
         pub plain_build_rows: u64, default = crate::planner::PLAIN_SCAN_GATHER_ROWS
     }
 }

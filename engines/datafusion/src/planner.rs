@@ -42,6 +42,7 @@
 use crate::reader::{ReadMode, ShuffleReaderExec};
 use crate::subtree::{any_node, volatile};
 use crate::writer::{ShuffleWriterExec, WriterKind, KEY_PREFIX};
+use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::common::JoinType;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::physical_expr::expressions::Column;
@@ -448,6 +449,7 @@ impl Planner {
                 || (self
                     .build_sides
                     .contains(&(Arc::as_ptr(&plan) as *const () as usize))
+                    && plan.fetch().is_none()
                     && is_plain_scan(&children[0], self.plain_build_rows)))
         {
             return Ok((replace_children_if_necessary(plan, children)?, deps));
@@ -496,8 +498,13 @@ pub const PLAIN_SCAN_GATHER_ROWS: u64 = 8 * 1024 * 1024;
 /// The addresses of the gathers in `plan` that are a `CollectLeft` join's build side.
 fn build_side_gathers(plan: &Arc<dyn ExecutionPlan>) -> std::collections::HashSet<usize> {
     let mut found = std::collections::HashSet::new();
+    let mut seen = std::collections::HashSet::new();
     let mut todo = vec![plan.clone()];
     while let Some(p) = todo.pop() {
+        // A node several consumers share is walked once.
+        if !seen.insert(Arc::as_ptr(&p) as *const () as usize) {
+            continue;
+        }
         if let Some(join) = p.downcast_ref::<HashJoinExec>() {
             if *join.partition_mode() == PartitionMode::CollectLeft
                 && join
@@ -513,15 +520,26 @@ fn build_side_gathers(plan: &Arc<dyn ExecutionPlan>) -> std::collections::HashSe
     found
 }
 
-/// Whether `plan` only reads columns of its scans (no filter, join or aggregate), at most
-/// `limit` rows of them by the files' statistics.
+/// Whether `plan` only reads columns of its scans, every row (no filter, limit, computed or
+/// volatile expression, join or aggregate), at most `limit` rows by the files' statistics:
+/// every worker reading it gets the same rows.
 fn is_plain_scan(plan: &Arc<dyn ExecutionPlan>, limit: u64) -> bool {
+    // Every expression of the node (a projection's, a scan's projection and predicate) is a
+    // column.
+    let columns_only = |p: &Arc<dyn ExecutionPlan>| {
+        let mut only = true;
+        let _ = p.apply_expressions(&mut |e| {
+            only &= e.downcast_ref::<Column>().is_some();
+            Ok(TreeNodeRecursion::Continue)
+        });
+        only
+    };
     let mut todo = vec![plan.clone()];
     while let Some(p) = todo.pop() {
         let plain = p.name() == "DataSourceExec"
             || p.downcast_ref::<ProjectionExec>().is_some()
             || p.name() == "CoalesceBatchesExec";
-        if !plain {
+        if !plain || p.fetch().is_some() || !columns_only(&p) {
             return false;
         }
         todo.extend(p.children().into_iter().cloned());

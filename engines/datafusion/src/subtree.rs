@@ -2,15 +2,14 @@
 //! passes a test, and whether running it again may give other rows; and the bottom-up
 //! rewrite those rewrites share.
 
+use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::error::Result;
-use datafusion::physical_plan::filter::FilterExec;
-use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::{replace_children_if_necessary, ExecutionPlan};
 use std::collections::HashMap;
 use std::sync::Arc;
 
 /// Whether `plan` may give other rows when run again: an expression under it (a filter's, a
-/// projection's) is volatile (`random()`), or a node stops after some rows (a `LIMIT`
+/// projection's, a scan's) is volatile (`random()`), or a node stops after some rows (a `LIMIT`
 /// without an order over several partitions keeps whichever come first). A subtree computed
 /// twice must give the same rows both times.
 pub fn volatile(plan: &Arc<dyn ExecutionPlan>) -> bool {
@@ -23,13 +22,14 @@ pub fn volatile(plan: &Arc<dyn ExecutionPlan>) -> bool {
         {
             return true;
         }
-        let in_filter = p
-            .downcast_ref::<FilterExec>()
-            .is_some_and(|f| is_volatile(f.predicate()));
-        let in_projection = p
-            .downcast_ref::<ProjectionExec>()
-            .is_some_and(|pr| pr.expr().iter().any(|e| is_volatile(&e.expr)));
-        in_filter || in_projection
+        // Any expression of the node: a filter's, a projection's, a scan's own projection
+        // (DataFusion moves `random() AS r` into the scan) or predicate.
+        let mut any = false;
+        let _ = p.apply_expressions(&mut |e| {
+            any |= is_volatile(e);
+            Ok(TreeNodeRecursion::Continue)
+        });
+        any
     })
 }
 
