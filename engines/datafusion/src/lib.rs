@@ -18,6 +18,7 @@ pub mod double;
 pub mod execute;
 pub mod flight_sql;
 pub mod fold;
+pub mod gathers;
 pub mod held;
 pub mod join_order;
 pub mod key_filter;
