@@ -64,6 +64,12 @@ def run(args: argparse.Namespace) -> int:
     root = tpch.ensure_data(args.sf, args.data or f"data/tpch-sf{args.sf:g}", progress=True)
     con = tpch.duckdb_connect(root)
     report: dict[str, Any] = {"sf": args.sf, "workers": args.workers, "rounds": args.rounds}
+    # --ab NAME=V1,V2: each query online once per value of the setting, alternating.
+    setting, values = None, [None]
+    if args.ab:
+        setting, _, listed = args.ab.partition("=")
+        values = listed.split(",")
+        report["ab"] = {"setting": setting, "values": values}
     rows = []
     with Cluster(workers=args.workers, memory_budget=args.memory_budget) as c:
         for name, path in tpch.table_paths(root).items():
@@ -74,54 +80,67 @@ def run(args: argparse.Namespace) -> int:
             c.sql(query)
             list(c.online(query, rounds=args.rounds, seed=args.seed, progress=False))
             # Both sides the same way: runs alternate, the fastest of each is kept.
-            sql_s, runs = [], []
-            for _ in range(args.repeat):
+            sql_s: list[float] = []
+            runs: dict[Any, list] = {v: [] for v in values}
+            for rep in range(args.repeat):
                 start = time.perf_counter()
                 c.sql(query)
                 sql_s.append(time.perf_counter() - start)
-                start = time.perf_counter()
-                got = list(c.online(query, rounds=args.rounds, seed=args.seed, progress=False))
-                runs.append((time.perf_counter() - start, got))
-            streaming, history = min(runs, key=lambda r: r[0])
-            final = history[-1]
-            est = final.estimates
-            keys, names = estimate_columns(est)
-            cols = value_columns(est.columns)
-            problem = tpch.compare(
-                con.sql(query).to_arrow_table(), est.select(cols).to_arrow(), ordered
-            )
-            close = top_within(history, final, keys, names, args.top, args.within)
-            close_1 = top_within(history, final, keys, names, args.top, 0.01)
-            best_sql = min(sql_s)
-            row = {
-                "query": f"q{n:02d}",
-                "splits": final.maps_total,
-                "rounds": len(history),
-                "first_estimate_s": history[0].elapsed,
-                "first_estimate_progress": history[0].progress,
-                "within_s": close.elapsed,
-                "within_progress": close.progress,
-                "streaming_s": streaming,
-                "streaming_runs_s": sorted(r[0] for r in runs),
-                "distributed_sql_runs_s": sorted(sql_s),
-                "distributed_sql_s": best_sql,
-                "within_over_sql": close.elapsed / best_sql,
-                "within_1pct_s": close_1.elapsed,
-                "within_1pct_progress": close_1.progress,
-                "within_1pct_over_sql": close_1.elapsed / best_sql,
-                "first_estimate_over_sql": history[0].elapsed / best_sql,
-                "streaming_over_sql": streaming / best_sql,
-                "final_matches_duckdb": problem is None,
-            }
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            if args.plot_dir:
-                os.makedirs(args.plot_dir, exist_ok=True)
-                path = f"{args.plot_dir}/q{n:02d}-sf{args.sf:g}-w{args.workers}.png"
-                plot_history(history, keys, names, path, args.top_plot)
+                for v in values if rep % 2 == 0 else values[::-1]:
+                    if setting is not None:
+                        c.sql(f"SET {setting} = '{v}'")
+                    start = time.perf_counter()
+                    got = list(c.online(query, rounds=args.rounds, seed=args.seed, progress=False))
+                    runs[v].append((time.perf_counter() - start, got))
+            for v in values:
+                row = _row(n, runs[v], sql_s, con, query, ordered, args)
+                if setting is not None:
+                    row["setting"] = {setting: v}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                if args.plot_dir:
+                    _, history = min(runs[v], key=lambda r: r[0])
+                    keys, names = estimate_columns(history[-1].estimates)
+                    os.makedirs(args.plot_dir, exist_ok=True)
+                    path = f"{args.plot_dir}/q{n:02d}-sf{args.sf:g}-w{args.workers}.png"
+                    plot_history(history, keys, names, path, args.top_plot)
     report["queries"] = rows
     emit(report, args.json)
     return 0 if all(r["final_matches_duckdb"] for r in rows) else 1
+
+
+def _row(n: int, runs: list, sql_s: list[float], con: Any, query: str, ordered: bool, args: Any):
+    """One query's report: its fastest online run, the fastest SQL run, the final checked
+    against DuckDB's."""
+    streaming, history = min(runs, key=lambda r: r[0])
+    final = history[-1]
+    est = final.estimates
+    keys, names = estimate_columns(est)
+    cols = value_columns(est.columns)
+    problem = tpch.compare(con.sql(query).to_arrow_table(), est.select(cols).to_arrow(), ordered)
+    close = top_within(history, final, keys, names, args.top, args.within)
+    close_1 = top_within(history, final, keys, names, args.top, 0.01)
+    best_sql = min(sql_s)
+    return {
+        "query": f"q{n:02d}",
+        "splits": final.maps_total,
+        "rounds": len(history),
+        "first_estimate_s": history[0].elapsed,
+        "first_estimate_progress": history[0].progress,
+        "within_s": close.elapsed,
+        "within_progress": close.progress,
+        "streaming_s": streaming,
+        "streaming_runs_s": sorted(r[0] for r in runs),
+        "distributed_sql_runs_s": sorted(sql_s),
+        "distributed_sql_s": best_sql,
+        "within_over_sql": close.elapsed / best_sql,
+        "within_1pct_s": close_1.elapsed,
+        "within_1pct_progress": close_1.progress,
+        "within_1pct_over_sql": close_1.elapsed / best_sql,
+        "first_estimate_over_sql": history[0].elapsed / best_sql,
+        "streaming_over_sql": streaming / best_sql,
+        "final_matches_duckdb": problem is None,
+    }
 
 
 def add_parser(sub: Any) -> None:
@@ -147,4 +166,10 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--top-plot", type=int, default=4, help="groups to plot")
     b.add_argument("--plot-dir", help="write q<N>-sf<SF>-w<W>.png here")
     b.add_argument("--json", help="also write the report here")
+    b.add_argument(
+        "--ab",
+        metavar="NAME=V1,V2",
+        help="run each query online once per value of this setting (SET NAME = V), "
+        "alternating; one report row per value",
+    )
     b.set_defaults(run=run)

@@ -6,7 +6,7 @@ use crate::stage::NativeStream;
 use flightshuffle::driver::Driver;
 use flightshuffle::strategy::StrategyOptions;
 use flightshuffle_datafusion::online::{self, EmitTop, FactSplit, Term};
-use flightshuffle_datafusion::DistributedContext;
+use flightshuffle_datafusion::{DistributedContext, FlightshuffleOptions};
 use pyo3::prelude::*;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -51,6 +51,7 @@ impl Sessions {
         top: Option<EmitTop>,
         terms: Vec<Term>,
         per_task: Vec<u32>,
+        settings: &Option<FlightshuffleOptions>,
     ) -> flightshuffle_datafusion::Result<(Arc<DistributedContext>, online::OnlinePlan)> {
         let mut state = self.state.lock().await;
         let session = match state.take() {
@@ -65,6 +66,11 @@ impl Sessions {
                 })
             }
         };
+        if let Some(settings) = settings {
+            session
+                .ctx
+                .set_options(DistributedContext::online_options(settings.clone()));
+        }
         for (name, path, version) in tables {
             let now = (path.clone(), version.clone());
             if session.tables.get(name) != Some(&now) {
@@ -103,6 +109,7 @@ pub fn start(
     top: Option<TopTuple>,
     terms: Vec<(u32, u32)>,
     per_task: Vec<u32>,
+    settings: Option<FlightshuffleOptions>,
 ) -> PyResult<(NativeStream, String)> {
     let terms: Vec<Term> = terms.into_iter().map(|(a, b)| Term(a, b)).collect();
     let top = top.map(|(column, divisor, null_as_zero, descending, k)| EmitTop {
@@ -138,6 +145,7 @@ pub fn start(
         top.clone(),
         terms.clone(),
         per_task.clone(),
+        &settings,
     );
     let (ctx, planned) = crate::wait(py, rt, planning)?.map_err(df_err)?;
     // A run after a lost worker plans again over the same tables, under the same lock.
@@ -152,9 +160,11 @@ pub fn start(
             );
             let (splits, top) = (splits.clone(), top.clone());
             let (terms, per_task) = (terms.clone(), per_task.clone());
+            let settings = settings.clone();
             Box::pin(async move {
-                let planned =
-                    sessions.plan(&driver, opts, &tables, &sql, splits, top, terms, per_task);
+                let planned = sessions.plan(
+                    &driver, opts, &tables, &sql, splits, top, terms, per_task, &settings,
+                );
                 planned.await.map(|(_, p)| p)
             })
         })

@@ -120,7 +120,7 @@ fn bounds_for(join: &HashJoinExec) -> Result<Option<BuildBoundsExec>> {
 /// Whether values of type `t` have an order that Parquet's statistics and DataFusion's
 /// comparisons share with the join's equality: integers, decimals, dates, times, strings
 /// and binaries; not floats (NaN, -0.0), nor nested, dictionary or interval types.
-fn ordered(t: &DataType) -> bool {
+pub(crate) fn ordered(t: &DataType) -> bool {
     use DataType::*;
     matches!(
         t,

@@ -59,13 +59,24 @@ struct WriterNode {
     strategy: String,
 }
 
-/// An online query's split scan: the Parquet scan (`datafusion-proto` bytes) and its splits.
+/// An online query's split scan: the Parquet scan (`datafusion-proto` bytes) and the row
+/// ranges of each of its partitions.
 #[derive(Clone, PartialEq, prost::Message)]
 struct SplitScanNode {
     #[prost(bytes = "vec", tag = "1")]
     scan: Vec<u8>,
     #[prost(message, repeated, tag = "2")]
-    splits: Vec<FactSplit>,
+    parts: Vec<SplitPart>,
+    /// The parts are a build side's rows each split can meet.
+    #[prost(bool, tag = "3")]
+    build: bool,
+}
+
+/// The row ranges one partition of a split scan reads.
+#[derive(Clone, PartialEq, prost::Message)]
+struct SplitPart {
+    #[prost(message, repeated, tag = "1")]
+    ranges: Vec<FactSplit>,
 }
 
 /// An online query's per-split totals: its terms (factor pairs, flattened) and split sizes.
@@ -127,7 +138,9 @@ impl PhysicalExtensionCodec for ExchangeCodec {
             let scan = scan
                 .downcast_ref::<DataSourceExec>()
                 .ok_or_else(|| bad("a split scan wraps no data source"))?;
-            let split = SplitScanExec::try_new(scan, s.splits).map_err(|e| bad(&e.to_string()))?;
+            let parts = s.parts.into_iter().map(|p| p.ranges).collect();
+            let split = SplitScanExec::try_grouped(scan, parts, s.build)
+                .map_err(|e| bad(&e.to_string()))?;
             return Ok(Arc::new(split));
         }
         if let Some(k) = node.key_filter {
@@ -273,7 +286,14 @@ impl PhysicalExtensionCodec for ExchangeCodec {
             ExtensionNode {
                 split_scan: Some(SplitScanNode {
                     scan: physical_plan_to_bytes_with_extension_codec(s.scan(), self)?.to_vec(),
-                    splits: s.splits.as_ref().clone(),
+                    parts: s
+                        .parts
+                        .iter()
+                        .map(|ranges| SplitPart {
+                            ranges: ranges.clone(),
+                        })
+                        .collect(),
+                    build: s.build,
                 }),
                 ..Default::default()
             }

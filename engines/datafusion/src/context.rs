@@ -85,13 +85,27 @@ impl DistributedContext {
         // Every join is in the fact table's stage anyway; the written order keeps the fact
         // table on the probe side of the chain (moved, a filtered join could make the chain
         // the smaller side, a build side cut into a stage of its own).
-        config.with_option_extension(crate::FlightshuffleOptions {
+        config.with_option_extension(Self::online_options(Default::default()))
+    }
+
+    /// `settings` (a session's `flightshuffle.*`) as online queries take them: with the join
+    /// order as written and every query streamed.
+    pub fn online_options(settings: crate::FlightshuffleOptions) -> crate::FlightshuffleOptions {
+        crate::FlightshuffleOptions {
             selective_joins_first: false,
             // The fact table streams however small it is (a small query runs whole, exactly,
             // when the planner leaves no stage to stream; see `crate::online`).
             small_query_rows: 0,
-            ..Default::default()
-        })
+            ..settings
+        }
+    }
+
+    /// Replace the session's `flightshuffle.*` settings (an online context taking the SQL
+    /// session's, see [`Self::online_options`]).
+    pub fn set_options(&self, settings: crate::FlightshuffleOptions) {
+        let state = self.ctx.state_ref();
+        let mut state = state.write();
+        state.config_mut().options_mut().extensions.insert(settings);
     }
 
     /// A context whose queries run on `driver`'s workers, with the session settings in `config`.
@@ -550,7 +564,7 @@ impl DistributedContext {
 
 impl DistributedContext {
     /// The session's `flightshuffle.*` settings.
-    pub(crate) fn options(&self) -> crate::FlightshuffleOptions {
+    pub fn options(&self) -> crate::FlightshuffleOptions {
         let state = self.ctx.state();
         state
             .config()

@@ -36,6 +36,7 @@ pub mod source;
 pub mod split;
 pub mod split_totals;
 pub mod subtree;
+pub mod unit_builds;
 pub mod writer;
 
 use datafusion::prelude::SessionConfig;
@@ -146,6 +147,11 @@ datafusion::common::extensions_options! {
         /// read by each of its consumers (each worker) from the files instead of being cut into
         /// a stage of its own (0: only build sides of at most 128 Ki rows are).
         pub plain_build_rows: u64, default = crate::planner::PLAIN_SCAN_GATHER_ROWS
+        /// Online aggregation: a broadcast join's build side over a table stored in the
+        /// order of its join key with the sampled table is read per sampling unit, only the
+        /// pages whose key statistics meet the unit's, instead of built whole before the
+        /// first estimate (`crate::unit_builds`).
+        pub unit_builds: bool, default = true
     }
 }
 

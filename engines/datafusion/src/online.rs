@@ -12,7 +12,9 @@
 //!   by a [`SplitTotalsExec`] (each split's totals per group and the products of them the
 //!   intervals need, see [`crate::split_totals`]). A map task runs the partitions of its
 //!   splits, each joined with the broadcast build sides, which a worker builds once for all
-//!   its splits (it decodes a stage plan once, see [`crate::source`]).
+//!   its splits (it decodes a stage plan once, see [`crate::source`]). A build side stored
+//!   in the fact table's key order is read per split instead, only the rows the split can
+//!   meet ([`crate::unit_builds`]).
 //! * [`run`] runs the stages that feed the fact stage to completion first, then the fact stage
 //!   under the streaming strategy with rounds by completion: its partial aggregates are
 //!   hash-exchanged on the group keys into one fold partition per worker and folded there
@@ -192,6 +194,33 @@ pub async fn plan(
             Ok(Transformed::yes(Arc::new(split) as Arc<dyn ExecutionPlan>))
         })?
         .data;
+    // Build sides stored in the fact table's key order are read per split instead.
+    let (input, inlined) = if ctx.options().unit_builds {
+        let others: Vec<Stage> = staged
+            .stages
+            .iter()
+            .filter(|s| s.id() != fact.id())
+            .cloned()
+            .collect();
+        crate::unit_builds::apply(ctx, input, &splits, &others).await?
+    } else {
+        (input, Vec::new())
+    };
+    let dims: Vec<Stage> = dims
+        .into_iter()
+        .filter(|s| !inlined.contains(&s.id()))
+        .collect();
+    let mut fact_inputs: Vec<u32> = fact
+        .inputs
+        .iter()
+        .copied()
+        .filter(|i| !inlined.contains(i))
+        .collect();
+    for s in staged.stages.iter().filter(|s| inlined.contains(&s.id())) {
+        fact_inputs.extend(s.inputs.iter().copied());
+    }
+    fact_inputs.sort_unstable();
+    fact_inputs.dedup();
     if input.output_partitioning().partition_count() != n {
         return Err(plan_err(format!(
             "the fact stage has {} partitions for {n} splits (a repartition between the scan \
@@ -220,7 +249,7 @@ pub async fn plan(
     )?;
     let fact = Stage {
         writer,
-        inputs: fact.inputs.clone(),
+        inputs: fact_inputs,
     };
     let explain = explain(&dims, &fact);
     Ok(OnlinePlan {

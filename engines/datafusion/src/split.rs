@@ -1,6 +1,7 @@
 //! The fact table of an online query cut into splits ([`FactSplit`]: rows of one Parquet
 //! file) and the scan that reads exactly them ([`SplitScanExec`]), a plan node the codec sends
-//! to workers.
+//! to workers. The same scan reads a build side cut per split ([`crate::unit_builds`]): its
+//! partition i reads several row ranges, of one file or more.
 
 use crate::{Error, Result};
 use datafusion::common::tree_node::TreeNodeRecursion;
@@ -48,25 +49,41 @@ pub(crate) fn plan_err(what: impl fmt::Display) -> Error {
     Error::DataFusion(DataFusionError::Plan(format!("online aggregation: {what}")))
 }
 
-/// A Parquet scan whose partition i reads split i only. It wraps the `DataSourceExec` that
-/// does the reading because `datafusion-proto` does not carry a file's row selection: the
-/// splits travel beside the scan and are attached again where the plan is decoded.
+/// A Parquet scan whose partition i reads the row ranges of part i only (split i of the fact
+/// table, or the rows of a build side that split i can meet). It wraps the `DataSourceExec`
+/// that does the reading because `datafusion-proto` does not carry a file's row selection:
+/// the parts travel beside the scan and are attached again where the plan is decoded.
 #[derive(Debug)]
 pub struct SplitScanExec {
     scan: Arc<DataSourceExec>,
-    /// The splits, split i read by output partition i.
-    pub splits: Arc<Vec<FactSplit>>,
+    /// The row ranges output partition i reads: `parts[i]`.
+    pub parts: Arc<Vec<Vec<FactSplit>>>,
+    /// Whether the parts are a build side's rows each split can meet
+    /// ([`crate::unit_builds`]), not the fact table's splits.
+    pub build: bool,
 }
 
 impl SplitScanExec {
     /// `template` (a Parquet scan of the split files) reading one split per partition.
     pub fn try_new(template: &DataSourceExec, splits: Vec<FactSplit>) -> Result<Self> {
+        let parts = splits.into_iter().map(|s| vec![s]).collect();
+        Self::try_grouped(template, parts, false)
+    }
+
+    /// `template` (a Parquet scan of the parts' files) reading part i's row ranges (none, or
+    /// disjoint ones) in partition i; `build`: they are a build side's rows each split can
+    /// meet.
+    pub fn try_grouped(
+        template: &DataSourceExec,
+        parts: Vec<Vec<FactSplit>>,
+        build: bool,
+    ) -> Result<Self> {
         let (config, source) = template
             .downcast_to_file_source::<ParquetSource>()
-            .ok_or_else(|| plan_err("the fact table's scan is not a Parquet scan"))?;
-        let groups = splits
+            .ok_or_else(|| plan_err("the scan of a table read in splits is not a Parquet scan"))?;
+        let groups = parts
             .iter()
-            .map(|s| Ok(FileGroup::new(vec![split_file(s)?])))
+            .map(|ranges| Ok(FileGroup::new(ranges_files(ranges)?)))
             .collect::<Result<Vec<_>>>()?;
         let mut builder = FileScanConfigBuilder::from(config.clone()).with_file_groups(groups);
         if let Some(factory) = source.parquet_file_reader_factory() {
@@ -78,7 +95,8 @@ impl SplitScanExec {
         let config = builder.build();
         Ok(SplitScanExec {
             scan: DataSourceExec::from_data_source(config),
-            splits: Arc::new(splits),
+            parts: Arc::new(parts),
+            build,
         })
     }
 
@@ -140,30 +158,71 @@ impl AsyncFileReader for PageIndexReader {
     }
 }
 
-/// One split as a file of a scan: the whole file with a row selection of the split's rows.
-pub(crate) fn split_file(s: &FactSplit) -> Result<PartitionedFile> {
-    let end = s.start.checked_add(s.rows).filter(|&e| e <= s.file_rows);
-    let Some(end) = end else {
-        return Err(plan_err(format!(
-            "split rows {}+{} are outside the {} rows of {}",
-            s.start, s.rows, s.file_rows, s.path
-        )));
+/// Row ranges as files of a scan: one per file (in the order the files first appear), each
+/// the whole file with a row selection of its ranges, which must be disjoint.
+fn ranges_files(ranges: &[FactSplit]) -> Result<Vec<PartitionedFile>> {
+    let mut paths: Vec<&str> = Vec::new();
+    for r in ranges {
+        if !paths.contains(&r.path.as_str()) {
+            paths.push(&r.path);
+        }
+    }
+    paths
+        .into_iter()
+        .map(|p| {
+            let of_file: Vec<FactSplit> = ranges.iter().filter(|r| r.path == p).cloned().collect();
+            file_ranges(&of_file)
+        })
+        .collect()
+}
+
+/// Ranges of one file (a split: one range) as that file with a row selection of them.
+fn file_ranges(ranges: &[FactSplit]) -> Result<PartitionedFile> {
+    let Some(first) = ranges.first() else {
+        return Err(plan_err("a file read with no row ranges"));
     };
-    let selectors: Vec<RowSelector> = [
-        RowSelector::skip(s.start as usize),
-        RowSelector::select(s.rows as usize),
-        RowSelector::skip((s.file_rows - end) as usize),
-    ]
-    .into_iter()
-    .filter(|r| r.row_count > 0)
-    .collect();
+    let mut sorted = ranges.to_vec();
+    sorted.sort_by_key(|r| r.start);
+    let mut selectors = Vec::with_capacity(2 * sorted.len() + 1);
+    let mut at = 0u64;
+    for s in &sorted {
+        let end = s.start.checked_add(s.rows).filter(|&e| e <= s.file_rows);
+        let Some(end) = end else {
+            return Err(plan_err(format!(
+                "split rows {}+{} are outside the {} rows of {}",
+                s.start, s.rows, s.file_rows, s.path
+            )));
+        };
+        if s.start < at || s.file_rows != first.file_rows || s.size != first.size {
+            return Err(plan_err(format!(
+                "row ranges of {} overlap or disagree on the file",
+                s.path
+            )));
+        }
+        selectors.push(RowSelector::skip((s.start - at) as usize));
+        selectors.push(RowSelector::select(s.rows as usize));
+        at = end;
+    }
+    selectors.push(RowSelector::skip((first.file_rows - at) as usize));
+    selectors.retain(|r| r.row_count > 0);
     let selection = ParquetRowSelection::new(RowSelection::from(selectors));
-    Ok(PartitionedFile::new(s.path.clone(), s.size).with_extension(selection))
+    Ok(PartitionedFile::new(first.path.clone(), first.size).with_extension(selection))
 }
 
 impl DisplayAs for SplitScanExec {
     fn fmt_as(&self, t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
-        write!(f, "SplitScanExec: {} splits, ", self.splits.len())?;
+        let rows: u64 = self.parts.iter().flatten().map(|r| r.rows).sum();
+        let n = self.parts.len();
+        if self.build {
+            let ranges: usize = self.parts.iter().map(Vec::len).sum();
+            write!(
+                f,
+                "SplitScanExec: {n} parts (the rows each split can meet), {rows} rows in \
+                 {ranges} row ranges, "
+            )?;
+        } else {
+            write!(f, "SplitScanExec: {n} splits of {rows} rows, ")?;
+        }
         self.scan.fmt_as(t, f)
     }
 }
@@ -221,7 +280,7 @@ mod tests {
     #[test]
     fn a_split_selects_exactly_its_rows_of_the_whole_file() {
         for (start, rows, file_rows) in [(0, 10, 10), (0, 3, 10), (7, 3, 10), (4, 2, 10)] {
-            let f = split_file(&split(start, rows, file_rows)).unwrap();
+            let f = file_ranges(&[split(start, rows, file_rows)]).unwrap();
             let sel = f
                 .extensions
                 .get::<ParquetRowSelection>()
@@ -242,9 +301,36 @@ mod tests {
     }
 
     #[test]
+    fn a_part_of_several_ranges_selects_each_once_per_file() {
+        let mut other = split(2, 3, 10);
+        other.path = "/data/t/part-1.parquet".into();
+        let files =
+            ranges_files(&[split(6, 2, 10), other, split(0, 3, 10), split(3, 1, 10)]).unwrap();
+        assert_eq!(files.len(), 2);
+        let selected = |f: &PartitionedFile| -> Vec<(bool, usize)> {
+            let sel = f.extensions.get::<ParquetRowSelection>().unwrap();
+            sel.selection()
+                .iter()
+                .map(|r| (r.skip, r.row_count))
+                .collect()
+        };
+        // part-0: rows 0..4 and 6..8 of 10 (adjacent ranges merge).
+        assert_eq!(
+            selected(&files[0]),
+            vec![(false, 4), (true, 2), (false, 2), (true, 2)]
+        );
+        assert_eq!(selected(&files[1]), vec![(true, 2), (false, 3), (true, 5)]);
+        // Overlapping ranges, or one file given two sizes, are refused.
+        let e = ranges_files(&[split(0, 3, 10), split(2, 3, 10)]).unwrap_err();
+        assert!(e.to_string().contains("overlap"), "{e}");
+    }
+
+    #[test]
     fn a_split_outside_its_file_is_a_clear_error() {
         for (start, rows) in [(8, 3), (11, 0), (u64::MAX, 2)] {
-            let e = split_file(&split(start, rows, 10)).unwrap_err().to_string();
+            let e = file_ranges(&[split(start, rows, 10)])
+                .unwrap_err()
+                .to_string();
             assert!(e.contains("outside the 10 rows"), "{e}");
         }
     }

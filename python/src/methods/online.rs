@@ -37,6 +37,13 @@ impl NativeCluster {
         per_task: Vec<u32>,
     ) -> PyResult<(stage::NativeStream, String)> {
         let driver = self.driver()?;
+        // The SQL session's `SET flightshuffle.*` settings apply to online queries too.
+        let settings = self
+            .sql
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|ctx| ctx.options());
         online::start(
             py,
             &self.rt,
@@ -50,6 +57,7 @@ impl NativeCluster {
             top,
             terms,
             per_task,
+            settings,
         )
     }
 
