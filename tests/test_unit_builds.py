@@ -2,10 +2,13 @@
 table per sampling unit: only the pages whose key statistics meet the unit's
 (``flightshuffle.unit_builds``). Real workers, real Parquet files with small pages and a page
 index; every final answer equals DuckDB's, on tables stored in key order (cut per unit), in a
-random order (left as a stage), with NULL keys, duplicate keys across pages, keys missing on
-either side and a unit whose keys meet no row of the other table."""
+random order (read whole), with NULL keys, duplicate keys across pages, keys missing on
+either side, a build side computed in place and one cut into a stage, string keys over
+several files, and a build side without a page index (row-group statistics)."""
 
 from __future__ import annotations
+
+import os
 
 import duckdb
 import flightshuffle as fs
@@ -73,7 +76,8 @@ def exact(cluster, query: str, tables: dict[str, str]) -> None:
     got = got.select(value_columns(got.columns)).to_arrow()
     con = duckdb.connect()
     for name, path in tables.items():
-        con.sql(f"CREATE VIEW {name} AS SELECT * FROM read_parquet('{path}')")
+        files = f"{path}/*.parquet" if os.path.isdir(path) else path
+        con.sql(f"CREATE VIEW {name} AS SELECT * FROM read_parquet('{files}')")
     want = con.sql(query).to_arrow_table()
     problem = tpch.compare(want, got, ordered=True)
     assert problem is None, problem
@@ -89,7 +93,7 @@ WHERE d.x < 60 GROUP BY d.g ORDER BY d.g"""
 PLAIN = """SELECT d.g, SUM(f.v) AS s, COUNT(*) AS n FROM fact f JOIN dim d ON f.k = d.k
 GROUP BY d.g ORDER BY d.g"""
 NARROW = """SELECT d.g, SUM(f.v) AS s, COUNT(*) AS n FROM fact f JOIN dim d ON f.k = d.k
-WHERE d.k BETWEEN 20000 AND 20100 GROUP BY d.g ORDER BY d.g"""
+WHERE d.k BETWEEN 2000 AND 2100 GROUP BY d.g ORDER BY d.g"""
 
 
 @pytest.mark.parametrize("query", [INNER, PLAIN, NARROW], ids=["filtered", "plain", "narrow"])
@@ -127,7 +131,9 @@ def test_the_units_read_few_pages_of_the_build_side(cluster, tables):
     assert "dim.parquet" in dim_scan
     rows = int(dim_scan.split(" rows in ")[0].split()[-1])
     dim_rows = pq.ParquetFile(tables["dim"]).metadata.num_rows
-    assert rows <= 2 * dim_rows, dim_scan[:200]
+    # Each unit's range adds a few 4-row pages on its edges to dim's 10,000 non-NULL keys;
+    # the 300 NULL keys (whole pages of NULLs) are read by none.
+    assert DIM_ROWS <= rows <= 1.1 * DIM_ROWS, (dim_rows, dim_scan[:200])
 
 
 def test_not_exists_against_a_build_side_in_key_order_is_exact(cluster, tables):
@@ -136,3 +142,54 @@ def test_not_exists_against_a_build_side_in_key_order_is_exact(cluster, tables):
     WHERE NOT EXISTS (SELECT 1 FROM dim d WHERE d.k = f.k AND d.x < 30)
     GROUP BY b ORDER BY b"""
     exact(cluster, query, t)
+    assert cut(cluster), cluster.last_online_plan
+
+
+def test_a_build_side_stage_is_inlined_and_no_longer_run(cluster, tmp_path):
+    """A build side over 128 Ki rows is a stage of its own (computed once, gathered): cut per
+    unit, its plan moves into the units' stage and the stage is not run."""
+    rng = np.random.default_rng(11)
+    keys = 200_000
+    k = np.sort(rng.integers(0, keys, 600_000))
+    fact = pa.table({"k": k, "v": rng.integers(0, 1000, len(k))})
+    dim = pa.table({"k": np.arange(keys), "g": np.arange(keys) % 5, "x": np.arange(keys) % 100})
+    t = {
+        "fact": write(fact, tmp_path / "fact.parquet", 100_000, 64),
+        "dim": write(dim, tmp_path / "dim.parquet", 50_000, 64),
+    }
+    query = """SELECT d.g, SUM(f.v) AS s, COUNT(*) AS n FROM fact f JOIN dim d ON f.k = d.k
+    WHERE d.x < 50 GROUP BY d.g ORDER BY d.g"""
+    cluster.sql("SET flightshuffle.unit_builds = false")
+    try:
+        exact(cluster, query, t)
+        before = cluster.last_online_plan
+    finally:
+        cluster.sql("SET flightshuffle.unit_builds = true")
+    assert before.count("Stage ") == 2 and "gather into 1" in before, before
+    exact(cluster, query, t)
+    assert cut(cluster)
+    assert cluster.last_online_plan.count("Stage ") == 1, cluster.last_online_plan
+
+
+def test_string_keys_over_several_files_and_row_group_statistics(cluster, tmp_path):
+    """String keys; each table in two files; dim without a page index (its row groups'
+    statistics say which rows a unit can meet)."""
+    rng = np.random.default_rng(13)
+    k = np.sort(rng.integers(0, 30_000, 400_000))
+    fact = pa.table({"k": [f"key{x:06d}" for x in k], "v": rng.integers(0, 1000, len(k))})
+    dk = np.arange(0, 30_000, 2)
+    dim = pa.table({"k": [f"key{x:06d}" for x in dk], "g": dk % 3})
+    for name, table in (("fact", fact), ("dim", dim)):
+        (tmp_path / name).mkdir()
+        half = table.num_rows // 2
+        for i, part in enumerate((table.slice(0, half), table.slice(half))):
+            path = tmp_path / name / f"part-{i}.parquet"
+            if name == "fact":
+                write(part, path, 50_000, 32)
+            else:
+                pq.write_table(part, path, row_group_size=200, write_page_index=False)
+    t = {"fact": str(tmp_path / "fact"), "dim": str(tmp_path / "dim")}
+    query = """SELECT d.g, SUM(f.v) AS s, COUNT(*) AS n FROM fact f JOIN dim d ON f.k = d.k
+    GROUP BY d.g ORDER BY d.g"""
+    exact(cluster, query, t)
+    assert cut(cluster), cluster.last_online_plan

@@ -13,8 +13,8 @@
 //!   intervals need, see [`crate::split_totals`]). A map task runs the partitions of its
 //!   splits, each joined with the broadcast build sides, which a worker builds once for all
 //!   its splits (it decodes a stage plan once, see [`crate::source`]). A build side stored
-//!   in the fact table's key order is read per split instead, only the rows the split can
-//!   meet ([`crate::unit_builds`]).
+//!   in the fact table's key order is read per split instead, only the pages whose keys the
+//!   split can meet ([`crate::unit_builds`]).
 //! * [`run`] runs the stages that feed the fact stage to completion first, then the fact stage
 //!   under the streaming strategy with rounds by completion: its partial aggregates are
 //!   hash-exchanged on the group keys into one fold partition per worker and folded there
@@ -75,6 +75,8 @@ pub struct OnlinePlan {
     pub tasks: Vec<std::ops::Range<usize>>,
     /// Rows of each split.
     pub split_rows: Vec<u64>,
+    /// The session had `flightshuffle.build_bounds` off when the query was planned.
+    pub no_build_bounds: bool,
 }
 
 /// Plans the query again, as the caller planned it first (over the same tables), with new
@@ -260,6 +262,7 @@ pub async fn plan(
         explain,
         tasks,
         split_rows: splits.iter().map(|s| s.rows).collect(),
+        no_build_bounds: !ctx.options().build_bounds,
     })
 }
 
@@ -549,7 +552,7 @@ async fn run_once(
         let spec: ShuffleSpec = ctx.stage_run_plain(&plan.fact)?.spec;
         let job = StreamingJob {
             spec,
-            inputs: split_tasks(ctx, &plan.fact.writer, &plan.tasks)?,
+            inputs: split_tasks(ctx, &plan.fact.writer, &plan.tasks, plan.no_build_bounds)?,
             weights: plan
                 .tasks
                 .iter()
@@ -585,6 +588,7 @@ fn split_tasks(
     ctx: &DistributedContext,
     writer: &Arc<ShuffleWriterExec>,
     tasks: &[std::ops::Range<usize>],
+    no_build_bounds: bool,
 ) -> Result<Vec<MapInput>> {
     let plan = physical_plan_to_bytes_with_extension_codec(
         writer.clone() as Arc<dyn ExecutionPlan>,
@@ -600,7 +604,6 @@ fn split_tasks(
     let workers = ctx.driver().addresses();
     let timeout_secs = ctx.driver().config().rpc_timeout.as_secs();
     let batch_size = ctx.session().copied_config().batch_size() as u32;
-    let no_build_bounds = !ctx.options().build_bounds;
     Ok(tasks
         .iter()
         .map(|r| {

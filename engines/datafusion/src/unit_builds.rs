@@ -19,12 +19,12 @@
 //! extra rows of those pages meet no row of split i.
 //!
 //! Applied only where the pages are few: when the ranges together read at most
-//! [`MAX_READS`] times `T`'s rows and each under half of them (a table not stored in key
-//! order keeps its stage), to
-//! inner, right, right-semi and right-anti joins (the output rows come from the probe side's
-//! rows and their matches), never to a null-aware anti join (`NOT IN`: one NULL of the whole
-//! build side decides), a join with a limit, or keys without an order that Parquet's
-//! statistics share ([`crate::build_bounds::ordered`]).
+//! [`MAX_READS`] times `T`'s rows and each at most half of them (a table not stored in key
+//! order keeps its stage), to inner, right, right-semi and right-anti joins (the output rows
+//! come from the probe side's rows and their matches; a null-aware anti join, `NOT IN`, whose
+//! one NULL anywhere in the build side decides, is a left anti join and never taken), not to
+//! a join with a limit, a build side with a volatile expression, or keys without an order
+//! that Parquet's statistics share ([`crate::build_bounds::ordered`]).
 
 use crate::context::DistributedContext;
 use crate::planner::Stage;
@@ -90,17 +90,7 @@ pub async fn apply(
             SplitScanExec::try_grouped(table_scan, parts, true)
                 .map_err(|e| DataFusionError::Plan(e.to_string()))?,
         );
-        let body = c
-            .body
-            .clone()
-            .transform_up(|node| {
-                Ok(if Arc::ptr_eq(&node, &c.table_scan) {
-                    Transformed::yes(cut.clone())
-                } else {
-                    Transformed::no(node)
-                })
-            })?
-            .data;
+        let body = replace(&c.body, &c.table_scan, &cut)?;
         let join = c
             .join
             .downcast_ref::<HashJoinExec>()
@@ -116,19 +106,49 @@ pub async fn apply(
             .with_partition_mode(PartitionMode::Partitioned)
             .reset_state()
             .build_exec()?;
-        input = input
-            .transform_up(|node| {
-                Ok(if Arc::ptr_eq(&node, &c.join) {
-                    Transformed::yes(cut_join.clone())
-                } else {
-                    Transformed::no(node)
-                })
-            })?
-            .data;
+        let replaced = input.clone().transform_up(|node| {
+            Ok(if Arc::ptr_eq(&node, &c.join) {
+                Transformed::yes(cut_join.clone())
+            } else {
+                Transformed::no(node)
+            })
+        })?;
+        if !replaced.transformed {
+            continue; // under a join replaced before (not met: joins come outermost first)
+        }
+        input = replaced.data;
         tracing::debug!(stage = ?c.stage, column = %c.table_column, "online: a build side is read per split");
         inlined.extend(c.stage);
     }
     Ok((input, inlined))
+}
+
+/// `plan` with the one node `old` replaced by `new`.
+fn replace(
+    plan: &Arc<dyn ExecutionPlan>,
+    old: &Arc<dyn ExecutionPlan>,
+    new: &Arc<dyn ExecutionPlan>,
+) -> Result<Arc<dyn ExecutionPlan>> {
+    Ok(plan
+        .clone()
+        .transform_up(|node| {
+            Ok(if Arc::ptr_eq(&node, old) {
+                Transformed::yes(new.clone())
+            } else {
+                Transformed::no(node)
+            })
+        })?
+        .data)
+}
+
+/// How many times `node` sits in `plan` (a node may be shared).
+fn occurrences(plan: &Arc<dyn ExecutionPlan>, node: &Arc<dyn ExecutionPlan>) -> usize {
+    let mut n = 0;
+    let _ = plan.apply(|p| {
+        n += usize::from(Arc::ptr_eq(p, node));
+        Ok(TreeNodeRecursion::Continue)
+    });
+    n
 }
 
 /// A join of the fact stage whose build side might be cut per split.
@@ -224,8 +244,12 @@ fn candidate(
         let Some((fact_scan, fact_column)) = trace(j.right(), r.index()) else {
             continue;
         };
+        // The scan is replaced where it sits, once; a volatile expression (`random()`)
+        // would pass an edge page's row for one split and drop it for another.
         if table_scan.downcast_ref::<DataSourceExec>().is_none()
             || fact_scan.downcast_ref::<SplitScanExec>().is_none()
+            || occurrences(&body, &table_scan) != 1
+            || crate::subtree::volatile(&body)
         {
             continue;
         }
@@ -514,7 +538,8 @@ fn meeting(pages: &[Page], lo: &ScalarValue, hi: &ScalarValue) -> Vec<(u64, u64)
 /// Footers (with page indexes) read once per planning, through the scans' own readers.
 struct Footers<'a> {
     ctx: &'a DistributedContext,
-    read: HashMap<String, Arc<ArrowReaderMetadata>>,
+    /// By object store and path.
+    read: HashMap<(String, String), Arc<ArrowReaderMetadata>>,
 }
 
 impl<'a> Footers<'a> {
@@ -547,9 +572,11 @@ impl<'a> Footers<'a> {
             }
         };
         let timeout = self.ctx.driver().config().rpc_timeout;
+        let store = config.object_store_url.to_string();
+        let key = |p: &String| (store.clone(), p.clone());
         let missing: Vec<(String, u64)> = files
             .iter()
-            .filter(|(p, _)| !self.read.contains_key(p))
+            .filter(|(p, _)| !self.read.contains_key(&key(p)))
             .cloned()
             .collect();
         let loaded: Vec<(String, Arc<ArrowReaderMetadata>)> = futures::stream::iter(missing)
@@ -575,10 +602,11 @@ impl<'a> Footers<'a> {
             .await
             .map_err(|e| tracing::debug!(error = %e, "online: footers not read"))
             .ok()?;
-        self.read.extend(loaded);
+        self.read
+            .extend(loaded.into_iter().map(|(p, m)| (key(&p), m)));
         files
             .iter()
-            .map(|(p, _)| Some((p.clone(), self.read.get(p)?.clone())))
+            .map(|(p, _)| Some((p.clone(), self.read.get(&key(p))?.clone())))
             .collect()
     }
 }

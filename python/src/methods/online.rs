@@ -37,13 +37,16 @@ impl NativeCluster {
         per_task: Vec<u32>,
     ) -> PyResult<(stage::NativeStream, String)> {
         let driver = self.driver()?;
-        // The SQL session's `SET flightshuffle.*` settings apply to online queries too.
-        let settings = self
-            .sql
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .map(|ctx| ctx.options());
+        // The SQL session's `SET flightshuffle.*` settings apply to online queries too (the
+        // defaults before it ran any).
+        let settings = Some(
+            self.sql
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .as_ref()
+                .map(|ctx| ctx.options())
+                .unwrap_or_default(),
+        );
         online::start(
             py,
             &self.rt,
