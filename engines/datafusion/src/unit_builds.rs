@@ -651,6 +651,68 @@ mod tests {
         assert_eq!(key_range(&unknown, 25, 10), None);
     }
 
+    /// Pages of `keys`, `per` rows each, with their statistics.
+    fn pages_of(keys: &[Option<i64>], per: usize) -> Vec<Page> {
+        keys.chunks(per)
+            .enumerate()
+            .map(|(i, c)| {
+                let present: Vec<i64> = c.iter().flatten().copied().collect();
+                Page {
+                    start: (i * per) as u64,
+                    rows: c.len() as u64,
+                    min: ScalarValue::Int64(present.iter().min().copied()),
+                    max: ScalarValue::Int64(present.iter().max().copied()),
+                    nulls: Some((c.len() - present.len()) as u64),
+                }
+            })
+            .collect()
+    }
+
+    proptest::proptest! {
+        /// Every row of the build table whose key a split's rows hold is in the pages that
+        /// meet the split's key range, whatever the order of either table.
+        #[test]
+        fn no_build_row_a_split_meets_is_left_out(
+            fact in proptest::collection::vec(proptest::option::weighted(0.9, 0i64..60), 1..300),
+            build in proptest::collection::vec(proptest::option::weighted(0.9, 0i64..60), 1..200),
+            sorted in proptest::bool::ANY,
+            fact_page in 1usize..20,
+            build_page in 1usize..20,
+            cut in (0usize..300, 1usize..300),
+        ) {
+            let mut fact = fact;
+            if sorted {
+                fact.sort();
+            }
+            let start = cut.0 % fact.len();
+            let rows = cut.1.min(fact.len() - start).max(1);
+            let held: std::collections::HashSet<i64> =
+                fact[start..start + rows].iter().flatten().copied().collect();
+            let range = key_range(&pages_of(&fact, fact_page), start as u64, rows as u64);
+            let Some(range) = range else {
+                return Err(proptest::test_runner::TestCaseError::fail("known statistics"));
+            };
+            let Some((lo, hi)) = range else {
+                proptest::prop_assert!(held.is_empty());
+                return Ok(());
+            };
+            let read = meeting(&pages_of(&build, build_page), &lo, &hi);
+            for (j, key) in build.iter().enumerate() {
+                if key.is_some_and(|k| held.contains(&k)) {
+                    let j = j as u64;
+                    proptest::prop_assert!(
+                        read.iter().any(|(s, n)| *s <= j && j < s + n),
+                        "build row {} (key {:?}) left out of {:?}", j, key, read
+                    );
+                }
+            }
+            // The ranges are disjoint and in order.
+            for w in read.windows(2) {
+                proptest::prop_assert!(w[0].0 + w[0].1 < w[1].0);
+            }
+        }
+    }
+
     #[test]
     fn the_pages_meeting_a_range_include_its_edges_and_unknown_pages() {
         let mut pages = vec![
