@@ -193,3 +193,34 @@ def test_string_keys_over_several_files_and_row_group_statistics(cluster, tmp_pa
     GROUP BY d.g ORDER BY d.g"""
     exact(cluster, query, t)
     assert cut(cluster), cluster.last_online_plan
+
+
+def test_a_worker_killed_while_units_read_their_build_sides_is_recovered(tables):
+    """SIGKILL a worker after the first round: the query runs again (planned again, its
+    build sides cut per unit again) on the replaced set, and the final is exact."""
+    import signal
+
+    from conftest import alive
+
+    t = {"fact": tables["fact"], "dim": tables["dim"]}
+    c = fs.Cluster(workers=3, timeout=120)
+    pids = c.worker_pids
+    try:
+        results = []
+        for r in c.online(INNER, rounds=8, seed=9, tables=t, progress=False):
+            results.append(r)
+            if r.round == 0:
+                os.kill(pids[1], signal.SIGKILL)
+        assert cut(c), c.last_online_plan
+        assert [r.round for r in results] == list(range(results[-1].rounds))
+        assert c.recovery()["rerun_jobs"] == 1, "the kill landed during the query"
+        got = results[-1].estimates
+        got = got.select(value_columns(got.columns)).to_arrow()
+        con = duckdb.connect()
+        for name, path in t.items():
+            con.sql(f"CREATE VIEW {name} AS SELECT * FROM read_parquet('{path}')")
+        assert tpch.compare(con.sql(INNER).to_arrow_table(), got, ordered=True) is None
+        replacements = c.worker_pids
+    finally:
+        c.close()
+    assert not any(alive(p) for p in pids + replacements)
