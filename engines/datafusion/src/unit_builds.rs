@@ -90,7 +90,9 @@ pub async fn apply(
             SplitScanExec::try_grouped(table_scan, parts, true)
                 .map_err(|e| DataFusionError::Plan(e.to_string()))?,
         );
-        let body = replace(&c.body, &c.table_scan, &cut)?;
+        let Some(body) = replace(&c.body, &c.table_scan, &cut)? else {
+            continue;
+        };
         let join = c
             .join
             .downcast_ref::<HashJoinExec>()
@@ -106,39 +108,31 @@ pub async fn apply(
             .with_partition_mode(PartitionMode::Partitioned)
             .reset_state()
             .build_exec()?;
-        let replaced = input.clone().transform_up(|node| {
-            Ok(if Arc::ptr_eq(&node, &c.join) {
-                Transformed::yes(cut_join.clone())
-            } else {
-                Transformed::no(node)
-            })
-        })?;
-        if !replaced.transformed {
-            continue; // under a join replaced before (not met: joins come outermost first)
-        }
-        input = replaced.data;
+        // Not found: under a join replaced before (not met: joins come outermost first).
+        let Some(replaced) = replace(&input, &c.join, &cut_join)? else {
+            continue;
+        };
+        input = replaced;
         tracing::debug!(stage = ?c.stage, column = %c.table_column, "online: a build side is read per split");
         inlined.extend(c.stage);
     }
     Ok((input, inlined))
 }
 
-/// `plan` with the one node `old` replaced by `new`.
+/// `plan` with the node `old` replaced by `new`; None when `old` is not in it.
 fn replace(
     plan: &Arc<dyn ExecutionPlan>,
     old: &Arc<dyn ExecutionPlan>,
     new: &Arc<dyn ExecutionPlan>,
-) -> Result<Arc<dyn ExecutionPlan>> {
-    Ok(plan
-        .clone()
-        .transform_up(|node| {
-            Ok(if Arc::ptr_eq(&node, old) {
-                Transformed::yes(new.clone())
-            } else {
-                Transformed::no(node)
-            })
-        })?
-        .data)
+) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+    let out = plan.clone().transform_up(|node| {
+        Ok(if Arc::ptr_eq(&node, old) {
+            Transformed::yes(new.clone())
+        } else {
+            Transformed::no(node)
+        })
+    })?;
+    Ok(out.transformed.then_some(out.data))
 }
 
 /// How many times `node` sits in `plan` (a node may be shared).
