@@ -145,6 +145,25 @@ def test_not_exists_against_a_build_side_in_key_order_is_exact(cluster, tables):
     assert cut(cluster), cluster.last_online_plan
 
 
+def test_exists_is_a_semi_join_read_per_unit_and_exact(cluster, tables):
+    """TPC-H Q4's shape: a positive EXISTS stays a semi join (not an IN run first), its
+    subquery's table the build side, cut per unit; over one of the outer query's own tables
+    it is still an IN run first (the sampled table is read once), and exact."""
+    t = {"fact": tables["fact"], "dim": tables["dim"]}
+    query = """SELECT f.v % 5 AS b, COUNT(*) AS n, SUM(f.v) AS s FROM fact f
+    WHERE EXISTS (SELECT 1 FROM dim d WHERE d.k = f.k AND d.x < 30)
+    GROUP BY b ORDER BY b"""
+    exact(cluster, query, t)
+    assert cut(cluster), cluster.last_online_plan
+    assert "join_type=RightSemi" in cluster.last_online_plan
+    assert "__in_" not in cluster.last_online_plan
+    # Over the outer query's own table: the EXISTS runs first (its keys a table it joins).
+    query = """SELECT f.v % 5 AS b, COUNT(*) AS n FROM fact f
+    WHERE EXISTS (SELECT 1 FROM fact g WHERE g.v = f.k AND g.v < 900) GROUP BY b ORDER BY b"""
+    exact(cluster, query, t)
+    assert "RightSemi" not in cluster.last_online_plan
+
+
 def test_a_build_side_stage_is_inlined_and_no_longer_run(cluster, tmp_path):
     """A build side over 128 Ki rows is a stage of its own (computed once, gathered): cut per
     unit, its plan moves into the units' stage and the stage is not run."""

@@ -284,37 +284,50 @@ def _as_in(exists: Any, runs: Callable[[str], bool]) -> Any | None:
     return None
 
 
-def anti_join(exists: Any, tree: Any, runs: Callable[[str], bool] | None = None) -> bool:
-    """Whether ``exists`` is ``NOT EXISTS (SELECT ... WHERE inner = outer AND ...)``, one of
-    the ANDed conditions of ``tree``'s WHERE: an anti join that keeps or drops each row of the
-    outer query, which DataFusion plans with the subquery's rows as the build side, so the
-    fact table's rows still stream through it. With ``runs``, the equality must tie one of its
-    own columns to one of the outer query's (as :func:`_as_in` finds it)."""
+def kept_join(exists: Any, tree: Any, runs: Callable[[str], bool] | None = None) -> bool:
+    """Whether ``exists`` is ``[NOT] EXISTS (SELECT ... WHERE inner = outer AND ...)``, one of
+    the ANDed conditions of ``tree``'s WHERE, kept for DataFusion to plan as a semi or anti
+    join that keeps or drops each row of the outer query. The online plan builds on the
+    subquery's rows, so the fact table's rows still stream through it; where the subquery's
+    table is stored in the fact table's key order, each sampling unit reads only the rows its
+    keys can meet (``unit_builds``: TPC-H Q4's ``lineitem`` in ``orders``' order). With
+    ``runs``, the equality must tie one of its own columns to one of the outer query's (as
+    :func:`_as_in` finds it), and a positive ``EXISTS`` must read none of the outer query's
+    tables (the sampled table is read once; such an ``EXISTS`` becomes an ``IN`` run first).
+    Other conditions may read the outer query too: a filter of the join."""
     from sqlglot import exp
 
     where = tree.args.get("where")
-    not_ = exists.parent
-    if where is None or not isinstance(not_, exp.Not) or not _conjunct(not_, where):
+    negated = isinstance(exists.parent, exp.Not)
+    node = exists.parent if negated else exists
+    if where is None or not _conjunct(node, where):
         return False
     select = exists.this
     if not isinstance(select, exp.Select) or select.args.get("where") is None:
         return False
     if any(select.args.get(a) for a in ("limit", "offset", "group", "having", "qualify")):
         return False
-    # An aggregate without GROUP BY always gives a row: NOT EXISTS is then false throughout.
+    # An aggregate without GROUP BY always gives a row: EXISTS is then true throughout.
     if any(e.find(exp.AggFunc) for e in select.expressions):
         return False
-    if runs is not None:
-        # Tied by an equality of one of its own columns with one of the outer query's (other
-        # conditions may read the outer query too: a join filter of the anti join).
-        bare = select.copy()
-        bare.set("where", None)
-        return any(
-            _column_equality(c)
-            and runs(_selecting(bare, c.this)) != runs(_selecting(bare, c.expression))
-            for c in _conditions(select)
-        )
-    return any(_column_equality(c) for c in _conditions(select))
+    if runs is None:
+        return any(_column_equality(c) for c in _conditions(select))
+    if not negated:
+        outer: set[str] = set()
+        for a in ("from_", "from", "joins"):
+            parts = tree.args.get(a) or []
+            for part in parts if isinstance(parts, list) else [parts]:
+                outer |= {t.name for t in part.find_all(exp.Table)}
+        if outer & {t.name for t in select.find_all(exp.Table)}:
+            return False
+    # Tied by an equality of one of its own columns with one of the outer query's.
+    bare = select.copy()
+    bare.set("where", None)
+    return any(
+        _column_equality(c)
+        and runs(_selecting(bare, c.this)) != runs(_selecting(bare, c.expression))
+        for c in _conditions(select)
+    )
 
 
 def _per_key(
@@ -420,9 +433,9 @@ def resolve_subqueries(
     the list of values (none: FALSE), a scalar subquery by its value (no row: NULL). An IN
     subquery with more than :data:`MAX_IN_VALUES` values, one of the ANDed conditions of the
     WHERE, becomes a join with a table of its distinct values that ``keep`` stores and names.
-    ``EXISTS`` tied to the outer query by one equality and ANDed in the WHERE is that IN
-    (TPC-H Q4); ``NOT EXISTS`` tied the same way stays for DataFusion to plan as an anti join
-    (:func:`anti_join`; TPC-H Q22). A scalar subquery tied by equalities and compared in an
+    ``[NOT] EXISTS`` tied to the outer query by an equality and ANDed in the WHERE stays for
+    DataFusion to plan as a semi or anti join (:func:`kept_join`; TPC-H Q4, Q22); an
+    ``EXISTS`` over one of the outer query's tables becomes that ``IN`` (:func:`_as_in`). A scalar subquery tied by equalities and compared in an
     ANDed condition of the WHERE runs once for every key into a table the query joins
     (:func:`_per_key`; TPC-H Q17). Anything else that reads the outer query's columns does
     not run on its own: refused, as is a large ``NOT IN``. TPC-H Q4, Q11, Q18 and Q22 stream
@@ -471,8 +484,8 @@ def resolve_subqueries(
     for clause in clauses:
         node = out.args[clause]
         for exists in own(node.find_all(exp.Exists)):
-            if anti_join(exists, out, runs):
-                continue  # planned by DataFusion as an anti join in the fact's stage
+            if kept_join(exists, out, runs):
+                continue  # planned by DataFusion as a semi or anti join in the fact's stage
             member = _as_in(exists, runs) if clause == "where" and _conjunct(exists, node) else None
             if member is None:
                 raise ValueError(

@@ -17,8 +17,8 @@ import pyarrow as pa
 
 from flightshuffle.estimates import DISTINCT_VALUE, NEEDS, PRODUCTS, UNITS, AggRef
 from flightshuffle.rewrite import (
-    anti_join,
     inline_derived,
+    kept_join,
     parse,
     ratio,
     scaled_aggregate,
@@ -33,7 +33,7 @@ class SqlPlan:
     tables: list[str]
     """Every table the query reads, once per time it is read."""
     samplable: list[str]
-    """The tables each result row holds one row of: not those an anti join reads whole."""
+    """The tables each result row holds one row of: not those a semi or anti join reads whole."""
     keys: list[str]
     aggs: list[AggRef]
     stats: str
@@ -167,10 +167,11 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
     for arg in ("qualify", "windows", "distinct", "with_"):
         if tree.args.get(arg):
             raise unsupported(f"{arg.rstrip('_').upper()} is not supported")
-    # NOT EXISTS tied by an equality stays for DataFusion: an anti join (rewrite.anti_join).
-    antis = [e for e in tree.find_all(exp.Exists) if anti_join(e, tree)]
+    # [NOT] EXISTS tied by an equality stays for DataFusion: a semi or anti join
+    # (rewrite.kept_join).
+    kept = [e for e in tree.find_all(exp.Exists) if kept_join(e, tree)]
     if any(
-        s is not tree and not any(within(s, a) for a in antis) for s in tree.find_all(exp.Select)
+        s is not tree and not any(within(s, a) for a in kept) for s in tree.find_all(exp.Select)
     ):
         raise unsupported("subqueries are not supported")
     for j in tree.args.get("joins") or []:
@@ -180,17 +181,19 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
                 f"{sql(j).split(' ON ')[0].strip()}: only inner joins keep every result row "
                 "tied to one row of the fact table, which the estimates scale"
             )
-    if engine == "duckdb" and antis:
-        raise unsupported("NOT EXISTS needs engine='datafusion' (DuckDB reads one table per split)")
+    if engine == "duckdb" and kept:
+        raise unsupported(
+            "[NOT] EXISTS needs engine='datafusion' (DuckDB reads one table per split)"
+        )
     if engine == "duckdb" and tree.args.get("joins"):
         raise unsupported("joins need engine='datafusion' (DuckDB reads one table per split)")
     source = tree.args.get("from_") or tree.args.get("from")
     if source is None:
         raise unsupported("there is no FROM clause")
     tables = [t.name for t in tree.find_all(exp.Table)]
-    # The tables a result row holds one row of (those of an anti join's subquery are read
+    # The tables a result row holds one row of (those of a semi or anti join's subquery are read
     # whole, as its build side).
-    samplable = [t.name for t in tree.find_all(exp.Table) if not any(within(t, a) for a in antis)]
+    samplable = [t.name for t in tree.find_all(exp.Table) if not any(within(t, a) for a in kept)]
     if not isinstance(source.this, exp.Table) or any(
         not isinstance(j.this, exp.Table) for j in tree.args.get("joins") or []
     ):
