@@ -60,6 +60,7 @@ WHERES = [
     # Correlated scalar subqueries: run once per key into a table the query joins.
     "v > (SELECT avg(w) FROM k WHERE b = a)",
     "v >= (SELECT max(w) - {t} FROM k WHERE a = b AND w > {t}) AND a > -2",
+    "v > (SELECT avg(w) FROM k WHERE b = a) AND v < {t}",  # keys of rows with v < t only
     # Kept: a semi or anti join, which DataFusion plans in the fact table's stage (another
     # condition may read the outer query: the join's filter).
     "EXISTS (SELECT * FROM k WHERE b = a AND w > {t})",
@@ -134,6 +135,24 @@ def test_a_derived_table_with_subqueries_in_its_where_is_inlined_with_them(facts
     )
     out = resolved(con, sql)
     assert "AS d" not in out and out.upper().count("SELECT") == 2, out
+    same_rows(con, sql, out)
+
+
+def test_a_per_key_table_holds_only_keys_the_outer_conditions_keep():
+    """TPC-H Q17's shape: the per-key values are computed only for the keys whose outer rows
+    pass the outer query's conditions on the outer column's table (not for every key of the
+    subquery's table), and the answer is the same."""
+    con = connect([(1, 1), (5, 2), (2, 9)], [(1, 3), (5, 4), (7, 1), (2, 1)])
+    kept: list[pa.Table] = []
+
+    def keep(table: pa.Table) -> str:
+        kept.append(table)
+        con.register("kept", table)
+        return "kept"
+
+    sql = "SELECT a, sum(v) AS s FROM f WHERE v <= (SELECT max(w) FROM k WHERE b = a) AND a < 3 GROUP BY a"
+    out = rewrite.resolve(sql, "duckdb", lambda q: con.sql(q).to_arrow_table(), keep)
+    assert sorted(kept[0].column("__key0").to_pylist()) == [1, 2], kept[0]
     same_rows(con, sql, out)
 
 

@@ -330,6 +330,49 @@ def kept_join(exists: Any, tree: Any, runs: Callable[[str], bool] | None = None)
     )
 
 
+def _only_kept_keys(
+    per_key: Any, keys: list, where: Any, compare: Any, outer_from: Any, runs: Callable
+) -> Any:
+    """``per_key`` (``SELECT inner AS __key0, ... GROUP BY inner``) restricted to the keys an
+    outer row can still have: for each key whose outer column comes from a table the
+    subquery does not read, ``inner IN (SELECT outer FROM <that table> WHERE <the outer
+    WHERE's ANDed conditions on that table alone>)``. An outer row that fails those
+    conditions is dropped whatever its key's value, so its key's row is not needed (TPC-H
+    Q17: the average quantity of the 0.1% of parts of one brand and container, not of all
+    parts). Unchanged where no such condition exists."""
+    from sqlglot import exp
+
+    if outer_from is None:
+        return per_key
+    ours = {t.name for t in per_key.find_all(exp.Table)}
+    conds = [c for c in (where.this.flatten() if isinstance(where.this, exp.And) else [where.this])]
+    out = per_key.copy()
+    extra = []
+    for inner, outer in keys:
+        for table in outer_from.find_all(exp.Table):
+            if table.name in ours:
+                continue
+            alone = exp.select(outer.copy()).from_(table.copy())
+            if not runs(alone.limit(0).sql()):
+                continue  # not this table's column
+            own = [
+                c
+                for c in conds
+                if c is not compare
+                and not c.find(exp.Subquery, exp.Select, exp.Exists, exp.Rand)
+                and runs(alone.where(c.copy()).limit(0).sql())
+            ]
+            if own:
+                keys_of = alone.where(exp.and_(*[c.copy() for c in own]))
+                extra.append(exp.In(this=inner.copy(), query=exp.Subquery(this=keys_of)))
+            break
+    if not extra:
+        return per_key
+    old = out.args.get("where")
+    out.set("where", exp.Where(this=exp.and_(*([old.this] if old else []), *extra)))
+    return out if runs(out.sql() + " LIMIT 0") else per_key
+
+
 def _per_key(
     sub: Any,
     where: Any,
@@ -394,6 +437,7 @@ def _per_key(
     per_key.set("group", exp.Group(expressions=[k.copy() for k, _ in keys]))
     if not runs(per_key.sql() + " LIMIT 0"):
         return None  # another condition reads the outer query
+    restricted = _only_kept_keys(per_key, keys, where, compare, outer_from, runs)
     # A key with no rows compares with the value over no rows; the join drops its rows, which
     # is the same only when that value is NULL (not so for COUNT, COALESCE(MAX(x), 0), ...).
     empty = base.copy()
@@ -416,7 +460,7 @@ def _per_key(
                 same = False
             if not same:
                 return None
-    table = run(per_key.sql())
+    table = run(restricted.sql())
     name = keep(table)
     ties = [
         exp.EQ(this=outer.copy(), expression=exp.column(f"__key{i}", name))
