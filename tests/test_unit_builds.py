@@ -190,6 +190,44 @@ def test_a_build_side_stage_is_inlined_and_no_longer_run(cluster, tmp_path):
     assert cluster.last_online_plan.count("Stage ") == 1, cluster.last_online_plan
 
 
+def test_a_build_side_hashed_inside_its_stage_is_turned_and_read_per_unit(cluster, tmp_path):
+    """TPC-H Q10's shape: the table in the fact's key order (`mid`, filtered) is the build side
+    of another table's join (`other`, larger) inside the stage the fact builds on, and is a
+    gathered stage itself. That join is turned around (`other` hashed whole, `mid` read per
+    unit), both stages move into the units' stage, and the answer is exact."""
+    rng = np.random.default_rng(17)
+    keys = 200_000
+    k = np.sort(rng.integers(0, keys, 600_000))
+    fact = pa.table({"k": k, "v": rng.integers(0, 1000, len(k))})
+    mid = pa.table(
+        {"k": np.arange(keys), "c": rng.integers(0, 300_000, keys), "x": np.arange(keys) % 100}
+    )
+    other = pa.table({"c": np.arange(300_000), "g": np.arange(300_000) % 7})
+    t = {
+        "fact": write(fact, tmp_path / "fact.parquet", 100_000, 64),
+        "mid": write(mid, tmp_path / "mid.parquet", 50_000, 64),
+        "other": write(other, tmp_path / "other.parquet", 100_000, 64),
+    }
+    query = """SELECT o.g, SUM(f.v) AS s, COUNT(*) AS n FROM other o, mid m, fact f
+    WHERE o.c = m.c AND m.k = f.k AND m.x < 50 GROUP BY o.g ORDER BY o.g"""
+    cluster.sql("SET flightshuffle.unit_builds = false")
+    try:
+        exact(cluster, query, t)
+        before = cluster.last_online_plan
+    finally:
+        cluster.sql("SET flightshuffle.unit_builds = true")
+    assert before.count("Stage ") == 3, before
+    exact(cluster, query, t)
+    plan = cluster.last_online_plan
+    assert cut(cluster), plan
+    assert plan.count("Stage ") == 1, plan
+    # The parts of mid stream through other's join, other hashed whole.
+    lines = plan.splitlines()
+    parts = next(i for i, line in enumerate(lines) if "parts (the rows each split" in line)
+    assert "mid.parquet" in lines[parts], plan
+    assert any("mode=CollectLeft" in line for line in lines[:parts]), plan
+
+
 def test_string_keys_over_several_files_and_row_group_statistics(cluster, tmp_path):
     """String keys; each table in two files; dim without a page index (its row groups'
     statistics say which rows a unit can meet)."""

@@ -22,6 +22,7 @@ pub mod gathers;
 pub mod held;
 pub mod join_order;
 pub mod key_filter;
+pub mod key_trace;
 pub mod online;
 pub mod planner;
 pub mod pool;

@@ -221,6 +221,8 @@ pub async fn plan(
     for s in staged.stages.iter().filter(|s| inlined.contains(&s.id())) {
         fact_inputs.extend(s.inputs.iter().copied());
     }
+    // A stage inlined into another inlined one (`key_trace::reorient`) is not read either.
+    fact_inputs.retain(|i| !inlined.contains(i));
     fact_inputs.sort_unstable();
     fact_inputs.dedup();
     if input.output_partitioning().partition_count() != n {

@@ -11,7 +11,8 @@
 //! [`apply`] finds a `CollectLeft` join of the fact stage, keyed on a column of the fact
 //! table on its probe side and, on its build side, on a column of a Parquet table `T` read by
 //! a gathered stage (or by a plan each worker runs in place) that makes each of its rows from
-//! one row of `T` (through filters, projections and the probe sides of broadcast joins). It
+//! one row of `T` (through filters, projections and the probe sides of broadcast joins, or
+//! a build side turned into a probe side, [`crate::key_trace`]). It
 //! replaces the join by a partitioned one whose build side is that plan reading, in
 //! partition i, only the pages of `T` whose key statistics meet split i's key range; the
 //! stage is no longer run. Every row of
@@ -27,6 +28,7 @@
 //! that Parquet's statistics share ([`crate::build_bounds::ordered`]).
 
 use crate::context::DistributedContext;
+use crate::key_trace::{reorient, trace};
 use crate::planner::Stage;
 use crate::reader::ShuffleReaderExec;
 use crate::split::{FactSplit, SplitScanExec};
@@ -44,10 +46,8 @@ use datafusion::parquet::arrow::arrow_reader::{ArrowReaderMetadata, ArrowReaderO
 use datafusion::parquet::file::metadata::PageIndexPolicy;
 use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
-use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
 use datafusion::physical_plan::metrics::ExecutionPlanMetricsSet;
-use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 use futures::{StreamExt, TryStreamExt};
 use std::cmp::Ordering;
@@ -115,6 +115,7 @@ pub async fn apply(
         input = replaced;
         tracing::debug!(stage = ?c.stage, column = %c.table_column, "online: a build side is read per split");
         inlined.extend(c.stage);
+        inlined.extend(c.nested);
     }
     Ok((input, inlined))
 }
@@ -153,6 +154,8 @@ struct Candidate {
     /// in place), and the plan that computes it (that stage's, below its writer).
     stage: Option<u32>,
     body: Arc<dyn ExecutionPlan>,
+    /// The gathered stages `body` now computes itself ([`reorient`]).
+    nested: Vec<u32>,
     /// The scan of `T` in `body`, and its key column there.
     table_scan: Arc<dyn ExecutionPlan>,
     table_column: String,
@@ -167,12 +170,14 @@ struct Candidate {
 /// build side, each row of either side made from one row of its table.
 fn candidates(input: &Arc<dyn ExecutionPlan>, stages: &[Stage]) -> Vec<Candidate> {
     let mut readers: HashMap<u32, usize> = HashMap::new();
-    let _ = input.apply(|node| {
-        if let Some(r) = node.downcast_ref::<ShuffleReaderExec>() {
-            *readers.entry(r.stage).or_default() += 1;
-        }
-        Ok(TreeNodeRecursion::Continue)
-    });
+    for plan in std::iter::once(input).chain(stages.iter().map(|s| s.writer.input())) {
+        let _ = plan.apply(|node| {
+            if let Some(r) = node.downcast_ref::<ShuffleReaderExec>() {
+                *readers.entry(r.stage).or_default() += 1;
+            }
+            Ok(TreeNodeRecursion::Continue)
+        });
+    }
     let mut found = Vec::new();
     let _ = input.apply(|node| {
         if let Some(c) = candidate(node, stages, &readers) {
@@ -232,6 +237,10 @@ fn candidate(
         if t != probe_schema.field(r.index()).data_type() || !crate::build_bounds::ordered(t) {
             continue;
         }
+        let mut nested = Vec::new();
+        let Ok(body) = reorient(&body, l.index(), stages, readers, &mut nested) else {
+            continue;
+        };
         let Some((table_scan, table_column)) = trace(&body, l.index()) else {
             continue;
         };
@@ -251,6 +260,7 @@ fn candidate(
             join: node.clone(),
             stage,
             body,
+            nested,
             table_scan,
             table_column,
             fact_column,
@@ -258,60 +268,6 @@ fn candidate(
         });
     }
     None
-}
-
-/// Where column `i` of `plan`'s output comes from, when `plan` makes each of its rows, in the
-/// same partition, from one row of a Parquet scan, that column unchanged: the scan (a
-/// `DataSourceExec` or a [`SplitScanExec`]) and the column's name in its table.
-fn trace(plan: &Arc<dyn ExecutionPlan>, i: usize) -> Option<(Arc<dyn ExecutionPlan>, String)> {
-    if plan.fetch().is_some() {
-        return None;
-    }
-    if let Some(p) = plan.downcast_ref::<ProjectionExec>() {
-        let c = p.expr().get(i)?.expr.downcast_ref::<Column>()?.index();
-        return trace(p.input(), c);
-    }
-    if let Some(f) = plan.downcast_ref::<FilterExec>() {
-        let i = match f.projection() {
-            Some(p) => *p.get(i)?,
-            None => i,
-        };
-        return trace(f.input(), i);
-    }
-    if plan.name() == "CoalesceBatchesExec" {
-        return trace(plan.children().first()?, i);
-    }
-    if let Some(j) = plan.downcast_ref::<HashJoinExec>() {
-        if *j.partition_mode() != PartitionMode::CollectLeft {
-            return None;
-        }
-        let i = match &j.projection {
-            Some(p) => *p.get(i)?,
-            None => i,
-        };
-        let left = j.left().schema().fields().len();
-        return match j.join_type() {
-            JoinType::Inner | JoinType::Right if i >= left => trace(j.right(), i - left),
-            JoinType::RightSemi | JoinType::RightAnti => trace(j.right(), i),
-            _ => None,
-        };
-    }
-    let scan = match plan.downcast_ref::<SplitScanExec>() {
-        Some(s) => s.scan(),
-        None => plan.clone(),
-    };
-    let (config, _) = scan
-        .downcast_ref::<DataSourceExec>()?
-        .downcast_to_file_source::<ParquetSource>()?;
-    if config.limit.is_some() {
-        return None;
-    }
-    let table = config.file_source.table_schema().table_schema().clone();
-    let column = match config.file_source.projection() {
-        Some(p) => p.iter().nth(i)?.expr.downcast_ref::<Column>()?.index(),
-        None => i,
-    };
-    Some((plan.clone(), table.fields().get(column)?.name().clone()))
 }
 
 /// Row ranges of `T` for each split (`parts[i]`: split i's), or None when the statistics do
