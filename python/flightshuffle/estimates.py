@@ -72,6 +72,9 @@ UNITS = "__units"
 
 # The value column of a COUNT(DISTINCT x)'s statistics (one row per group and value).
 DISTINCT_VALUE = "__dv"
+# What the workers send instead, per group and fold partition: the values seen and those
+# seen in one row only (``flightshuffle_datafusion::distinct_counts``).
+DISTINCT_COUNTS = ["__d", "__f1"]
 
 # An estimate is reliable from this many units holding its group on (see the module doc), and
 # when the total it rests on is spread over at least this many units' worth (``_spread``).
@@ -316,18 +319,25 @@ def distinct_estimates(state: pa.Table, keys: list[str], name: str, sample: Samp
     2000), between ``d`` (values seen) and ``d + (1/q − 1)·f1`` (each value seen once standing
     for as many as the unread rows could hold). GEE assumes the rows read are drawn at random;
     units are row ranges, and a group's rows may lie together, so every estimate is flagged
-    unreliable until the final round, which is exact (``d``: NULL values not counted)."""
-    # Only whether a value is NULL matters here: the value itself (of any type, some of which
-    # Polars does not take) is left in Arrow. One Polars group-by over the keys.
-    valid = pc.is_valid(state.column(DISTINCT_VALUE))
-    state = state.set_column(state.schema.get_field_index(DISTINCT_VALUE), DISTINCT_VALUE, valid)
-    frame = pl.from_arrow(state.select([*keys, DISTINCT_VALUE, "__c0"]))
+    unreliable until the final round, which is exact (``d``: NULL values not counted).
+    ``state`` may instead hold those counts per group already (:data:`DISTINCT_COUNTS`, one
+    row per group and fold partition, as the workers send them): they are added up."""
+    if state.column_names[-2:] == DISTINCT_COUNTS:
+        frame = pl.from_arrow(state.select([*keys, *DISTINCT_COUNTS]))
+        counts = [pl.col(c).sum().cast(pl.Float64).alias(c) for c in DISTINCT_COUNTS]
+    else:
+        # Only whether a value is NULL matters here: the value itself (of any type, some of
+        # which Polars does not take) is left in Arrow. One Polars group-by over the keys.
+        valid = pc.is_valid(state.column(DISTINCT_VALUE))
+        at = state.schema.get_field_index(DISTINCT_VALUE)
+        state = state.set_column(at, DISTINCT_VALUE, valid)
+        frame = pl.from_arrow(state.select([*keys, DISTINCT_VALUE, "__c0"]))
+        value = pl.col(DISTINCT_VALUE)
+        counts = [
+            value.sum().cast(pl.Float64).alias("__d"),  # NULL values not counted
+            ((pl.col("__c0") == 1) & value).sum().cast(pl.Float64).alias("__f1"),
+        ]
     assert isinstance(frame, pl.DataFrame)
-    value = pl.col(DISTINCT_VALUE)
-    counts = [
-        value.sum().cast(pl.Float64).alias("__d"),  # NULL values not counted
-        ((pl.col("__c0") == 1) & value).sum().cast(pl.Float64).alias("__f1"),
-    ]
     per = frame.group_by(keys).agg(counts) if keys else frame.select(counts)
     d = per.get_column("__d").to_numpy()
     f1 = per.get_column("__f1").to_numpy()

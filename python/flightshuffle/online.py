@@ -32,6 +32,7 @@ import pyarrow as pa
 from flightshuffle import footers, ops
 from flightshuffle._exec import MapTask, Split, apply_ops
 from flightshuffle.estimates import (
+    DISTINCT_COUNTS,
     NEEDS,
     AggRef,
     Sample,
@@ -41,7 +42,7 @@ from flightshuffle.estimates import (
     unit_products,
 )
 from flightshuffle.joblog import JobLog
-from flightshuffle.sql_plan import SqlPlan, emit_top, expand_stats
+from flightshuffle.sql_plan import SqlPlan, distinct_counts, emit_top, expand_stats
 from flightshuffle.units import FIRST_WAVE_ROWS, fact_units
 
 
@@ -298,6 +299,14 @@ def run_sql(
         having_certain=plan.having_certain, distinct=plan.distinct,
     )  # fmt: skip
     expand = lambda t: expand_stats(t, plan)
+    if plan.distinct:
+        # The folds send COUNT(DISTINCT)'s counts per group (keys, __d, __f1), not their
+        # state per group and value (estimates.distinct_estimates); a whole run sends that.
+        expand = lambda t: (
+            t.rename_columns(keys + DISTINCT_COUNTS)
+            if t.column_names[-2:] == DISTINCT_COUNTS
+            else expand_stats(t, plan)
+        )
     log = JobLog(cluster.native, plan.query, cluster.workers)
     for i, fact in enumerate(candidates):
         # With joins the first estimate waits for the build sides: a first wave cut below a
@@ -317,6 +326,7 @@ def run_sql(
                 emit_top(plan),
                 plan.terms,
                 per_task,
+                distinct_counts(plan),
             )
             break
         except ValueError as e:

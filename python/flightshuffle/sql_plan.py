@@ -443,6 +443,17 @@ def expand_stats(table: pa.Table, plan: SqlPlan) -> pa.Table:
     return pa.table(cols)
 
 
+def distinct_counts(plan: SqlPlan) -> tuple[int, int, int] | None:
+    """For a COUNT(DISTINCT): how many group keys the folded statistics start with, the
+    value's column and its rows' column, so that each fold sends the counts per group
+    (:data:`flightshuffle.estimates.DISTINCT_COUNTS`) instead of its state per group and
+    value; None otherwise."""
+    if not plan.distinct:
+        return None
+    width = len(plan.keys)  # the group keys, then the value
+    return (width - 1, width - 1, width + plan.stat_columns.index(plan.stat_of["__c0"]))
+
+
 def emit_top(plan: SqlPlan) -> tuple[int, int | None, bool, bool, int] | None:
     """For ``ORDER BY x ... LIMIT k`` without HAVING: which folded column orders the
     estimates by ``x`` (column, divisor for an AVG, a null SUM counted as 0), descending, and

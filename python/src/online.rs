@@ -5,7 +5,7 @@ use crate::sql::df_err;
 use crate::stage::NativeStream;
 use flightshuffle::driver::Driver;
 use flightshuffle::strategy::StrategyOptions;
-use flightshuffle_datafusion::online::{self, EmitTop, FactSplit, Term};
+use flightshuffle_datafusion::online::{self, DistinctCounts, EmitTop, FactSplit, FoldEmit, Term};
 use flightshuffle_datafusion::{DistributedContext, FlightshuffleOptions};
 use pyo3::prelude::*;
 use std::collections::HashMap;
@@ -48,7 +48,7 @@ impl Sessions {
         tables: &[TableTuple],
         sql: &str,
         splits: Vec<FactSplit>,
-        top: Option<EmitTop>,
+        emit: FoldEmit,
         terms: Vec<Term>,
         per_task: Vec<u32>,
         settings: &Option<FlightshuffleOptions>,
@@ -79,7 +79,7 @@ impl Sessions {
                 session.tables.insert(name.clone(), now);
             }
         }
-        let planned = online::plan(&session.ctx, sql, splits, top, terms, per_task).await?;
+        let planned = online::plan(&session.ctx, sql, splits, emit, terms, per_task).await?;
         Ok((session.ctx.clone(), planned))
     }
 
@@ -92,9 +92,10 @@ impl Sessions {
 }
 
 /// Plan `sql` over `tables` with the fact table cut into `splits` (in the order they are
-/// read; `per_task[i]` consecutive splits per map task), each split's `terms` appended to its totals (see
-/// `flightshuffle_datafusion::split_totals`), the folds sending only candidates for `top`,
-/// and start it; returns the stream of folded statistics and the staged plan's text.
+/// read; `per_task[i]` consecutive splits per map task), each split's `terms` appended to its
+/// totals (see `flightshuffle_datafusion::split_totals`), the folds sending only candidates
+/// for `top` (or `distinct`'s counts per group), and start it; returns the stream of folded
+/// statistics and the staged plan's text.
 #[allow(clippy::too_many_arguments)]
 pub fn start(
     py: Python<'_>,
@@ -107,6 +108,7 @@ pub fn start(
     splits: Vec<SplitTuple>,
     rounds: usize,
     top: Option<TopTuple>,
+    distinct: Option<(u32, u32, u32)>,
     terms: Vec<(u32, u32)>,
     per_task: Vec<u32>,
     settings: Option<FlightshuffleOptions>,
@@ -119,6 +121,10 @@ pub fn start(
         descending,
         k,
     });
+    let emit = FoldEmit {
+        top,
+        distinct: distinct.map(|(keys, value, rows)| DistinctCounts { keys, value, rows }),
+    };
     let splits: Vec<FactSplit> = splits
         .into_iter()
         .map(|(path, size, file_rows, start, rows)| FactSplit {
@@ -142,7 +148,7 @@ pub fn start(
         &tables,
         &sql,
         splits.clone(),
-        top.clone(),
+        emit.clone(),
         terms.clone(),
         per_task.clone(),
         &settings,
@@ -158,12 +164,12 @@ pub fn start(
                 tables.clone(),
                 sql.clone(),
             );
-            let (splits, top) = (splits.clone(), top.clone());
+            let (splits, emit) = (splits.clone(), emit.clone());
             let (terms, per_task) = (terms.clone(), per_task.clone());
             let settings = settings.clone();
             Box::pin(async move {
                 let planned = sessions.plan(
-                    &driver, opts, &tables, &sql, splits, top, terms, per_task, &settings,
+                    &driver, opts, &tables, &sql, splits, emit, terms, per_task, &settings,
                 );
                 planned.await.map(|(_, p)| p)
             })

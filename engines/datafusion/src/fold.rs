@@ -15,6 +15,7 @@
 //! stays whole; only what is sent shrinks (TPC-H Q10 at SF1: 38 K groups, 20 returned).
 
 use crate::combine::PartialReduceKind;
+use crate::distinct_counts::DistinctCounts;
 use crate::running::Running;
 use arrow::array::{Array, ArrayRef, AsArray, Float64Array, RecordBatch, Scalar};
 use arrow::compute::kernels::cmp::{gt_eq, lt_eq};
@@ -38,6 +39,18 @@ pub struct FoldPayload {
     /// Emit only the candidates for the first `k` rows (None: every group).
     #[prost(message, optional, tag = "2")]
     pub top: Option<EmitTop>,
+    /// A COUNT(DISTINCT): emit its counts per group ([`crate::distinct_counts`]).
+    #[prost(message, optional, tag = "3")]
+    pub distinct: Option<DistinctCounts>,
+}
+
+/// What each fold partition sends the driver every round: every group's state by default.
+#[derive(Clone, Debug, Default)]
+pub struct FoldEmit {
+    /// Only the candidates for the first `k` rows.
+    pub top: Option<EmitTop>,
+    /// A COUNT(DISTINCT)'s counts per group instead of its state per group and value.
+    pub distinct: Option<DistinctCounts>,
 }
 
 /// The query's first ordering key, as a value per folded row, and its LIMIT.
@@ -65,6 +78,7 @@ struct FoldState {
     schema: SchemaRef,
     folded: Folded,
     top: Option<EmitTop>,
+    distinct: Option<DistinctCounts>,
 }
 
 enum Folded {
@@ -121,6 +135,7 @@ impl Reducer for PartialFold {
                     schema,
                     folded,
                     top: p.top,
+                    distinct: p.distinct,
                 }
             }
         };
@@ -159,6 +174,11 @@ impl Reducer for PartialFold {
             Folded::Running(_, all) => all.clone(),
             Folded::Combined { batches, .. } => batches.clone(),
         };
+        if let Some(spec) = &s.distinct {
+            return crate::distinct_counts::counts(spec, &s.schema, &all).map_err(|e| {
+                flightshuffle::Error::Task(format!("online fold: COUNT(DISTINCT): {e}"))
+            });
+        }
         let batches = match &s.top {
             Some(top) => candidates(&all, top).unwrap_or_else(|e| {
                 // Never worse than sending everything.
@@ -545,7 +565,7 @@ mod running_tests {
                 let per_round = states.len().div_ceil(rounds).max(1);
                 let mut added = Vec::new();
                 // The same rounds through the reducer the workers run.
-                let fold_payload = FoldPayload { plan: payload.clone(), top: None }.encode_to_vec();
+                let fold_payload = FoldPayload { plan: payload.clone(), top: None, distinct: None }.encode_to_vec();
                 let mut folded = None;
                 for round in states.chunks(per_round) {
                     for b in round {

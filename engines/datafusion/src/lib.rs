@@ -14,6 +14,7 @@ pub mod build_bounds;
 pub mod codec;
 pub mod combine;
 pub mod context;
+pub mod distinct_counts;
 pub mod double;
 pub mod execute;
 pub mod flight_sql;

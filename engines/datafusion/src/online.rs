@@ -48,7 +48,8 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
 
-pub use crate::fold::{EmitTop, PartialFold, PARTIAL_FOLD};
+pub use crate::distinct_counts::DistinctCounts;
+pub use crate::fold::{EmitTop, FoldEmit, PartialFold, PARTIAL_FOLD};
 
 use crate::split::plan_err;
 pub use crate::split::{FactSplit, SplitScanExec};
@@ -85,13 +86,14 @@ pub type Replan = Arc<dyn Fn() -> BoxFuture<'static, Result<OnlinePlan>> + Send 
 
 /// Plan `sql` (a grouped aggregate whose inputs include the fact table `splits` cut) for
 /// online aggregation (see the module doc). `ctx` should plan joins as broadcasts
-/// ([`DistributedContext::online_config`]). With `top`, the folds send only the groups that
-/// can be among the caller's first `top.k` (see [`crate::fold`]).
+/// ([`DistributedContext::online_config`]). `emit` says what the folds send each round: with
+/// `top`, only the groups that can be among the caller's first `top.k`; with `distinct`, a
+/// COUNT(DISTINCT)'s counts per group (see [`crate::fold`]).
 pub async fn plan(
     ctx: &DistributedContext,
     sql: &str,
     splits: Vec<FactSplit>,
-    top: Option<EmitTop>,
+    emit: FoldEmit,
     terms: Vec<Term>,
     per_task: Vec<u32>,
 ) -> Result<OnlinePlan> {
@@ -151,8 +153,15 @@ pub async fn plan(
     let reduce = crate::combine::partial_reduce(folded.as_ref().unwrap_or(agg))?
         .ok_or_else(|| plan_err("the aggregate's partial states cannot be folded again"))?;
     let schema = folded.as_ref().unwrap_or(agg).schema();
-    if let Some(t) = &top {
-        let n = schema.fields().len() as u32;
+    let n = schema.fields().len() as u32;
+    if let Some(d) = &emit.distinct {
+        if d.keys > n || d.value >= n || d.rows >= n {
+            return Err(plan_err(format!(
+                "the COUNT(DISTINCT) columns are outside the statistics' {n} columns"
+            )));
+        }
+    }
+    if let Some(t) = &emit.top {
         if let Some(c) = [Some(t.column), t.divisor]
             .into_iter()
             .flatten()
@@ -165,7 +174,8 @@ pub async fn plan(
     }
     let fold = crate::fold::FoldPayload {
         plan: reduce,
-        top: top.clone(),
+        top: emit.top.clone(),
+        distinct: emit.distinct.clone(),
     }
     .encode_to_vec();
     // The stages the fact stage reads, transitively.

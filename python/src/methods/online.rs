@@ -18,12 +18,13 @@ impl NativeCluster {
     /// `splits` cut the fact table (path, file bytes, file rows, first row, rows) in the order
     /// they are read, folded in an early first round and then `rounds` rounds as they commit;
     /// with `top` (column, divisor, null as zero, descending, k) each fold sends only the
-    /// groups that can be among the first k in that order. `tables` are (name, Parquet path,
+    /// groups that can be among the first k in that order; with `distinct` (the number of
+    /// group keys, the value's column, its rows' column) a COUNT(DISTINCT)'s counts per group. `tables` are (name, Parquet path,
     /// a version of its files); `terms` (factor pairs: a statistic's index, or 2^32-1 for the
     /// split's rows, 2^32-2 for 1) are summed per group over the splits read, after the
     /// statistics; map task i reads `per_task[i]` consecutive splits (one each when empty).
     /// Returns the stream and the staged plan's text.
-    #[pyo3(signature = (sql, tables, splits, rounds, top=None, terms=Vec::new(), per_task=Vec::new()))]
+    #[pyo3(signature = (sql, tables, splits, rounds, top=None, terms=Vec::new(), per_task=Vec::new(), distinct=None))]
     #[allow(clippy::too_many_arguments)]
     fn online_sql(
         &self,
@@ -35,6 +36,7 @@ impl NativeCluster {
         top: Option<online::TopTuple>,
         terms: Vec<(u32, u32)>,
         per_task: Vec<u32>,
+        distinct: Option<(u32, u32, u32)>,
     ) -> PyResult<(stage::NativeStream, String)> {
         let driver = self.driver()?;
         // The SQL session's `SET flightshuffle.*` settings apply to online queries too (the
@@ -58,6 +60,7 @@ impl NativeCluster {
             splits,
             rounds,
             top,
+            distinct,
             terms,
             per_task,
             settings,
