@@ -75,6 +75,48 @@ def test_tpch_shape_final_equals_duckdb_and_intervals_shrink(tpch_cluster, tpch_
         assert SAMPLED.get(n, "/lineitem/") in split_scan, plan
 
 
+def test_count_distinct_folds_send_counts_per_group(tpch_cluster, tpch_duckdb, tpch_data):
+    """Each fold partition of a COUNT(DISTINCT) sends, every round, its values seen and seen
+    once per group (a row per group and partition), not its state per group and value; the
+    final counts add up to DuckDB's exact COUNT(DISTINCT)."""
+    from flightshuffle import sql_plan as sp
+    from flightshuffle.dataset import parquet_files
+    from flightshuffle.units import FIRST_WAVE_ROWS, fact_units
+
+    query = (
+        "SELECT l_returnflag, COUNT(DISTINCT l_partkey) AS n FROM lineitem GROUP BY l_returnflag"
+    )
+    plan = sp.plan_sql(query, "datafusion", tpch_cluster._never_null)
+    path = tpch.table_paths(tpch_data)["lineitem"]
+    units, per_task = fact_units(
+        parquet_files(path), 0, 3, tpch_cluster.workers, 4, FIRST_WAVE_ROWS
+    )
+    native, _ = tpch_cluster.native.online_sql(
+        plan.stats,
+        [("lineitem", path, "v")],
+        units,
+        4,
+        None,
+        plan.terms,
+        per_task,
+        sp.distinct_counts(plan),
+    )
+    tables = []
+    try:
+        while (item := native.next_partial()) is not None:
+            tables.append(item[1])
+    finally:
+        native.close()
+    assert len(tables) >= 2
+    for t in tables:
+        assert t.column_names[-2:] == ["__d", "__f1"], t.schema
+        assert t.num_rows <= 3 * tpch_cluster.workers  # 3 flags, a row per fold partition
+    final = pl.from_arrow(tables[-1]).rename({tables[-1].column_names[0]: "f"})
+    got = dict(final.group_by("f").agg(pl.col("__d").sum()).iter_rows())
+    want = dict(tpch_duckdb.sql(query).fetchall())
+    assert got == want
+
+
 def test_the_tables_a_query_keeps_for_its_subqueries_go_with_it(tpch_cluster, tpch_duckdb):
     """Q17's per-part averages are a table the query joins: registered while it streams,
     unregistered and its file removed once it ends (or is closed early)."""
