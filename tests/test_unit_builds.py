@@ -164,6 +164,28 @@ def test_exists_is_a_semi_join_read_per_unit_and_exact(cluster, tables):
     assert "RightSemi" not in cluster.last_online_plan
 
 
+def test_exists_over_a_join_of_the_sampled_table_is_one_semi_join_cut_per_unit(
+    cluster, tables, tmp_path
+):
+    """The sampled table joined with another, and an EXISTS on the sampled table's key: the
+    semi join is not copied below the inner join (online, every join is a broadcast: a copy
+    would build the same keys again on every worker and keep them from being read per
+    unit). One semi join, cut per unit, exact."""
+    other = pa.table({"c": np.arange(1000), "g": np.arange(1000) % 6})
+    t = {
+        "fact": tables["fact"],
+        "dim": tables["dim"],
+        "other": write(other, tmp_path / "other.parquet", 1000, 64),
+    }
+    query = """SELECT o.g, COUNT(*) AS n, SUM(f.v) AS s FROM fact f, other o
+    WHERE f.v = o.c AND EXISTS (SELECT 1 FROM dim d WHERE d.k = f.k AND d.x < 30)
+    GROUP BY o.g ORDER BY o.g"""
+    exact(cluster, query, t)
+    plan = cluster.last_online_plan
+    assert plan.count("join_type=RightSemi") == 1, plan
+    assert cut(cluster), plan
+
+
 def test_a_build_side_stage_is_inlined_and_no_longer_run(cluster, tmp_path):
     """A build side over 128 Ki rows is a stage of its own (computed once, gathered): cut per
     unit, its plan moves into the units' stage and the stage is not run."""

@@ -89,13 +89,17 @@ impl DistributedContext {
     }
 
     /// `settings` (a session's `flightshuffle.*`) as online queries take them: with the join
-    /// order as written and every query streamed.
+    /// order as written, every query streamed and no semi join copied below a join.
     pub fn online_options(settings: crate::FlightshuffleOptions) -> crate::FlightshuffleOptions {
         crate::FlightshuffleOptions {
             selective_joins_first: false,
             // The fact table streams however small it is (a small query runs whole, exactly,
             // when the planner leaves no stage to stream; see `crate::online`).
             small_query_rows: 0,
+            // Every online join is a broadcast, with no exchange below it for a copy of a
+            // semi join to cut down: a copy would only build the same keys again on every
+            // worker (and keep the build side from being read per unit).
+            push_semi_joins: false,
             ..settings
         }
     }
