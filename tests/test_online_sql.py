@@ -117,6 +117,24 @@ def test_count_distinct_folds_send_counts_per_group(tpch_cluster, tpch_duckdb, t
     assert got == want
 
 
+@pytest.mark.parametrize(
+    "where",
+    ["l_orderkey = 1", "l_orderkey < 0", "l_orderkey > 0"],
+    ids=["one-pair", "no-rows", "all"],
+)
+def test_count_distinct_with_empty_fold_partitions_is_exact(tpch_cluster, tpch_duckdb, where):
+    """A grouped COUNT(DISTINCT) whose (group, value) pairs leave a fold partition empty (one
+    pair in all, or none): every round answers, the final equals DuckDB's."""
+    query = (
+        f"SELECT l_returnflag, COUNT(DISTINCT l_linestatus) AS n FROM lineitem WHERE {where} "
+        "GROUP BY l_returnflag ORDER BY l_returnflag"
+    )
+    results = list(tpch_cluster.online(query, rounds=3, seed=2, progress=False))
+    assert results[-1].final
+    want = tpch_duckdb.sql(query).to_arrow_table()
+    assert tpch.compare(want, output(results[-1].estimates), True) is None
+
+
 def test_the_tables_a_query_keeps_for_its_subqueries_go_with_it(tpch_cluster, tpch_duckdb):
     """Q17's per-part averages are a table the query joins: registered while it streams,
     unregistered and its file removed once it ends (or is closed early)."""

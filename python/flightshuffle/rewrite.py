@@ -330,6 +330,20 @@ def kept_join(exists: Any, tree: Any, runs: Callable[[str], bool] | None = None)
     )
 
 
+# Functions whose value may differ between the restriction's run and the outer query's.
+_VOLATILE_NAMES = {"now", "random", "rand", "uuid", "gen_random_uuid", "current_timestamp"}
+
+
+def _volatile(node: Any) -> bool:
+    """Whether ``node`` calls a random or clock function (its value differs between runs)."""
+    from sqlglot import exp
+
+    kinds = (exp.Rand, exp.Uuid, exp.CurrentTimestamp, exp.CurrentDate, exp.CurrentTime)
+    if node.find(*kinds):
+        return True
+    return any(f.name.lower() in _VOLATILE_NAMES for f in node.find_all(exp.Anonymous))
+
+
 def _only_kept_keys(
     per_key: Any, keys: list, where: Any, compare: Any, outer_from: Any, runs: Callable
 ) -> Any:
@@ -359,7 +373,8 @@ def _only_kept_keys(
                 c
                 for c in conds
                 if c is not compare
-                and not c.find(exp.Subquery, exp.Select, exp.Exists, exp.Rand)
+                and not c.find(exp.Subquery, exp.Select, exp.Exists)
+                and not _volatile(c)
                 and runs(alone.where(c.copy()).limit(0).sql())
             ]
             if own:

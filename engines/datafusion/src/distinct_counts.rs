@@ -95,6 +95,10 @@ pub fn counts(
             }
         }
     }
+    // No rows (a fold partition no block has reached yet): no groups.
+    if first.is_empty() {
+        return Ok((out_schema, Vec::new()));
+    }
     let mut columns: Vec<ArrayRef> = Vec::with_capacity(keys + 2);
     for k in 0..keys {
         let arrays: Vec<&dyn Array> = batches.iter().map(|b| b.column(k).as_ref()).collect();
@@ -102,9 +106,6 @@ pub fn counts(
     }
     columns.push(Arc::new(Int64Array::from(d)));
     columns.push(Arc::new(Int64Array::from(f1)));
-    if first.is_empty() {
-        return Ok((out_schema, Vec::new()));
-    }
     let batch = RecordBatch::try_new(out_schema.clone(), columns)?;
     Ok((out_schema, vec![batch]))
 }
@@ -166,6 +167,9 @@ mod tests {
     fn no_rows_no_groups_and_bad_columns_are_errors() {
         let a = state(vec![], vec![], vec![]);
         let (_, out) = counts(&SPEC, &a.schema(), std::slice::from_ref(&a)).expect("counts");
+        assert!(out.is_empty());
+        // No batches at all: a fold partition no block has reached.
+        let (_, out) = counts(&SPEC, &a.schema(), &[]).expect("no batches");
         assert!(out.is_empty());
         let bad = DistinctCounts {
             keys: 1,
