@@ -11,6 +11,7 @@
 
 pub mod broadcast;
 pub mod build_bounds;
+pub mod build_keys;
 pub mod codec;
 pub mod combine;
 pub mod context;
@@ -154,6 +155,10 @@ datafusion::common::extensions_options! {
         /// pages whose key statistics meet the unit's, instead of built whole before the
         /// first estimate (`crate::unit_builds`).
         pub unit_builds: bool, default = true
+        /// Online aggregation: a broadcast build side is cut down to the keys a filtered
+        /// join below it on the fact table's path already allows (TPC-H Q9's `partsupp` to
+        /// its green parts' keys; `crate::build_keys`).
+        pub narrow_builds: bool, default = true
     }
 }
 

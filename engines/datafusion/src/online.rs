@@ -109,8 +109,15 @@ pub async fn plan(
                 .to_string()
         })
         .collect();
+    let narrow_builds = ctx.options().narrow_builds;
     let staged = ctx
-        .plan_rewritten(sql, None, |p| fact_on_probe_side(p, &files))
+        .plan_rewritten(sql, None, |p| {
+            let p = fact_on_probe_side(p, &files)?;
+            match narrow_builds {
+                true => Ok(crate::build_keys::narrow(p)?),
+                false => Ok(p),
+            }
+        })
         .await?;
     if let Some(why) = &staged.on_driver {
         return Err(plan_err(why));
