@@ -24,9 +24,7 @@ use datafusion::error::Result;
 use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_expr::PhysicalExprRef;
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
-use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
-use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::statistics::{StatisticsArgs, StatisticsContext};
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 use std::sync::Arc;
@@ -152,45 +150,18 @@ fn narrowed(j: &HashJoinExec) -> Result<Option<Arc<dyn ExecutionPlan>>> {
 /// side and its build key's column. Through projections, filters and the probe sides of
 /// other broadcast joins.
 fn lower_keys(plan: &Arc<dyn ExecutionPlan>, i: usize) -> Option<(Arc<dyn ExecutionPlan>, usize)> {
-    if plan.fetch().is_some() {
-        return None;
-    }
-    if let Some(p) = plan.downcast_ref::<ProjectionExec>() {
-        let c = p.expr().get(i)?.expr.downcast_ref::<Column>()?.index();
-        return lower_keys(p.input(), c);
-    }
-    if let Some(f) = plan.downcast_ref::<FilterExec>() {
-        let i = match f.projection() {
-            Some(p) => *p.get(i)?,
-            None => i,
-        };
-        return lower_keys(f.input(), i);
-    }
-    if plan.name() == "CoalesceBatchesExec" {
-        return lower_keys(plan.children().first()?, i);
-    }
-    let j = plan.downcast_ref::<HashJoinExec>()?;
-    if !broadcast(j) {
-        return None;
-    }
-    let k = match &j.projection {
-        Some(p) => *p.get(i)?,
-        None => i,
-    };
-    let left_width = j.left().schema().fields().len();
-    let probe = match j.join_type() {
-        JoinType::Inner | JoinType::Right if k >= left_width => k - left_width,
-        JoinType::RightSemi | JoinType::RightAnti => k,
-        _ => return None,
-    };
-    if matches!(j.join_type(), JoinType::Inner | JoinType::RightSemi) {
-        let key = j.on().iter().find_map(|(l, r)| {
-            let r = r.downcast_ref::<Column>()?;
-            (r.index() == probe).then(|| l.downcast_ref::<Column>().map(|l| l.index()))?
-        });
-        if let Some(key) = key {
-            return Some((j.left().clone(), key));
+    let (child, c) = crate::key_trace::passed_down(plan, i)?;
+    if let Some(j) = plan.downcast_ref::<HashJoinExec>() {
+        // `c` is a probe column: a key of a join that keeps only matched probe rows?
+        if broadcast(j) && matches!(j.join_type(), JoinType::Inner | JoinType::RightSemi) {
+            let key = j.on().iter().find_map(|(l, r)| {
+                let r = r.downcast_ref::<Column>()?;
+                (r.index() == c).then(|| l.downcast_ref::<Column>().map(|l| l.index()))?
+            });
+            if let Some(key) = key {
+                return Some((j.left().clone(), key));
+            }
         }
     }
-    lower_keys(j.right(), probe)
+    lower_keys(plan.children().get(child)?, c)
 }

@@ -29,6 +29,43 @@ use datafusion::physical_plan::{
 use std::collections::HashMap;
 use std::sync::Arc;
 
+/// Where column `i` of `plan`'s output passes down unchanged, row for row, within the same
+/// partition: to column `.1` of child `.0`, through a projection's column, a filter, a batch
+/// coalescer, or the probe side of a broadcast (`CollectLeft`) join (inner and right joins
+/// pass their probe side's columns; right-semi and right-anti joins all theirs). None for
+/// anything else, and for a node with a limit.
+pub fn passed_down(plan: &Arc<dyn ExecutionPlan>, i: usize) -> Option<(usize, usize)> {
+    if plan.fetch().is_some() {
+        return None;
+    }
+    if let Some(p) = plan.downcast_ref::<ProjectionExec>() {
+        return Some((0, p.expr().get(i)?.expr.downcast_ref::<Column>()?.index()));
+    }
+    if let Some(f) = plan.downcast_ref::<FilterExec>() {
+        return match f.projection() {
+            Some(p) => Some((0, *p.get(i)?)),
+            None => Some((0, i)),
+        };
+    }
+    if plan.name() == "CoalesceBatchesExec" {
+        return Some((0, i));
+    }
+    let j = plan.downcast_ref::<HashJoinExec>()?;
+    if *j.partition_mode() != PartitionMode::CollectLeft {
+        return None;
+    }
+    let k = match &j.projection {
+        Some(p) => *p.get(i)?,
+        None => i,
+    };
+    let left = j.left().schema().fields().len();
+    match j.join_type() {
+        JoinType::Inner | JoinType::Right if k >= left => Some((1, k - left)),
+        JoinType::RightSemi | JoinType::RightAnti => Some((1, k)),
+        _ => None,
+    }
+}
+
 /// Where column `i` of `plan`'s output comes from, when `plan` makes each of its rows, in the
 /// same partition, from one row of a Parquet scan, that column unchanged: the scan (a
 /// `DataSourceExec` or a [`SplitScanExec`]) and the column's name in its table.
@@ -36,34 +73,11 @@ pub fn trace(plan: &Arc<dyn ExecutionPlan>, i: usize) -> Option<(Arc<dyn Executi
     if plan.fetch().is_some() {
         return None;
     }
-    if let Some(p) = plan.downcast_ref::<ProjectionExec>() {
-        let c = p.expr().get(i)?.expr.downcast_ref::<Column>()?.index();
-        return trace(p.input(), c);
+    if let Some((child, c)) = passed_down(plan, i) {
+        return trace(plan.children().get(child)?, c);
     }
-    if let Some(f) = plan.downcast_ref::<FilterExec>() {
-        let i = match f.projection() {
-            Some(p) => *p.get(i)?,
-            None => i,
-        };
-        return trace(f.input(), i);
-    }
-    if plan.name() == "CoalesceBatchesExec" {
-        return trace(plan.children().first()?, i);
-    }
-    if let Some(j) = plan.downcast_ref::<HashJoinExec>() {
-        if *j.partition_mode() != PartitionMode::CollectLeft {
-            return None;
-        }
-        let i = match &j.projection {
-            Some(p) => *p.get(i)?,
-            None => i,
-        };
-        let left = j.left().schema().fields().len();
-        return match j.join_type() {
-            JoinType::Inner | JoinType::Right if i >= left => trace(j.right(), i - left),
-            JoinType::RightSemi | JoinType::RightAnti => trace(j.right(), i),
-            _ => None,
-        };
+    if plan.downcast_ref::<HashJoinExec>().is_some() {
+        return None;
     }
     let scan = match plan.downcast_ref::<SplitScanExec>() {
         Some(s) => s.scan(),
@@ -100,56 +114,30 @@ pub fn reorient(
     if plan.fetch().is_some() {
         return same();
     }
-    let on_child = |child: usize, c: usize, inlined: &mut Vec<u32>| {
+    if let Some((child, c)) = passed_down(plan, i) {
         let children = plan.children();
         let mut new: Vec<Arc<dyn ExecutionPlan>> = children.iter().map(|c| (*c).clone()).collect();
         new[child] = reorient(children[child], c, stages, readers, inlined)?;
-        replace_children_if_necessary(plan.clone(), new)
-    };
-    if let Some(p) = plan.downcast_ref::<ProjectionExec>() {
-        return match p
-            .expr()
-            .get(i)
-            .and_then(|e| e.expr.downcast_ref::<Column>())
-        {
-            Some(c) => on_child(0, c.index(), inlined),
-            None => same(),
-        };
+        return replace_children_if_necessary(plan.clone(), new);
     }
-    if let Some(f) = plan.downcast_ref::<FilterExec>() {
-        return match f.projection() {
-            Some(p) => match p.get(i) {
-                Some(c) => on_child(0, *c, inlined),
-                None => same(),
-            },
-            None => on_child(0, i, inlined),
-        };
-    }
-    if plan.name() == "CoalesceBatchesExec" {
-        return on_child(0, i, inlined);
-    }
+    // Not passed down: a column of an inner broadcast join's build side, turned around.
     let Some(j) = plan.downcast_ref::<HashJoinExec>() else {
         return same();
     };
-    if *j.partition_mode() != PartitionMode::CollectLeft {
-        return same();
-    }
-    let Some(k) = (match &j.projection {
+    let k = match &j.projection {
         Some(p) => p.get(i).copied(),
         None => Some(i),
-    }) else {
-        return same();
     };
-    let left_width = j.left().schema().fields().len();
-    match j.join_type() {
-        JoinType::Inner | JoinType::Right if k >= left_width => {
-            on_child(1, k - left_width, inlined)
+    let inner = *j.partition_mode() == PartitionMode::CollectLeft
+        && *j.join_type() == JoinType::Inner
+        && !j.null_aware;
+    match k {
+        Some(k) if inner && k < j.left().schema().fields().len() => {
+            match turned(j, k, stages, readers, inlined)? {
+                Some(out) => Ok(out),
+                None => same(),
+            }
         }
-        JoinType::RightSemi | JoinType::RightAnti => on_child(1, k, inlined),
-        JoinType::Inner if !j.null_aware => match turned(j, k, stages, readers, inlined)? {
-            Some(out) => Ok(out),
-            None => same(),
-        },
         _ => same(),
     }
 }
