@@ -83,6 +83,16 @@ def exact(cluster, query: str, tables: dict[str, str]) -> None:
     assert problem is None, problem
 
 
+def exact_without_unit_builds(cluster, query: str, tables: dict[str, str]) -> str:
+    """:func:`exact` with `flightshuffle.unit_builds` off; the plan it ran."""
+    cluster.sql("SET flightshuffle.unit_builds = false")
+    try:
+        exact(cluster, query, tables)
+        return cluster.last_online_plan
+    finally:
+        cluster.sql("SET flightshuffle.unit_builds = true")
+
+
 def cut(cluster) -> bool:
     """The last online query read a build side per unit (a partitioned join of the units)."""
     return "HashJoinExec: mode=Partitioned" in cluster.last_online_plan
@@ -200,12 +210,7 @@ def test_a_build_side_stage_is_inlined_and_no_longer_run(cluster, tmp_path):
     }
     query = """SELECT d.g, SUM(f.v) AS s, COUNT(*) AS n FROM fact f JOIN dim d ON f.k = d.k
     WHERE d.x < 50 GROUP BY d.g ORDER BY d.g"""
-    cluster.sql("SET flightshuffle.unit_builds = false")
-    try:
-        exact(cluster, query, t)
-        before = cluster.last_online_plan
-    finally:
-        cluster.sql("SET flightshuffle.unit_builds = true")
+    before = exact_without_unit_builds(cluster, query, t)
     assert before.count("Stage ") == 2 and "gather into 1" in before, before
     exact(cluster, query, t)
     assert cut(cluster)
@@ -232,12 +237,7 @@ def test_a_build_side_hashed_inside_its_stage_is_turned_and_read_per_unit(cluste
     }
     query = """SELECT o.g, SUM(f.v) AS s, COUNT(*) AS n FROM other o, mid m, fact f
     WHERE o.c = m.c AND m.k = f.k AND m.x < 50 GROUP BY o.g ORDER BY o.g"""
-    cluster.sql("SET flightshuffle.unit_builds = false")
-    try:
-        exact(cluster, query, t)
-        before = cluster.last_online_plan
-    finally:
-        cluster.sql("SET flightshuffle.unit_builds = true")
+    before = exact_without_unit_builds(cluster, query, t)
     assert before.count("Stage ") == 3, before
     exact(cluster, query, t)
     plan = cluster.last_online_plan
