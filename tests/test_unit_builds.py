@@ -196,6 +196,56 @@ def test_exists_over_a_join_of_the_sampled_table_is_one_semi_join_cut_per_unit(
     assert cut(cluster), plan
 
 
+SELF_EXISTS = """SELECT f.v % 5 AS b, COUNT(*) AS n, SUM(f.v) AS s FROM fact f
+WHERE f.v < 700
+  AND EXISTS (SELECT 1 FROM fact g WHERE g.k = f.k AND g.v <> f.v AND g.v > 500)
+  AND NOT EXISTS (SELECT 1 FROM fact h WHERE h.k = f.k AND h.v <> f.v AND h.v < 20)
+GROUP BY b ORDER BY b"""
+# The same with a filtered join below, as Q21's orders: the EXISTS's build side is not
+# narrowed to its keys (a stage built whole), it is read per unit.
+SELF_EXISTS_JOINED = """SELECT d.g, COUNT(*) AS n, SUM(f.v) AS s FROM fact f JOIN dim d ON d.k = f.k
+WHERE d.x < 30 AND EXISTS (SELECT 1 FROM fact g WHERE g.k = f.k AND g.v <> f.v)
+GROUP BY d.g ORDER BY d.g"""
+
+
+def test_exists_over_the_sampled_table_below_a_filtered_join_is_not_narrowed(cluster, tables):
+    t = {"fact": tables["fact"], "dim": tables["dim"]}
+    exact(cluster, SELF_EXISTS_JOINED, t)
+    plan = cluster.last_online_plan
+    assert plan.count("join_type=RightSemi") == 1, plan
+    assert plan.count("SplitScanExec:") == 3, plan
+
+
+@pytest.mark.parametrize("which", ["fact", "fact_random"])
+def test_exists_over_the_sampled_table_itself_reads_it_whole_per_unit(cluster, tables, which):
+    """TPC-H Q21's shape: an EXISTS and a NOT EXISTS over the sampled table itself, tied by
+    an equality and a `<>` that no IN can say, stay a semi and an anti join whose build
+    sides read the table whole (only the outer query's rows are sampled). Stored in the key's
+    order, each unit reads only its own keys' pages for both; in a random order, both are
+    built whole. Exact either way, with NULL keys and keys repeated across pages."""
+    t = {"fact": tables[which], "dim": tables["dim"]}
+    exact(cluster, SELF_EXISTS, t)
+    plan = cluster.last_online_plan
+    assert "join_type=RightSemi" in plan and "join_type=RightAnti" in plan, plan
+    splits = [line for line in plan.splitlines() if "SplitScanExec:" in line]
+    if which == "fact":
+        # The sampled scan and the two build sides, read per unit, in the one stage.
+        assert len(splits) == 3, plan
+        assert plan.count("HashJoinExec: mode=Partitioned") == 2, plan
+        assert "Stage 2" not in plan, plan
+    else:
+        assert len(splits) == 1 and not cut(cluster), plan
+    exact_without_unit_builds(cluster, SELF_EXISTS, t)
+
+
+def test_a_self_join_of_the_sampled_table_is_refused(cluster, tables):
+    """Outside an EXISTS, a result row would hold two rows of the sampled table: refused."""
+    query = """SELECT f.v % 5 AS b, COUNT(*) AS n FROM fact f JOIN fact g ON f.k = g.k
+    GROUP BY b ORDER BY b"""
+    with pytest.raises(ValueError, match="joins with itself"):
+        next(cluster.online(query, tables={"fact": tables["fact"]}, progress=False))
+
+
 def test_a_build_side_stage_is_inlined_and_no_longer_run(cluster, tmp_path):
     """A build side over 128 Ki rows is a stage of its own (computed once, gathered): cut per
     unit, its plan moves into the units' stage and the stage is not run."""

@@ -286,13 +286,15 @@ def run_sql(
     # largest is tried when the plan cannot make the largest its probe side (DataFusion builds
     # on the smaller side by its estimates: a filtered fact table can look smaller).
     candidates = sorted(dict.fromkeys(plan.samplable), key=lambda t: -rows[t])
-    if plan.tables.count(candidates[0]) > 1:
+    # A table that a semi or anti join also reads is read whole there (TPC-H Q21's EXISTS
+    # over lineitem): only its rows in the result are sampled.
+    if plan.samplable.count(candidates[0]) > 1:
         raise ValueError(
             f"online aggregation samples the largest table, {candidates[0]!r}, which the query "
-            "reads twice (a self-join of the sampled table is not supported; other tables may "
-            "repeat)"
+            "joins with itself (a self-join of the sampled table is not supported, except in "
+            "an EXISTS; other tables may repeat)"
         )
-    candidates = [t for t in candidates if plan.tables.count(t) == 1][:2]
+    candidates = [t for t in candidates if plan.samplable.count(t) == 1][:2]
     keys = plan.keys[:-1] if plan.distinct else plan.keys  # without COUNT(DISTINCT)'s value
     shape = Shape(
         keys, plan.aggs, plan.order, plan.limit, plan.having, plan.hidden, plan.selected,

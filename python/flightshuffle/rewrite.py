@@ -284,7 +284,9 @@ def _as_in(exists: Any, runs: Callable[[str], bool]) -> Any | None:
     return None
 
 
-def kept_join(exists: Any, tree: Any, runs: Callable[[str], bool] | None = None) -> bool:
+def kept_join(
+    exists: Any, tree: Any, runs: Callable[[str], bool] | None = None, over_outer: bool = False
+) -> bool:
     """Whether ``exists`` is ``[NOT] EXISTS (SELECT ... WHERE inner = outer AND ...)``, one of
     the ANDed conditions of ``tree``'s WHERE, kept for DataFusion to plan as a semi or anti
     join that keeps or drops each row of the outer query. The online plan builds on the
@@ -293,8 +295,11 @@ def kept_join(exists: Any, tree: Any, runs: Callable[[str], bool] | None = None)
     keys can meet (``unit_builds``: TPC-H Q4's ``lineitem`` in ``orders``' order). With
     ``runs``, the equality must tie one of its own columns to one of the outer query's (as
     :func:`_as_in` finds it), and a positive ``EXISTS`` must read none of the outer query's
-    tables (the sampled table is read once; such an ``EXISTS`` becomes an ``IN`` run first).
-    Other conditions may read the outer query too: a filter of the join."""
+    tables (such an ``EXISTS`` becomes an ``IN`` run first, whose distinct keys are fewer than
+    the rows a semi join builds on), unless ``over_outer``: for an ``EXISTS`` no ``IN`` can
+    say (TPC-H Q21's ``l2.l_suppkey <> l1.l_suppkey``), whose tables the online plan reads
+    whole, the sampled table too. Other conditions may read the outer query too: a filter of
+    the join."""
     from sqlglot import exp
 
     where = tree.args.get("where")
@@ -312,7 +317,7 @@ def kept_join(exists: Any, tree: Any, runs: Callable[[str], bool] | None = None)
         return False
     if runs is None:
         return any(_column_equality(c) for c in _conditions(select))
-    if not negated:
+    if not negated and not over_outer:
         outer: set[str] = set()
         for a in ("from_", "from", "joins"):
             parts = tree.args.get(a) or []
@@ -494,11 +499,12 @@ def resolve_subqueries(
     WHERE, becomes a join with a table of its distinct values that ``keep`` stores and names.
     ``[NOT] EXISTS`` tied to the outer query by an equality and ANDed in the WHERE stays for
     DataFusion to plan as a semi or anti join (:func:`kept_join`; TPC-H Q4, Q22); an
-    ``EXISTS`` over one of the outer query's tables becomes that ``IN`` (:func:`_as_in`). A scalar subquery tied by equalities and compared in an
-    ANDed condition of the WHERE runs once for every key into a table the query joins
-    (:func:`_per_key`; TPC-H Q17). Anything else that reads the outer query's columns does
-    not run on its own: refused, as is a large ``NOT IN``. TPC-H Q4, Q11, Q18 and Q22 stream
-    this way."""
+    ``EXISTS`` over one of the outer query's tables becomes that ``IN`` (:func:`_as_in`), or
+    stays a semi join where no ``IN`` says it (TPC-H Q21). A scalar subquery tied by
+    equalities and compared in an ANDed condition of the WHERE runs once for every key into a
+    table the query joins (:func:`_per_key`; TPC-H Q17). Anything else that reads the outer
+    query's columns does not run on its own: refused, as is a large ``NOT IN``. TPC-H Q4,
+    Q11, Q18, Q21 and Q22 stream this way."""
     import pyarrow.compute as pc
     from sqlglot import exp
 
@@ -546,6 +552,8 @@ def resolve_subqueries(
             if kept_join(exists, out, runs):
                 continue  # planned by DataFusion as a semi or anti join in the fact's stage
             member = _as_in(exists, runs) if clause == "where" and _conjunct(exists, node) else None
+            if member is None and kept_join(exists, out, runs, over_outer=True):
+                continue  # no IN says it (TPC-H Q21's `<>`): a semi join over an outer table
             if member is None:
                 raise ValueError(
                     "EXISTS / NOT EXISTS (a semi or anti join) is supported by online "

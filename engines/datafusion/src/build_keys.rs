@@ -37,13 +37,22 @@ pub const RATIO: usize = 4;
 /// DataFusion's estimates): an unfiltered one (every supplier) would drop nothing.
 pub const MAX_SHARE: f64 = 0.5;
 
-/// `plan` with each qualifying broadcast build side cut down (module doc).
-pub fn narrow(plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
+/// `plan` with each qualifying broadcast build side cut down (module doc), but those for
+/// which `left_whole` says yes: a build side that reads the sampled table itself (an
+/// `EXISTS` over it, TPC-H Q21) is left plain, for each unit to read its own keys' pages
+/// ([`crate::unit_builds`]); under a semi join, it would be a stage built whole.
+pub fn narrow(
+    plan: Arc<dyn ExecutionPlan>,
+    left_whole: &dyn Fn(&Arc<dyn ExecutionPlan>) -> Result<bool>,
+) -> Result<Arc<dyn ExecutionPlan>> {
     Ok(plan
         .transform_up(|node| {
             let Some(j) = node.downcast_ref::<HashJoinExec>() else {
                 return Ok(Transformed::no(node));
             };
+            if left_whole(j.left())? {
+                return Ok(Transformed::no(node));
+            }
             Ok(match narrowed(j)? {
                 Some(new) => Transformed::yes(new),
                 None => Transformed::no(node),

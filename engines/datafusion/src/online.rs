@@ -114,7 +114,9 @@ pub async fn plan(
         .plan_rewritten(sql, None, |p| {
             let p = fact_on_probe_side(p, &files)?;
             match narrow_builds {
-                true => Ok(crate::build_keys::narrow(p)?),
+                true => Ok(crate::build_keys::narrow(p, &|side| {
+                    Ok(fact_scans(side, &files).map_err(to_df)? > 0)
+                })?),
                 false => Ok(p),
             }
         })
@@ -122,21 +124,33 @@ pub async fn plan(
     if let Some(why) = &staged.on_driver {
         return Err(plan_err(why));
     }
-    let scans_in = |p: &Arc<dyn ExecutionPlan>| fact_scans(p, &files);
-    if scans_in(&staged.root)? > 0 {
-        return Err(plan_err(format!(
-            "the fact table is read on the driver: {SMALL}"
-        )));
-    }
-    let mut fact = None;
-    for s in &staged.stages {
-        match scans_in(&(s.writer.clone() as Arc<dyn ExecutionPlan>))? {
-            0 => {}
-            1 if fact.is_none() => fact = Some(s.clone()),
-            _ => return Err(plan_err("the fact table is read more than once")),
+    // The one scan of the fact table that is sampled; any other reads it whole (the
+    // filtering side of a semi or anti join: an `EXISTS` over the sampled table itself).
+    let sampled = sampled_scans(&staged, &files)?;
+    let (fact, sampled_scan) = match sampled.as_slice() {
+        [] => return Err(plan_err(format!("no stage reads the fact table: {SMALL}"))),
+        [(None, _)] => {
+            return Err(plan_err(format!(
+                "the fact table is read on the driver: {SMALL}"
+            )))
         }
-    }
-    let fact = fact.ok_or_else(|| plan_err(format!("no stage reads the fact table: {SMALL}")))?;
+        [(Some(id), scan)] => {
+            let stage = staged
+                .stages
+                .iter()
+                .find(|s| s.id() == *id)
+                .ok_or_else(|| {
+                    plan_err(format!("the plan reads stage {id}, which it does not have"))
+                })?;
+            (stage.clone(), scan.clone())
+        }
+        _ => {
+            return Err(plan_err(
+                "the fact table is read more than once with its rows in the result (a \
+                 self-join of the sampled table)",
+            ))
+        }
+    };
     let agg = fact
         .writer
         .input()
@@ -204,10 +218,12 @@ pub async fn plan(
         .input()
         .clone()
         .transform_up(|node| {
-            let scan = match node.downcast_ref::<DataSourceExec>() {
-                Some(scan) if is_fact_scan(&node, &files)? => scan,
-                _ => return Ok(Transformed::no(node)),
-            };
+            if !Arc::ptr_eq(&node, &sampled_scan) {
+                return Ok(Transformed::no(node));
+            }
+            let scan = node
+                .downcast_ref::<DataSourceExec>()
+                .ok_or_else(|| DataFusionError::Internal("a fact scan is a data source".into()))?;
             let split = SplitScanExec::try_new(scan, splits.clone())
                 .map_err(|e| DataFusionError::Plan(e.to_string()))?;
             Ok(Transformed::yes(Arc::new(split) as Arc<dyn ExecutionPlan>))
@@ -431,6 +447,82 @@ fn fact_scans(plan: &Arc<dyn ExecutionPlan>, files: &HashSet<String>) -> Result<
         n += fact_scans(c, files)?;
     }
     Ok(n)
+}
+
+/// A scan of the fact table and the stage it sits in (None: the driver's part).
+type SampledScan = (Option<u32>, Arc<dyn ExecutionPlan>);
+
+/// The scans of the fact table whose rows reach the query's result, each with the stage it
+/// sits in (None: the driver's part): under the driver's part and the stages it reads,
+/// every fact scan but those on the side of a semi or anti join that only filters the other
+/// side's rows, which read the table whole (TPC-H Q21's `EXISTS` over `lineitem`, the
+/// sampled table itself). A stage read twice counts twice.
+fn sampled_scans(
+    staged: &crate::planner::StagedPlan,
+    files: &HashSet<String>,
+) -> Result<Vec<SampledScan>> {
+    use crate::reader::ShuffleReaderExec;
+    use datafusion::common::JoinType;
+    use datafusion::physical_plan::joins::{
+        HashJoinExec, NestedLoopJoinExec, SortMergeJoinExec, SymmetricHashJoinExec,
+    };
+    fn walk(
+        node: &Arc<dyn ExecutionPlan>,
+        stage: Option<u32>,
+        staged: &crate::planner::StagedPlan,
+        files: &HashSet<String>,
+        depth: usize,
+        out: &mut Vec<SampledScan>,
+    ) -> Result<()> {
+        if depth > 10_000 {
+            return Err(plan_err("the plan is too deep to walk"));
+        }
+        if is_fact_scan(node, files)? {
+            out.push((stage, node.clone()));
+            return Ok(());
+        }
+        if let Some(r) = node.downcast_ref::<ShuffleReaderExec>() {
+            let s = staged
+                .stages
+                .iter()
+                .find(|s| s.id() == r.stage)
+                .ok_or_else(|| plan_err(format!("a reader of stage {}, not planned", r.stage)))?;
+            let plan = s.writer.clone() as Arc<dyn ExecutionPlan>;
+            return walk(&plan, Some(r.stage), staged, files, depth + 1, out);
+        }
+        let join_type = node
+            .downcast_ref::<HashJoinExec>()
+            .map(|j| *j.join_type())
+            .or_else(|| {
+                node.downcast_ref::<SortMergeJoinExec>()
+                    .map(|j| j.join_type())
+            })
+            .or_else(|| {
+                node.downcast_ref::<NestedLoopJoinExec>()
+                    .map(|j| *j.join_type())
+            })
+            .or_else(|| {
+                node.downcast_ref::<SymmetricHashJoinExec>()
+                    .map(|j| *j.join_type())
+            });
+        let children = node.children();
+        let kept: Vec<&Arc<dyn ExecutionPlan>> = match (join_type, children.as_slice()) {
+            (Some(JoinType::LeftSemi | JoinType::LeftAnti | JoinType::LeftMark), [left, _]) => {
+                vec![*left]
+            }
+            (Some(JoinType::RightSemi | JoinType::RightAnti | JoinType::RightMark), [_, right]) => {
+                vec![*right]
+            }
+            _ => children,
+        };
+        for c in kept {
+            walk(c, stage, staged, files, depth + 1, out)?;
+        }
+        Ok(())
+    }
+    let mut out = Vec::new();
+    walk(&staged.root, None, staged, files, 0, &mut out)?;
+    Ok(out)
 }
 
 /// Whether `plan` scans files of the fact table; an error if it mixes them with others.
