@@ -261,6 +261,41 @@ def test_online_sql_over_arrow_tables_and_polars(tpch_cluster):
     assert got["n"].to_list() == [float(v) for v in want["n"]]
 
 
+LEFT_JOINS = {
+    # TPC-H Q13's join: the largest table on the LEFT JOIN's right is read whole, customer
+    # is sampled; COUNT of a column that holds no null in orders still counts its NULLs
+    # from customers without orders (not COUNT(*)).
+    "customer": "SELECT c_mktsegment, COUNT(o_orderkey) AS n, COUNT(*) AS r, "
+    "SUM(o_totalprice) AS s, AVG(c_acctbal) AS a FROM customer LEFT JOIN orders "
+    "ON c_custkey = o_custkey AND o_comment NOT LIKE '%special%requests%' "
+    "GROUP BY c_mktsegment ORDER BY c_mktsegment",
+    # The sampled table on the left, a filtered dimension on the right.
+    "lineitem": "SELECT l_returnflag, COUNT(p_partkey) AS n, SUM(l_quantity) AS q, "
+    "MAX(p_size) AS m FROM lineitem LEFT OUTER JOIN part ON p_partkey = l_partkey "
+    "AND p_size < 5 GROUP BY l_returnflag ORDER BY l_returnflag",
+    # An inner join before it and a WHERE after it.
+    "customer ": "SELECT n_name, COUNT(o_orderkey) AS n, COUNT(*) AS c FROM customer "
+    "JOIN nation ON c_nationkey = n_nationkey LEFT JOIN orders ON o_custkey = c_custkey "
+    "AND o_orderpriority = '1-URGENT' WHERE c_acctbal > 0 GROUP BY n_name ORDER BY n_name",
+}
+
+
+@pytest.mark.parametrize("sampled", list(LEFT_JOINS))
+def test_left_join_reads_its_table_whole_and_samples_the_rows_it_keeps(
+    tpch_cluster, tpch_duckdb, sampled
+):
+    query = LEFT_JOINS[sampled]
+    results = list(tpch_cluster.online(query, rounds=3, seed=2, progress=False))
+    assert len(results) >= 2 and results[-1].final
+    want = tpch_duckdb.sql(query).to_arrow_table()
+    problem = tpch.compare(want, output(results[-1].estimates), True)
+    assert problem is None, problem
+    plan = tpch_cluster.last_online_plan
+    split_scan = next(line for line in plan.splitlines() if "SplitScanExec" in line)
+    assert f"/{sampled.strip()}/" in split_scan, plan
+    assert "join_type=Right," in plan, plan
+
+
 def test_online_sql_errors_are_clear(tpch_cluster):
     bad = {
         "SELECT n_name, sum(l_quantity) - sum(l_tax) FROM lineitem, supplier, nation "
@@ -277,8 +312,10 @@ def test_online_sql_errors_are_clear(tpch_cluster):
         "ON a.l_orderkey = b.l_orderkey GROUP BY a.l_returnflag": "joins with itself",
         "SELECT o_orderpriority, count(*) FROM orders WHERE o_orderkey NOT IN "
         "(SELECT l_orderkey FROM lineitem) GROUP BY o_orderpriority": "at most 10000",
-        "SELECT n_name, count(*) FROM nation LEFT JOIN supplier ON s_nationkey = n_nationkey "
-        "GROUP BY n_name": "inner joins",
+        "SELECT n_name, count(*) FROM nation RIGHT JOIN supplier ON s_nationkey = n_nationkey "
+        "GROUP BY n_name": "inner joins and LEFT JOINs",
+        "SELECT n_name, count(*) FROM nation FULL JOIN supplier ON s_nationkey = n_nationkey "
+        "GROUP BY n_name": "inner joins and LEFT JOINs",
         "SELECT sum(x) FROM nowhere": "unknown table",
         "SELECT n_name, sum(l_quantity) FROM lineitem, nation GROUP BY n_name ORDER BY nope": "ORDER BY",
     }

@@ -360,11 +360,13 @@ fn fact_on_probe_side(
         let Some(j) = node.downcast_ref::<HashJoinExec>() else {
             return Ok(Transformed::no(node));
         };
+        // A left join that builds on the fact table is always turned: it would emit the
+        // fact rows no probe row met only after every split.
         let turn = *j.partition_mode() == PartitionMode::CollectLeft
-            && *j.join_type() == JoinType::Inner
+            && matches!(j.join_type(), JoinType::Inner | JoinType::Left)
             && fact_scans(j.left(), files).map_err(to_df)? > 0
             && fact_scans(j.right(), files).map_err(to_df)? == 0
-            && build_cost(j.right()) < scan_cost(j.left());
+            && (*j.join_type() == JoinType::Left || build_cost(j.right()) < scan_cost(j.left()));
         if !turn {
             return Ok(Transformed::no(node));
         }
@@ -455,7 +457,8 @@ type SampledScan = (Option<u32>, Arc<dyn ExecutionPlan>);
 /// The scans of the fact table whose rows reach the query's result, each with the stage it
 /// sits in (None: the driver's part): under the driver's part and the stages it reads,
 /// every fact scan but those on the side of a semi or anti join that only filters the other
-/// side's rows, which read the table whole (TPC-H Q21's `EXISTS` over `lineitem`, the
+/// side's rows, and on the side of an outer join that only adds columns (or NULLs) to the
+/// other side's: those read the table whole (TPC-H Q21's `EXISTS` over `lineitem`, the
 /// sampled table itself). A stage read twice counts twice.
 fn sampled_scans(
     staged: &crate::planner::StagedPlan,
@@ -507,12 +510,19 @@ fn sampled_scans(
             });
         let children = node.children();
         let kept: Vec<&Arc<dyn ExecutionPlan>> = match (join_type, children.as_slice()) {
-            (Some(JoinType::LeftSemi | JoinType::LeftAnti | JoinType::LeftMark), [left, _]) => {
-                vec![*left]
-            }
-            (Some(JoinType::RightSemi | JoinType::RightAnti | JoinType::RightMark), [_, right]) => {
-                vec![*right]
-            }
+            (
+                Some(JoinType::Left | JoinType::LeftSemi | JoinType::LeftAnti | JoinType::LeftMark),
+                [left, _],
+            ) => vec![*left],
+            (
+                Some(
+                    JoinType::Right
+                    | JoinType::RightSemi
+                    | JoinType::RightAnti
+                    | JoinType::RightMark,
+                ),
+                [_, right],
+            ) => vec![*right],
             _ => children,
         };
         for c in kept {
