@@ -484,8 +484,9 @@ class Cluster:
         final (exact) one.
 
         ``query`` is SQL (``SELECT keys, SUM/COUNT/AVG/MIN/MAX(expr) ... FROM t [WHERE ...]
-        GROUP BY keys``, with ratios ``SUM(a) / SUM(b)``, inner joins, a derived table that
-        computes columns, and subqueries that run first, exactly: docs/guide/online.md) over
+        GROUP BY keys``, with ratios ``SUM(a) / SUM(b)``, inner and left joins, a derived
+        table that computes columns, and subqueries that run first, exactly or as semi and
+        anti joins: docs/guide/online.md) over
         ``tables`` (as in :meth:`sql`) or a table registered here, run by ``engine``
         (DataFusion or DuckDB); or a ``dataset.group_by(keys).agg(exprs)`` with
         Polars expressions. The input is read in sampling units, in a random order

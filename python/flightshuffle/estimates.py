@@ -194,7 +194,8 @@ def _intervals(
                 r = t / sample.rows if sample.rows else t * 0
                 # Scaled by one factor: exactly 1 once every row is read.
                 est = t * (sample.total_rows / sample.rows) if sample.rows else t * 0
-                est_null = np.zeros(height, dtype=bool)
+                # SQL's SUM of no value (all NULL so far) is NULL, not 0.
+                est_null = ~(c > 0) if a.kind == "sum" else np.zeros(height, dtype=bool)
                 if not final:
                     x = "c" if a.kind in ("count", "len") else "s"
                     tt, tm = value(f"__{x}{x}{j}"), value(f"__{x}m{j}")

@@ -613,6 +613,115 @@ def resolve_subqueries(
     return out
 
 
+def per_row_derived(tree: Any, run: Callable[[str], pa.Table], keep: Callable | None) -> Any:
+    """``SELECT ... FROM (SELECT R.k, AGG(<S's columns>) AS a, ... FROM R LEFT JOIN S ON R.x
+    = S.j [AND <S alone>] [WHERE <R alone>] GROUP BY R.k) AS t ...`` (TPC-H Q13), where
+    ``R.k`` holds no NULL and no value twice (checked, exactly), as the derived table of one
+    row per row of ``R``: ``S``'s aggregates per ``j`` run first, exactly, into a table kept
+    by ``keep``, which ``R`` LEFT JOINs on ``x`` (a ``COUNT`` of no rows is 0). The outer
+    query then aggregates ``R``'s rows, which stream. ``tree`` itself for any other shape."""
+    from sqlglot import exp
+
+    source = tree.args.get("from_") or tree.args.get("from")
+    if keep is None or not isinstance(tree, exp.Select) or source is None:
+        return tree
+    derived = source.this
+    if not isinstance(derived, exp.Subquery) or tree.args.get("joins"):
+        return tree
+    inner = derived.this
+    if not isinstance(inner, exp.Select) or any(
+        inner.args.get(a)
+        for a in ("having", "distinct", "limit", "order", "qualify", "windows", "with_")
+    ):
+        return tree
+    group, joins = inner.args.get("group"), inner.args.get("joins") or []
+    r_source = inner.args.get("from_") or inner.args.get("from")
+    if group is None or len(group.expressions) != 1 or len(joins) != 1 or r_source is None:
+        return tree
+    join, key = joins[0], group.expressions[0]
+    r, s = r_source.this, join.this
+    if (join.args.get("side") or "").upper() != "LEFT" or join.args.get("using"):
+        return tree
+    if not all(isinstance(t, exp.Table) for t in (r, s)) or not isinstance(key, exp.Column):
+        return tree
+    if inner.find(exp.Subquery, exp.Exists) or _volatile(inner):
+        return tree
+
+    def type_in(node: Any, table: Any) -> Any:
+        """The type of ``node`` read from ``table`` alone; None where it does not run."""
+        try:
+            return run(exp.select(node.copy()).from_(table.copy()).limit(0).sql()).schema[0].type
+        except Exception:  # noqa: BLE001 - not a column of that table alone
+            return None
+
+    if type_in(key, r) is None:
+        return tree
+    on = join.args.get("on")
+    conds = list(on.flatten()) if isinstance(on, exp.And) else [on] if on is not None else []
+    tie, s_conds = None, []
+    for c in conds:
+        if tie is None and _column_equality(c):
+            for x, j in ((c.this, c.expression), (c.expression, c.this)):
+                tx, tj = type_in(x, r), type_in(j, s)
+                # One type on both sides: the join matches what the equality matched.
+                if tx is not None and tx == tj and type_in(j, r) is None:
+                    tie = (x, j)
+                    break
+            if tie is not None:
+                continue
+        if type_in(c, s) is None:
+            return tree  # a condition reading R: not a filter of S alone
+        s_conds.append(c)
+    where = inner.args.get("where")
+    if tie is None or (where is not None and type_in(where.this, r) is None):
+        return tree
+    # The selected columns: the key, and aggregates of S's columns alone.
+    outputs, aggs = [], []
+    for e in inner.expressions:
+        body = e.this if isinstance(e, exp.Alias) else e
+        if body == key:
+            outputs.append(e.copy())
+            continue
+        kinds = (exp.Count, exp.Sum, exp.Min, exp.Max, exp.Avg)
+        if not isinstance(e, exp.Alias) or not isinstance(body, kinds):
+            return tree
+        if isinstance(body.this, (exp.Star, exp.Distinct)) or type_in(body.this, s) is None:
+            return tree
+        name = f"__v{len(aggs)}"
+        aggs.append(exp.alias_(body.copy(), name))
+        value = exp.column(name, "__per_row")
+        if isinstance(body, exp.Count):
+            value = exp.func("COALESCE", value, exp.Literal.number(0))
+        outputs.append(exp.alias_(value, e.args["alias"].copy()))
+    if not aggs:
+        return tree
+    twice = exp.Sub(
+        this=exp.Count(this=exp.Star()),
+        expression=exp.Count(this=exp.Distinct(expressions=[key.copy()])),
+    )
+    counted = run(exp.select(twice).from_(r.copy()).sql())
+    if counted.num_rows != 1 or counted.column(0)[0].as_py() != 0:
+        return tree  # a key repeated or NULL: a group would hold several rows of R
+    x, j = tie
+    per_key = exp.select(exp.alias_(j.copy(), "__key"), *aggs).from_(s.copy())
+    if s_conds:
+        per_key = per_key.where(exp.and_(*[c.copy() for c in s_conds]))
+    name = keep(run(per_key.group_by(j.copy()).sql()))
+    rows = exp.select(*outputs).from_(r.copy())
+    rows = rows.join(
+        exp.to_table(name).as_("__per_row"),
+        on=exp.EQ(this=x.copy(), expression=exp.column("__key", "__per_row")),
+        join_type="LEFT",
+    )
+    if where is not None:
+        rows.set("where", where.copy())
+    out = tree.copy()
+    src = out.args.get("from_") or out.args.get("from")
+    alias = derived.args.get("alias")
+    src.set("this", exp.Subquery(this=rows, alias=alias.copy() if alias else None))
+    return out
+
+
 @functools.lru_cache(maxsize=256)
 def parse(query: str, engine: str) -> Any:
     """The query's syntax tree (shared: callers copy what they change)."""
@@ -631,9 +740,10 @@ def resolve(
     keep: Callable[[pa.Table], str] | None = None,
 ) -> str:
     """``query`` with its uncorrelated subqueries run by ``run`` and replaced by their values
-    (:func:`resolve_subqueries`); unchanged without any."""
-    tree = inline_derived(parse(query, engine))
+    (:func:`resolve_subqueries`), and a derived table of one row per row of a table read as
+    such (:func:`per_row_derived`); unchanged without any."""
+    tree = inline_derived(per_row_derived(parse(query, engine), run, keep))
     out = resolve_subqueries(tree, run, keep)
-    if out is tree or out == parse(query, engine):
+    if out == parse(query, engine):
         return query
     return out.sql(dialect="duckdb" if engine == "duckdb" else None)
