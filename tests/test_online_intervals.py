@@ -276,6 +276,7 @@ def test_the_estimator_equals_the_cluster_sampling_formulas(units, unread):
             "__ss2": [(s * s).sum()],
             "__cc2": [(c * c).sum()],
             "__sc2": [(s * c).sum()],
+            "__n2": [float(m.sum())],  # the numerator's values: every row's
             es.UNITS: [float(n)],
         }
     )

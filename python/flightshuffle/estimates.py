@@ -48,7 +48,7 @@ from flightshuffle import ops
 NEEDS = {
     "sum": "cs",
     "mean": "cs",
-    "ratio": "cs",
+    "ratio": "csn",  # n: the numerator's values (none: NULL, as SQL's SUM of no value)
     "count": "c",
     "len": "c",
     "min": "m",
@@ -184,7 +184,7 @@ def _intervals(
             if a.kind in ("mean", "ratio"):
                 s = value(f"__s{j}")
                 est = s / c
-                est_null = ~(c > 0) if a.kind == "mean" else ~(c != 0)
+                est_null = ~(c > 0) if a.kind == "mean" else ~(c != 0) | ~(value(f"__n{j}") > 0)
                 if not final:
                     sc, cc = value(f"__sc{j}"), value(f"__cc{j}")
                     resid = value(f"__ss{j}") - 2 * est * sc + est**2 * cc

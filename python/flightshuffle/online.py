@@ -292,7 +292,7 @@ def run_sql(
         raise ValueError(
             f"online aggregation samples the largest table, {candidates[0]!r}, which the query "
             "joins with itself (a self-join of the sampled table is not supported, except in "
-            "an EXISTS; other tables may repeat)"
+            "an EXISTS or as the table of a LEFT JOIN; other tables may repeat)"
         )
     candidates = [t for t in candidates if plan.samplable.count(t) == 1][:2]
     keys = plan.keys[:-1] if plan.distinct else plan.keys  # without COUNT(DISTINCT)'s value

@@ -33,12 +33,26 @@ def inline_derived(tree: Any) -> Any:
     derived = source.this
     if not isinstance(derived, exp.Subquery) or tree.args.get("joins"):
         return tree
+    alias_columns = derived.args.get("alias") and derived.args["alias"].columns
     inner = derived.this
-    if not isinstance(inner, exp.Select) or any(
-        inner.args.get(a)
-        for a in ("group", "having", "distinct", "limit", "order", "qualify", "windows", "with_")
+    if (
+        alias_columns
+        or not isinstance(inner, exp.Select)
+        or any(
+            inner.args.get(a)
+            for a in (
+                "group",
+                "having",
+                "distinct",
+                "limit",
+                "order",
+                "qualify",
+                "windows",
+                "with_",
+            )
+        )
     ):
-        return tree
+        return tree  # (names from the alias's column list are not mapped: refused later)
     # Subqueries of its WHERE move with it, untouched (they read its tables, not its names).
     where_of_inner = inner.args.get("where")
     if any(
@@ -640,8 +654,11 @@ def per_row_derived(tree: Any, run: Callable[[str], pa.Table], keep: Callable | 
         return tree
     join, key = joins[0], group.expressions[0]
     r, s = r_source.this, join.this
-    if (join.args.get("side") or "").upper() != "LEFT" or join.args.get("using"):
+    kind = (join.args.get("kind") or "").upper()
+    if (join.args.get("side") or "").upper() != "LEFT" or kind not in ("", "OUTER"):
         return tree
+    if join.args.get("using") or (derived.args.get("alias") and derived.args["alias"].columns):
+        return tree  # names given by the alias's column list: not read here
     if not all(isinstance(t, exp.Table) for t in (r, s)) or not isinstance(key, exp.Column):
         return tree
     if inner.find(exp.Subquery, exp.Exists) or _volatile(inner):
@@ -685,8 +702,12 @@ def per_row_derived(tree: Any, run: Callable[[str], pa.Table], keep: Callable | 
         kinds = (exp.Count, exp.Sum, exp.Min, exp.Max, exp.Avg)
         if not isinstance(e, exp.Alias) or not isinstance(body, kinds):
             return tree
-        if isinstance(body.this, (exp.Star, exp.Distinct)) or type_in(body.this, s) is None:
+        # A plain column of S: NULL on the row an R row without a match gets, so that row
+        # adds nothing, as no per-key row does (not COUNT(1), COALESCE(o_x, 0), ...).
+        if not isinstance(body.this, exp.Column) or type_in(body.this, s) is None:
             return tree
+        if type_in(body.this, r) is not None:
+            return tree  # a name both tables have
         name = f"__v{len(aggs)}"
         aggs.append(exp.alias_(body.copy(), name))
         value = exp.column(name, "__per_row")

@@ -277,6 +277,9 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
             x = column(sql(as_double(e, cast=to_double)))
             col = stat_items.setdefault(f"SUM({x})", f"__u{len(stat_items)}")
             stat_of[f"__{stat}{j}"] = col
+            if stat == "s":  # the numerator's values: none gives NULL, as in SQL
+                col = stat_items.setdefault(f"COUNT({x})", f"__u{len(stat_items)}")
+                stat_of[f"__n{j}"] = col
 
     outputs: dict[str, str] = {}
     selected: list[str] = []
@@ -284,7 +287,9 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
     for item in tree.expressions:
         inner = item.this if isinstance(item, exp.Alias) else item
         # Unnamed: the text, function names in lower case (as DuckDB names `sum(x)`).
-        name = item.alias_or_name or inner.sql(dialect=dialect, normalize_functions="lower")
+        # (`COUNT(*)`'s alias_or_name is its star, which names every column.)
+        name = item.alias_or_name if item.alias_or_name != "*" else ""
+        name = name or inner.sql(dialect=dialect, normalize_functions="lower")
         if not list(inner.find_all(exp.AggFunc)):
             if sql(inner) not in group_sql:
                 raise unsupported(f"{sql(inner)} is neither an aggregate nor a GROUP BY key")
@@ -376,9 +381,14 @@ def _plan_sql(query: str, engine: str, required: frozenset[str]) -> SqlPlan:
     if tree.args.get("order"):
         names = keys + [a.name for a in aggs]
         for o in tree.args["order"].expressions:
-            target = o.this.alias_or_name
-            if isinstance(o.this, exp.AggFunc) and sql(o.this) in outputs:
-                target = outputs[sql(o.this)]
+            by = o.this
+            # ORDER BY may name a selected column by its position.
+            selects = tree.expressions
+            if isinstance(by, exp.Literal) and by.is_int and 1 <= int(by.name) <= len(selects):
+                by = selects[int(by.name) - 1]
+            target = by.alias_or_name
+            if isinstance(by, exp.AggFunc) and sql(by) in outputs:
+                target = outputs[sql(by)]
             if target not in names:
                 raise unsupported(f"ORDER BY {sql(o.this)} must name a selected column")
             order.append((target, bool(o.args.get("desc"))))

@@ -38,19 +38,20 @@ pub const RATIO: usize = 4;
 pub const MAX_SHARE: f64 = 0.5;
 
 /// `plan` with each qualifying broadcast build side cut down (module doc), but those for
-/// which `left_whole` says yes: a build side that reads the sampled table itself (an
+/// which `reads_fact` says yes: a build side that reads the sampled table itself (an
 /// `EXISTS` over it, TPC-H Q21) is left plain, for each unit to read its own keys' pages
-/// ([`crate::unit_builds`]); under a semi join, it would be a stage built whole.
+/// ([`crate::unit_builds`]). Cut down by a semi join, it would become a stage every worker
+/// builds whole before the first estimate.
 pub fn narrow(
     plan: Arc<dyn ExecutionPlan>,
-    left_whole: &dyn Fn(&Arc<dyn ExecutionPlan>) -> Result<bool>,
+    reads_fact: &dyn Fn(&Arc<dyn ExecutionPlan>) -> Result<bool>,
 ) -> Result<Arc<dyn ExecutionPlan>> {
     Ok(plan
         .transform_up(|node| {
             let Some(j) = node.downcast_ref::<HashJoinExec>() else {
                 return Ok(Transformed::no(node));
             };
-            if left_whole(j.left())? {
+            if reads_fact(j.left())? {
                 return Ok(Transformed::no(node));
             }
             Ok(match narrowed(j)? {

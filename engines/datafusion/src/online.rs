@@ -128,22 +128,24 @@ pub async fn plan(
     // filtering side of a semi or anti join: an `EXISTS` over the sampled table itself).
     let sampled = sampled_scans(&staged, &files)?;
     let (fact, sampled_scan) = match sampled.as_slice() {
+        [] if fact_scans(&staged.root, &files)? > 0
+            || staged.stages.iter().any(|s| {
+                fact_scans(&(s.writer.clone() as Arc<dyn ExecutionPlan>), &files)
+                    .is_ok_and(|n| n > 0)
+            }) =>
+        {
+            return Err(plan_err(
+                "the fact table is read only where its rows do not reach the result (the \
+                 subquery side of a semi or anti join, the table of a LEFT JOIN)",
+            ))
+        }
         [] => return Err(plan_err(format!("no stage reads the fact table: {SMALL}"))),
         [(None, _)] => {
             return Err(plan_err(format!(
                 "the fact table is read on the driver: {SMALL}"
             )))
         }
-        [(Some(id), scan)] => {
-            let stage = staged
-                .stages
-                .iter()
-                .find(|s| s.id() == *id)
-                .ok_or_else(|| {
-                    plan_err(format!("the plan reads stage {id}, which it does not have"))
-                })?;
-            (stage.clone(), scan.clone())
-        }
+        [(Some(stage), scan)] => (stage.clone(), scan.clone()),
         _ => {
             return Err(plan_err(
                 "the fact table is read more than once with its rows in the result (a \
@@ -165,6 +167,14 @@ pub async fn plan(
                 staged.display()
             ))
         })?;
+    if !streams_to(&fact.writer.input().clone(), &sampled_scan) {
+        return Err(plan_err(format!(
+            "the fact table is on the build side of a join, which would read it whole before \
+             any estimate (a self-join, or an outer join the plan could not turn); its \
+             plan:\n{}",
+            staged.display()
+        )));
+    }
     // With terms, the folds merge the widened states (see [`crate::split_totals`]).
     let folded = if terms.is_empty() {
         None
@@ -343,9 +353,9 @@ fn explain(dims: &[Stage], fact: &Stage) -> String {
     out
 }
 
-/// `plan` with every inner broadcast join that builds on the fact table turned around, so the
-/// fact table streams through it: DataFusion builds on the side its estimates find smaller,
-/// and a filtered fact table can look smaller than a dimension (TPC-H Q14's month of
+/// `plan` with every inner (where it pays) and left broadcast join that builds on the fact
+/// table turned around, so the fact table streams through it: DataFusion builds on the side
+/// its estimates find smaller, and a filtered fact table can look smaller than a dimension (TPC-H Q14's month of
 /// `lineitem` against `part`), which would read the whole fact table before the first
 /// estimate. The other side, now the build side, is gathered; the fact side loses its gather.
 fn fact_on_probe_side(
@@ -452,7 +462,7 @@ fn fact_scans(plan: &Arc<dyn ExecutionPlan>, files: &HashSet<String>) -> Result<
 }
 
 /// A scan of the fact table and the stage it sits in (None: the driver's part).
-type SampledScan = (Option<u32>, Arc<dyn ExecutionPlan>);
+type SampledScan = (Option<Stage>, Arc<dyn ExecutionPlan>);
 
 /// The scans of the fact table whose rows reach the query's result, each with the stage it
 /// sits in (None: the driver's part): under the driver's part and the stages it reads,
@@ -471,7 +481,7 @@ fn sampled_scans(
     };
     fn walk(
         node: &Arc<dyn ExecutionPlan>,
-        stage: Option<u32>,
+        stage: Option<&Stage>,
         staged: &crate::planner::StagedPlan,
         files: &HashSet<String>,
         depth: usize,
@@ -481,7 +491,7 @@ fn sampled_scans(
             return Err(plan_err("the plan is too deep to walk"));
         }
         if is_fact_scan(node, files)? {
-            out.push((stage, node.clone()));
+            out.push((stage.cloned(), node.clone()));
             return Ok(());
         }
         if let Some(r) = node.downcast_ref::<ShuffleReaderExec>() {
@@ -491,7 +501,7 @@ fn sampled_scans(
                 .find(|s| s.id() == r.stage)
                 .ok_or_else(|| plan_err(format!("a reader of stage {}, not planned", r.stage)))?;
             let plan = s.writer.clone() as Arc<dyn ExecutionPlan>;
-            return walk(&plan, Some(r.stage), staged, files, depth + 1, out);
+            return walk(&plan, Some(s), staged, files, depth + 1, out);
         }
         let join_type = node
             .downcast_ref::<HashJoinExec>()
@@ -533,6 +543,31 @@ fn sampled_scans(
     let mut out = Vec::new();
     walk(&staged.root, None, staged, files, 0, &mut out)?;
     Ok(out)
+}
+
+/// Whether `target` sits under `plan` on a path each split's rows stream along, within their
+/// own partition, to the aggregate: never on the side a join collects whole (a broadcast
+/// hash join's, a nested loop join's or a cross join's left side), which every task would
+/// build from all the splits, and whose unmatched rows an outer join emits only at the end.
+fn streams_to(plan: &Arc<dyn ExecutionPlan>, target: &Arc<dyn ExecutionPlan>) -> bool {
+    use datafusion::physical_plan::joins::{
+        CrossJoinExec, HashJoinExec, NestedLoopJoinExec, PartitionMode,
+    };
+    if Arc::ptr_eq(plan, target) {
+        return true;
+    }
+    let children = plan.children();
+    let collects_left = plan
+        .downcast_ref::<HashJoinExec>()
+        .is_some_and(|j| *j.partition_mode() != PartitionMode::Partitioned)
+        || plan.downcast_ref::<NestedLoopJoinExec>().is_some()
+        || plan.downcast_ref::<CrossJoinExec>().is_some();
+    let streaming = if collects_left {
+        &children[1..]
+    } else {
+        &children[..]
+    };
+    streaming.iter().any(|c| streams_to(c, target))
 }
 
 /// Whether `plan` scans files of the fact table; an error if it mixes them with others.
@@ -742,4 +777,77 @@ fn split_tasks(
             })
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::streams_to;
+    use arrow::datatypes::{DataType, Field, Schema};
+    use datafusion::common::{JoinType, NullEquality};
+    use datafusion::physical_expr::expressions::Column;
+    use datafusion::physical_expr::PhysicalExprRef;
+    use datafusion::physical_plan::empty::EmptyExec;
+    use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
+    use datafusion::physical_plan::ExecutionPlan;
+    use std::sync::Arc;
+
+    fn scan(name: &str) -> Arc<dyn ExecutionPlan> {
+        let schema = Arc::new(Schema::new(vec![Field::new(name, DataType::Int64, false)]));
+        Arc::new(EmptyExec::new(schema).with_partitions(2))
+    }
+
+    fn join(
+        left: &Arc<dyn ExecutionPlan>,
+        right: &Arc<dyn ExecutionPlan>,
+        join_type: JoinType,
+        mode: PartitionMode,
+    ) -> Arc<dyn ExecutionPlan> {
+        let on: Vec<(PhysicalExprRef, PhysicalExprRef)> = vec![(
+            Arc::new(Column::new(left.schema().field(0).name(), 0)),
+            Arc::new(Column::new(right.schema().field(0).name(), 0)),
+        )];
+        Arc::new(
+            HashJoinExec::try_new(
+                left.clone(),
+                right.clone(),
+                on,
+                None,
+                &join_type,
+                None,
+                mode,
+                NullEquality::NullEqualsNothing,
+                false,
+            )
+            .expect("a join"),
+        )
+    }
+
+    #[test]
+    fn only_a_broadcast_joins_probe_side_streams_the_splits() {
+        let (a, b) = (scan("a"), scan("b"));
+        for t in [
+            JoinType::Inner,
+            JoinType::Left,
+            JoinType::LeftSemi,
+            JoinType::Right,
+        ] {
+            let j = join(&a, &b, t, PartitionMode::CollectLeft);
+            assert!(
+                !streams_to(&j, &a),
+                "{t}: the build side is collected whole"
+            );
+            assert!(streams_to(&j, &b), "{t}: the probe side streams");
+        }
+        let j = join(&a, &b, JoinType::Inner, PartitionMode::Partitioned);
+        assert!(streams_to(&j, &a) && streams_to(&j, &b));
+        // Below another join's probe side, and not found at all.
+        let outer = join(
+            &scan("c"),
+            &join(&a, &b, JoinType::Inner, PartitionMode::CollectLeft),
+            JoinType::Inner,
+            PartitionMode::CollectLeft,
+        );
+        assert!(streams_to(&outer, &b) && !streams_to(&outer, &a));
+        assert!(!streams_to(&outer, &scan("b")));
+    }
 }
