@@ -606,5 +606,6 @@ fn join_rewrites(options: &crate::FlightshuffleOptions) -> crate::planner::JoinR
         reduce_large_sides: options.reduce_large_sides,
         push_semi_joins: options.push_semi_joins,
         plain_build_rows: options.plain_build_rows,
+        small_build_stages_in_place: options.small_build_stages_in_place,
     }
 }

@@ -18,6 +18,7 @@ pub mod context;
 pub mod distinct_counts;
 pub mod double;
 pub mod execute;
+pub mod fact_side;
 pub mod flight_sql;
 pub mod fold;
 pub mod gathers;
@@ -150,6 +151,10 @@ datafusion::common::extensions_options! {
         /// read by each of its consumers (each worker) from the files instead of being cut into
         /// a stage of its own (0: only build sides of at most 128 Ki rows are).
         pub plain_build_rows: u64, default = crate::planner::PLAIN_SCAN_GATHER_ROWS
+        /// A broadcast join's build side with exchanges inside (an aggregate: a scalar
+        /// subquery's value) whose every node DataFusion estimates at most 128 Ki rows, its
+        /// scans too, is computed whole by each worker instead of cut into stages.
+        pub small_build_stages_in_place: bool, default = true
         /// Online aggregation: a broadcast join's build side over a table stored in the
         /// order of its join key with the sampled table is read per sampling unit, only the
         /// pages whose key statistics meet the unit's, instead of built whole before the

@@ -159,6 +159,8 @@ struct Planner {
     build_sides: std::collections::HashSet<usize>,
     /// See [`JoinRewrites::plain_build_rows`].
     plain_build_rows: u64,
+    /// See [`JoinRewrites::small_build_stages_in_place`].
+    in_place_builds: bool,
 }
 
 /// A node the planner cut: the node itself, what replaced it, and the stages that reads.
@@ -194,6 +196,9 @@ pub struct JoinRewrites {
     /// by each consumer from the files, not cut into a stage (0: never; see
     /// [`PLAIN_SCAN_GATHER_ROWS`]).
     pub plain_build_rows: u64,
+    /// Compute a small build side with exchanges inside whole on each worker, not cut into
+    /// stages (see `Planner::in_place`).
+    pub small_build_stages_in_place: bool,
 }
 
 impl Default for JoinRewrites {
@@ -203,6 +208,7 @@ impl Default for JoinRewrites {
             reduce_large_sides: true,
             push_semi_joins: true,
             plain_build_rows: PLAIN_SCAN_GATHER_ROWS,
+            small_build_stages_in_place: true,
         }
     }
 }
@@ -233,9 +239,11 @@ pub fn plan_stages_reducing(
         cut: Default::default(),
         build_sides: Default::default(),
         plain_build_rows: 0,
+        in_place_builds: false,
     };
     planner.build_sides = build_side_gathers(&plan);
     planner.plain_build_rows = rewrites.plain_build_rows;
+    planner.in_place_builds = rewrites.small_build_stages_in_place;
     let (root, root_inputs) = planner.cut(plan)?;
     Ok(StagedPlan {
         stages: planner.stages,
@@ -258,6 +266,7 @@ pub fn on_workers(staged: StagedPlan) -> StagedPlan {
         cut: Default::default(),
         build_sides: Default::default(),
         plain_build_rows: 0,
+        in_place_builds: false,
     };
     let root = staged.root;
     let schema = root.schema();
@@ -327,6 +336,7 @@ pub fn hold_on_workers(staged: &StagedPlan) -> Option<(StagedPlan, u32)> {
         cut: Default::default(),
         build_sides: Default::default(),
         plain_build_rows: 0,
+        in_place_builds: false,
     };
     let writer = planner.add_stage(
         body,
@@ -378,6 +388,30 @@ impl Planner {
         writer
     }
 
+    /// Whether `plan` is a broadcast join's build side small enough by DataFusion's estimates
+    /// (every node, its scans too: [`SMALL_GATHER_ROWS`]) to be computed whole by each worker,
+    /// exchanges and all, instead of cut into stages: an aggregate over a small table, as a
+    /// scalar subquery's (TPC-DS q06's average price per category over `item`). Its
+    /// repartitions then run inside the worker's one plan instance, whose join builds them
+    /// once, as one process does. Not with a volatile expression or a limit (each worker
+    /// would get other rows).
+    fn in_place(&self, plan: &Arc<dyn ExecutionPlan>) -> bool {
+        let Some(gather) = plan.downcast_ref::<CoalescePartitionsExec>() else {
+            return false;
+        };
+        self.in_place_builds
+            && self.small_gather_rows > 0
+            && gather.fetch().is_none()
+            && self
+                .build_sides
+                .contains(&(Arc::as_ptr(plan) as *const () as usize))
+            && any_node(gather.input(), &|p| {
+                p.downcast_ref::<RepartitionExec>().is_some()
+            })
+            && !volatile(gather.input())
+            && is_small(gather.input(), self.small_gather_rows)
+    }
+
     /// Rewrite `plan` bottom-up; returns the new plan and the stages it reads. A node met
     /// again (shared by several consumers) becomes what it became the first time.
     fn cut(&mut self, plan: Arc<dyn ExecutionPlan>) -> Result<(Arc<dyn ExecutionPlan>, Vec<u32>)> {
@@ -394,6 +428,9 @@ impl Planner {
         &mut self,
         plan: Arc<dyn ExecutionPlan>,
     ) -> Result<(Arc<dyn ExecutionPlan>, Vec<u32>)> {
+        if self.in_place(&plan) {
+            return Ok((plan, Vec::new()));
+        }
         let mut children = Vec::new();
         let mut deps = Vec::new();
         for c in plan.children() {
