@@ -161,6 +161,8 @@ struct Planner {
     plain_build_rows: u64,
     /// See [`JoinRewrites::small_build_stages_in_place`].
     in_place_builds: bool,
+    /// Nodes reached from more than one parent, by address.
+    shared: std::collections::HashSet<usize>,
 }
 
 /// A node the planner cut: the node itself, what replaced it, and the stages that reads.
@@ -240,10 +242,12 @@ pub fn plan_stages_reducing(
         build_sides: Default::default(),
         plain_build_rows: 0,
         in_place_builds: false,
+        shared: Default::default(),
     };
     planner.build_sides = build_side_gathers(&plan);
     planner.plain_build_rows = rewrites.plain_build_rows;
     planner.in_place_builds = rewrites.small_build_stages_in_place;
+    planner.shared = shared_nodes(&plan);
     let (root, root_inputs) = planner.cut(plan)?;
     Ok(StagedPlan {
         stages: planner.stages,
@@ -267,6 +271,7 @@ pub fn on_workers(staged: StagedPlan) -> StagedPlan {
         build_sides: Default::default(),
         plain_build_rows: 0,
         in_place_builds: false,
+        shared: Default::default(),
     };
     let root = staged.root;
     let schema = root.schema();
@@ -337,6 +342,7 @@ pub fn hold_on_workers(staged: &StagedPlan) -> Option<(StagedPlan, u32)> {
         build_sides: Default::default(),
         plain_build_rows: 0,
         in_place_builds: false,
+        shared: Default::default(),
     };
     let writer = planner.add_stage(
         body,
@@ -393,8 +399,10 @@ impl Planner {
     /// exchanges and all, instead of cut into stages: an aggregate over a small table, as a
     /// scalar subquery's (TPC-DS q06's average price per category over `item`). Its
     /// repartitions then run inside the worker's one plan instance, whose join builds them
-    /// once, as one process does. Not with a volatile expression or a limit (each worker
-    /// would get other rows).
+    /// once, as one process does. Not with a volatile expression or a limit, nor an operator
+    /// whose rows depend on the order they arrive in (each worker would get other rows: see
+    /// [`same_rows`]), nor a node reached from two parents (executed twice on one plan
+    /// instance where it is not encoded, as on the driver, a repartition would fail).
     fn in_place(&self, plan: &Arc<dyn ExecutionPlan>) -> bool {
         let Some(gather) = plan.downcast_ref::<CoalescePartitionsExec>() else {
             return false;
@@ -409,6 +417,11 @@ impl Planner {
                 p.downcast_ref::<RepartitionExec>().is_some()
             })
             && !volatile(gather.input())
+            && !any_node(plan, &|p| {
+                self.shared
+                    .contains(&(Arc::as_ptr(p) as *const () as usize))
+                    || !same_rows(p)
+            })
             && is_small(gather.input(), self.small_gather_rows)
     }
 
@@ -523,6 +536,50 @@ impl Planner {
             return Ok((out, vec![writer.stage]));
         }
         Ok((replace_children_if_necessary(plan, children)?, deps))
+    }
+}
+
+/// The nodes of `plan` reached from more than one parent (a node several consumers share,
+/// see [`crate::semi_pushdown`]), by address.
+fn shared_nodes(plan: &Arc<dyn ExecutionPlan>) -> std::collections::HashSet<usize> {
+    let mut parents: std::collections::HashMap<usize, usize> = Default::default();
+    let mut walked = std::collections::HashSet::new();
+    let mut todo = vec![plan.clone()];
+    while let Some(p) = todo.pop() {
+        if !walked.insert(Arc::as_ptr(&p) as *const () as usize) {
+            continue;
+        }
+        for c in p.children() {
+            *parents
+                .entry(Arc::as_ptr(c) as *const () as usize)
+                .or_default() += 1;
+            todo.push(c.clone());
+        }
+    }
+    parents
+        .into_iter()
+        .filter(|(_, n)| *n > 1)
+        .map(|(k, _)| k)
+        .collect()
+}
+
+/// Whether `plan`'s rows do not depend on the order its input rows arrive in, as a
+/// repartition delivers them: not a window function (ties numbered in arrival order), nor
+/// an aggregate but COUNT, SUM, MIN, MAX and AVG (FIRST_VALUE, ARRAY_AGG, STRING_AGG without
+/// an order, approximate aggregates give what came first).
+fn same_rows(plan: &Arc<dyn ExecutionPlan>) -> bool {
+    use datafusion::physical_plan::aggregates::AggregateExec;
+    if plan.name().contains("WindowAgg") {
+        return false;
+    }
+    match plan.downcast_ref::<AggregateExec>() {
+        Some(a) => a.aggr_expr().iter().all(|e| {
+            matches!(
+                e.fun().name().to_ascii_lowercase().as_str(),
+                "count" | "sum" | "min" | "max" | "avg"
+            )
+        }),
+        None => true,
     }
 }
 
